@@ -10,7 +10,7 @@ import pathlib
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parent
 
 
 def golden_dir() -> pathlib.Path:
