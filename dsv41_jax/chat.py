@@ -1,0 +1,301 @@
+"""DeepSeek-V4.1 chat encoding: OpenAI-style messages -> prompt text (and ids).
+
+DeepSeek ships no Jinja template; the rules below follow its reference encoder
+(`encoding/encoding.py` of the checkpoint) as vendored, with fixtures, by vLLM
+(vllm/tokenizers/deepseek_v41_encoding.py, tests/tokenizers_/test_deepseek_v41.py) and SGLang
+(python/sglang/srt/entrypoints/openai/encoding_dsv41.py, test_encoding_dsv41.py):
+
+- BOS once, at the start of a context (`add_bos=False` to continue one).
+- The first turn is hosted by `<｜System｜>` when it is a system message or in thinking mode,
+  where it starts with `Reasoning Effort: N (range 1-100, ...)` and a blank line. A later
+  system message gets its own `<｜System｜>` and behaves like a user turn.
+- Users: `<｜User｜>text`. Tool results merge into the user turn as
+  `<tool_result>...</tool_result>` blocks, sorted by call order, joined by a blank line.
+- After the last user-like turn before an assistant (or at the end) comes `<｜Assistant｜>`
+  then `<think>` (thinking) or `</think>` (chat). Assistant turns are
+  `reasoning</think>content[DSML calls]<｜end▁of▁sentence｜>`.
+- In thinking mode reasoning before the last user turn is dropped (and that turn's header
+  is `</think>`) unless tools are offered, since tool loops need the earlier reasoning.
+- A literal `<｜deepseek_image｜>` in caller text is rewritten to `<|deepseek_image|>` (ASCII
+  pipes, the spelling SGLang PR #40758 uses) so it can never become the image id.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import numbers
+from collections.abc import Mapping, Sequence
+
+from dsv41_jax import chat_dsml
+from dsv41_jax import special_tokens as st
+
+DEFAULT_EFFORT_TABLE: Mapping[str, int] = {"low": 50, "high": 75, "max": 100}  # DeepSeek API values
+DEFAULT_EFFORT_NAME = "high"  # reference DEFAULT_REASONING_EFFORT, used when effort is None
+EFFORT_MIN, EFFORT_MAX = 1, 100
+IMAGE_ESCAPED = "<|deepseek_image|>"
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def escape_image_placeholder(text: str) -> str:
+    """Replace the image special token by its ASCII-pipe spelling, which is plain text."""
+    return text.replace(st.IMAGE, IMAGE_ESCAPED)
+
+
+def effort_line(budget: int) -> str:
+    return f"Reasoning Effort: {budget} (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _checked_table(effort_table) -> Mapping[str, int]:
+    table = DEFAULT_EFFORT_TABLE if effort_table is None else effort_table
+    if not isinstance(table, Mapping):
+        raise ValueError(f"effort_table must map names to ints, got {type(table).__name__}")
+    for name, budget in table.items():
+        if not isinstance(name, str) or not _is_int(budget) or not EFFORT_MIN <= budget <= EFFORT_MAX:
+            raise ValueError(f"effort_table entry {name!r}: {budget!r} must map a str to an int in 1-100")
+    return table
+
+
+def resolve_effort(effort, effort_table=None) -> int:
+    """The numeric budget for `effort`: an int in 1-100 or a name from the table."""
+    table = _checked_table(effort_table)
+    accepted = f"an int in {EFFORT_MIN}-{EFFORT_MAX} or one of {dict(table)}"
+    if effort is None:
+        if DEFAULT_EFFORT_NAME not in table:
+            raise ValueError(f"effort=None means {DEFAULT_EFFORT_NAME!r}, which effort_table lacks; pass {accepted}")
+        effort = DEFAULT_EFFORT_NAME
+    if _is_int(effort) and EFFORT_MIN <= effort <= EFFORT_MAX:
+        return int(effort)
+    if isinstance(effort, str) and effort in table:
+        return int(table[effort])
+    raise ValueError(f"effort {effort!r} is not accepted; use {accepted}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Block:
+    """One piece of a user turn: plain text or one tool result."""
+
+    text: str
+    tool_call_id: str | None = None  # set only for tool results
+
+    def render(self) -> str:
+        return self.text if self.tool_call_id is None else f"<tool_result>{self.text}</tool_result>"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Turn:
+    """A validated message after tool results are merged into user turns."""
+
+    role: str
+    content: str = ""
+    blocks: tuple[_Block, ...] = ()
+    reasoning: str = ""
+    calls: tuple[tuple[str | None, str, dict], ...] = ()  # (id, name, arguments)
+    functions: tuple[Mapping, ...] = ()  # tool definitions hosted by this system turn
+
+
+def _text_of(value, where: str) -> str:
+    """Message text from a str or a list of {"type": "text"} parts (joined by a blank line)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Sequence):
+        parts = []
+        for part in value:
+            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                raise ValueError(f"{where}: only text parts are supported by the chat encoder, got {kind!r}")
+            parts.append(part["text"])
+        return "\n\n".join(parts)
+    raise ValueError(f"{where}: content must be a str or a list of text parts, got {type(value).__name__}")
+
+
+def _required_text(msg: Mapping, where: str) -> str:
+    if msg.get("content") is None:
+        raise ValueError(f"{where}: missing 'content' (use an empty string for an empty message)")
+    return escape_image_placeholder(_text_of(msg["content"], where))
+
+
+def _tool_call(call, where: str) -> tuple[str | None, str, dict]:
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str) or not function["name"]:
+        raise ValueError(f"{where}: each tool call needs {{'function': {{'name': str, 'arguments': ...}}}}, got {call!r}")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{where}: arguments of {function['name']!r} are not valid JSON: {err}") from err
+    if not isinstance(arguments, Mapping):
+        raise ValueError(f"{where}: arguments of {function['name']!r} must be a JSON object, got {arguments!r}")
+    return call.get("id"), function["name"], dict(arguments)
+
+
+def _assistant(msg: Mapping, where: str) -> _Turn:
+    calls = tuple(_tool_call(c, where) for c in (msg.get("tool_calls") or ()))
+    if "content" not in msg and not calls:
+        raise ValueError(f"{where}: assistant message has neither 'content' nor 'tool_calls'")
+    content = "" if msg.get("content") is None else escape_image_placeholder(_text_of(msg["content"], where))
+    reasoning, alias = msg.get("reasoning_content"), msg.get("reasoning")  # vLLM accepts both names
+    if reasoning is not None and alias is not None and reasoning != alias:
+        raise ValueError(f"{where}: 'reasoning_content' and 'reasoning' disagree; pass one of them")
+    reasoning = reasoning if reasoning is not None else alias
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise ValueError(f"{where}: reasoning must be a str, got {type(reasoning).__name__}")
+    return _Turn("assistant", content=content, reasoning=escape_image_placeholder(reasoning or ""), calls=calls)
+
+
+def _validated(messages) -> list[_Turn]:
+    """Check every message and convert it; tool messages become one-block user turns."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    turns = []
+    for index, msg in enumerate(messages):
+        where = f"messages[{index}]"
+        role = msg.get("role") if isinstance(msg, Mapping) else None
+        if role not in ROLES:
+            raise ValueError(f"{where}: unknown role {role!r}; accepted roles are {ROLES}")
+        if role == "system":
+            turns.append(_Turn("system", content=_required_text(msg, where)))
+        elif role == "user":
+            turns.append(_Turn("user", blocks=(_Block(_required_text(msg, where)),)))
+        elif role == "tool":
+            call_id = msg.get("tool_call_id") or ""
+            turns.append(_Turn("user", blocks=(_Block(_required_text(msg, where), str(call_id)),)))
+        else:
+            turns.append(_assistant(msg, where))
+    return turns
+
+
+def _merge_user_turns(turns: list[_Turn]) -> list[_Turn]:
+    """Consecutive user and tool messages form one user turn (V4.1 has no tool role)."""
+    merged: list[_Turn] = []
+    for turn in turns:
+        if turn.role == "user" and merged and merged[-1].role == "user":
+            merged[-1] = dataclasses.replace(merged[-1], blocks=merged[-1].blocks + turn.blocks)
+        else:
+            merged.append(turn)
+    return merged
+
+
+def _sort_tool_results(turns: list[_Turn]) -> list[_Turn]:
+    """Order a turn's tool results like the calls of the latest assistant that made calls."""
+    order: dict[str, int] = {}
+    out = []
+    for turn in turns:
+        if turn.role == "assistant" and turn.calls:
+            order = {call_id: i for i, (call_id, _, _) in enumerate(turn.calls) if call_id}
+        results = [b for b in turn.blocks if b.tool_call_id is not None]
+        if turn.role == "user" and len(results) > 1 and order:
+            queue = iter(sorted(results, key=lambda b: order.get(b.tool_call_id, 0)))
+            blocks = tuple(next(queue) if b.tool_call_id is not None else b for b in turn.blocks)
+            turn = dataclasses.replace(turn, blocks=blocks)
+        out.append(turn)
+    return out
+
+
+def _functions(tools) -> tuple[Mapping, ...]:
+    if tools is None:
+        return ()
+    if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
+        raise ValueError(f"tools must be a list of OpenAI tool dicts, got {type(tools).__name__}")
+    functions = []
+    for i, tool in enumerate(tools):
+        ok = isinstance(tool, Mapping) and tool.get("type", "function") == "function"
+        function = tool.get("function") if ok else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': str, ...}}}}, got {tool!r}")
+        functions.append(function)
+    return tuple(functions)
+
+
+def _attach_tools(turns: list[_Turn], functions: tuple[Mapping, ...]) -> list[_Turn]:
+    """Tool definitions live in the first system turn; an empty one is added if needed (as vLLM does)."""
+    if not functions:
+        return turns
+    if turns[0].role == "system":
+        return [dataclasses.replace(turns[0], functions=functions)] + turns[1:]
+    return [_Turn("system", functions=functions)] + turns
+
+
+def _render(turns: list[_Turn], *, thinking: bool, budget: int, keep_reasoning: bool, add_bos: bool) -> str:
+    user_like = [i for i, t in enumerate(turns) if t.role == "user" or (t.role == "system" and i > 0)]
+    last_user = user_like[-1] if user_like else -1
+    drop = thinking and not keep_reasoning
+    out = [st.BOS] if add_bos else []
+    for i, turn in enumerate(turns):
+        if i == 0 and (thinking or turn.role == "system"):
+            out.append(st.SYSTEM)
+        if i == 0 and thinking:
+            out.append(effort_line(budget))
+        if turn.role == "system":
+            out.append((st.SYSTEM if i > 0 else "") + turn.content)
+            if turn.functions:
+                out.append("\n\n" + chat_dsml.render_tool_definitions(turn.functions, escape_image_placeholder))
+        elif turn.role == "user":
+            out.append(st.USER + "\n\n".join(b.render() for b in turn.blocks))
+        else:
+            if thinking and (not drop or i > last_user):
+                out.append(turn.reasoning + st.THINK_END)
+            out.append(turn.content)
+            if turn.calls:
+                calls = [(name, args) for _, name, args in turn.calls]
+                out.append(chat_dsml.render_tool_calls(calls, escape_image_placeholder))
+            out.append(st.EOS)
+        next_is_reply = i + 1 == len(turns) or turns[i + 1].role == "assistant"
+        if next_is_reply and (turn.role == "user" or (turn.role == "system" and i > 0)):
+            opens_thinking = thinking and (not drop or i >= last_user)
+            out.append(st.ASSISTANT + (st.THINK_START if opens_thinking else st.THINK_END))
+    return "".join(out)
+
+
+def encode_chat(
+    messages,
+    *,
+    thinking: bool,
+    effort=None,
+    tools=None,
+    effort_table=None,
+    add_bos: bool = True,
+    drop_thinking: bool = True,
+) -> str:
+    """The DeepSeek-V4.1 prompt text for `messages` (OpenAI chat format).
+
+    thinking: thinking mode (`<think>` after the final `<｜Assistant｜>`) or chat (`</think>`).
+    effort: int 1-100 or a name from `effort_table` (default {"low": 50, "high": 75, "max": 100});
+      None means "high". Validated in both modes, written only in thinking mode.
+    tools: OpenAI tool list; rendered after the first system message and keeps earlier reasoning.
+    drop_thinking: False keeps earlier turns' reasoning even without tools (reference option).
+    A conversation that ends with an assistant turn gets no new `<｜Assistant｜>` header.
+    """
+    if not isinstance(thinking, bool):
+        raise ValueError(f"thinking must be True or False, got {thinking!r}")
+    budget = resolve_effort(effort, effort_table)
+    functions = _functions(tools)
+    turns = _sort_tool_results(_merge_user_turns(_validated(messages)))
+    turns = _attach_tools(turns, functions)
+    keep = bool(functions) or not drop_thinking
+    return _render(turns, thinking=thinking, budget=budget, keep_reasoning=keep, add_bos=add_bos)
+
+
+def encode_chat_ids(tokenizer, messages, **kwargs) -> list[int]:
+    """Token ids of `encode_chat(messages, **kwargs)` with a dsv41_jax.tokenizer.Tokenizer.
+
+    Fails if the tokenizer lacks a role/reasoning marker as an added token (the prompt would
+    silently become plain text), and if the image id shows up (escaping must prevent that).
+    """
+    text = encode_chat(messages, **kwargs)
+    added = set(tokenizer.added_tokens().values())
+    missing = [m for m in st.STRUCTURAL if m not in added]
+    if missing:
+        raise ValueError(
+            f"{tokenizer.path} lacks the special tokens {missing} as added tokens; "
+            "the prompt would be tokenized as plain text. Is this the DeepSeek-V4.1 tokenizer.json?"
+        )
+    ids = tokenizer.encode(text, add_special=False)
+    image_id = tokenizer.token_to_id(st.IMAGE)
+    if image_id is not None and image_id in ids:
+        raise RuntimeError(f"image id {image_id} appeared in a text-only prompt; placeholder escaping failed")
+    return ids

@@ -1,0 +1,398 @@
+"""ModelConfig: the frozen description of a V4.1 model, its readers/writers and its layer roles.
+
+Field names follow the reference `ModelArgs` (the flat `inference/config.json`), so the golden
+configs pass through unchanged; the HF `config.json` (nested `text_config`, transformers key
+names) is mapped onto them. Layer roles (SPEC §2) are derived once, and a malformed config is
+refused with a message that names the field and the layer.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+SUPPORTED_MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
+
+
+class ConfigError(ValueError):
+    """A config that cannot describe a working V4.1 model."""
+
+
+@dataclass(frozen=True)
+class LayerRole:
+    """What one layer owns and reads (SPEC §2)."""
+
+    layer: int
+    kind: Literal["swa", "full", "reindex", "reuse"]
+    half: Literal["encoder", "decoder"]
+    ratio: int
+    kv_source: int | None  # layer whose compressed KV this layer attends over
+    index_source: int | None  # layer whose top-k this layer uses (itself when it runs an indexer)
+    is_kv_source: bool
+    is_index_source: bool
+    is_candidate_source: bool
+    uses_candidates: bool  # restricts its own top-k to the candidate pool
+    has_engram: bool
+
+
+# flat-key <- HF text_config key; identity entries are omitted
+_HF_TO_FLAT = {
+    "hidden_size": "dim",
+    "moe_intermediate_size": "moe_inter_dim",
+    "num_hidden_layers": "n_layers",
+    "num_attention_heads": "n_heads",
+    "num_experts_per_tok": "n_activated_experts",
+    "scoring_func": "score_func",
+    "routed_scaling_factor": "route_scale",
+    "qk_rope_head_dim": "rope_head_dim",
+    "rms_norm_eps": "norm_eps",
+    "sliding_window": "window_size",
+    "kv_source_layer_ids": "kv_source_layers",
+    "index_source_layer_ids": "index_source_layers",
+    "candidate_source_layer_id": "candidate_source_layer",
+    "engram_pad_token_id": "engram_pad_id",
+    "num_nextn_predict_layers": "n_mtp_layers",
+    "dspark_num_experts_per_tok": "dspark_n_activated_experts",
+    "max_position_embeddings": "max_position_embeddings",
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of a DeepSeek-V4.1 text backbone, plus runtime cache limits."""
+
+    vocab_size: int = 129280
+    dim: int = 5120
+    moe_inter_dim: int = 2304
+    n_layers: int = 40
+    n_heads: int = 64
+    n_routed_experts: int = 384
+    n_shared_experts: int = 1
+    n_activated_experts: int = 6
+    score_func: str = "sqrtsoftplus"
+    gate_temp: float = 1.0
+    norm_topk_prob: bool = True
+    route_scale: float = 1.5
+    swiglu_limit: float = 10.0
+    q_lora_rank: int = 1280
+    head_dim: int = 512
+    rope_head_dim: int = 64
+    norm_eps: float = 1e-20
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    window_size: int = 128
+    compress_ratios: tuple[int, ...] = (0, 0) + (2,) * 18 + (1,) * 20 + (0, 0, 0)
+    kv_source_layers: tuple[int, ...] = (2, 8, 14, 20)
+    index_source_layers: tuple[int, ...] = (2, 8, 14, 20, 24, 28, 32, 36)
+    compress_rope_theta: float = 160000.0
+    original_seq_len: int = 65536
+    rope_theta: float = 10000.0
+    rope_factor: float = 16.0
+    beta_fast: int = 32
+    beta_slow: int = 1
+    index_n_heads: int = 32
+    index_head_dim: int = 128
+    index_topk: int = 512
+    candidate_source_layer: int = 20
+    candidate_topk_blocks: int = 2048
+    candidate_block_size: int = 8
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    engram_layer_ids: tuple[int, ...] = (1, 14)
+    engram_num_embeddings: tuple[int, ...] = (384006168, 384016682)
+    engram_max_ngram_size: int = 4
+    engram_vocab_size: int = 16000000
+    engram_n_heads: int = 8
+    engram_head_dim: int = 256
+    engram_pad_id: int = 2
+    engram_compressed_vocab_size: int = 99092
+    dtype: Literal["fp8", "bf16"] = "fp8"
+    expert_dtype: Literal["fp4"] | None = "fp4"
+    bos_token_id: int = 0
+    eos_token_id: int = 1
+    pad_token_id: int = 2
+    image_token_id: int = 129264
+    n_mtp_layers: int = 3
+    # runtime limits: they size the caches, not the weights
+    max_seq_len: int = 4096
+    max_batch_size: int = 4
+    # keys we carry for round-tripping but do not model (DSpark, vision, ...)
+    extra: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def v41_flash(cls, **overrides) -> "ModelConfig":
+        """The released DeepSeek-V4.1-Flash shapes."""
+        return cls(**overrides).validated()
+
+    @classmethod
+    def tiny(cls, **overrides) -> "ModelConfig":
+        """A small test model with every role: SWA, Full r2, Reuse, Reindex r2, Full r1 + pool, Reindex r1."""
+        base = dict(
+            vocab_size=512, dim=128, moe_inter_dim=64, n_layers=7, n_heads=4, n_routed_experts=8,
+            n_activated_experts=2, q_lora_rank=64, head_dim=64, rope_head_dim=32, o_groups=2,
+            o_lora_rank=32, window_size=8, compress_ratios=(0, 2, 2, 2, 1, 1, 1),
+            kv_source_layers=(1, 4), index_source_layers=(1, 3, 4, 5), original_seq_len=64,
+            index_n_heads=4, index_head_dim=64, index_topk=8, candidate_source_layer=4,
+            candidate_topk_blocks=3, candidate_block_size=4, engram_layer_ids=(1, 3),
+            engram_num_embeddings=(), engram_vocab_size=600, engram_n_heads=2, engram_head_dim=32,
+            engram_compressed_vocab_size=389, n_mtp_layers=0, max_seq_len=128, max_batch_size=2,
+        )
+        base.update(overrides)
+        return cls(**base).validated()
+
+    @classmethod
+    def preset(cls, name: str) -> "ModelConfig":
+        presets = {"v41-flash": cls.v41_flash, "tiny": cls.tiny, "tiny-noengram": lambda: cls.tiny(engram_layer_ids=())}
+        if name not in presets:
+            raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(presets)} or pass a config.json path")
+        return presets[name]()
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        """Read a flat `inference/config.json` / golden `model_args`, or an HF `config.json`."""
+        d = dict(d)
+        top_type = d.get("model_type")
+        if "text_config" in d or top_type is not None:
+            text = dict(d.get("text_config", d))
+            for key in ("bos_token_id", "eos_token_id", "pad_token_id", "image_token_id"):
+                if key in d and key not in text:
+                    text[key] = d[key]
+            mt = text.get("model_type", top_type)
+            for t in (top_type, mt):
+                if t is not None and t not in SUPPORTED_MODEL_TYPES:
+                    hint = (" V4 checkpoints have per-layer compressors and no kv/index source layers;"
+                            " this package implements V4.1 (deepseek_v41) only.") if str(t).startswith("deepseek_v4") else ""
+                    raise ConfigError(f"model_type {t!r} is not supported (expected one of {SUPPORTED_MODEL_TYPES}).{hint}")
+            flat = {}
+            for k, v in text.items():
+                flat[_HF_TO_FLAT.get(k, k)] = v
+            rs = flat.pop("rope_scaling", None) or {}
+            if rs:
+                flat["rope_factor"] = rs.get("factor", 1.0)
+                flat["beta_fast"] = rs.get("beta_fast", 32)
+                flat["beta_slow"] = rs.get("beta_slow", 1)
+                flat["original_seq_len"] = rs.get("original_max_position_embeddings", 0)
+            flat.pop("model_type", None)
+            q = d.get("quantization_config") or {}
+            flat.setdefault("dtype", "fp8" if q.get("quant_method") == "fp8" else "bf16")
+            flat.setdefault("expert_dtype", q.get("expert_dtype"))
+            extra = {k: v for k, v in d.items() if k not in ("text_config",)}
+            flat["_hf_extra"] = extra
+            d = flat
+        known = {f.name for f in dataclasses.fields(cls)}
+        kwargs, extra = {}, {}
+        for k, v in d.items():
+            if k in known and k != "extra":
+                kwargs[k] = tuple(v) if isinstance(v, list) else v
+            else:
+                extra[k] = v
+        if "n_routed_experts" in kwargs and "n_activated_experts" not in kwargs and "num_experts_per_tok" in extra:
+            kwargs["n_activated_experts"] = extra["num_experts_per_tok"]
+        kwargs["extra"] = tuple(sorted((k, json.dumps(v, sort_keys=True)) for k, v in extra.items()))
+        return cls(**kwargs).validated()
+
+    @classmethod
+    def from_file(cls, path: str | pathlib.Path) -> "ModelConfig":
+        path = pathlib.Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.exists():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            d = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        if "model_args" in d:  # golden-folder config
+            d = d["model_args"]
+        return cls.from_dict(d)
+
+    @classmethod
+    def load(cls, preset_or_path: str) -> "ModelConfig":
+        p = pathlib.Path(preset_or_path)
+        if p.suffix == ".json" or p.is_dir() or p.exists():
+            return cls.from_file(p)
+        return cls.preset(preset_or_path)
+
+    # ------------------------------------------------------------------ writers
+    def to_flat_dict(self) -> dict:
+        """The flat `inference/config.json` form (ModelArgs key names)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            if f.name == "extra":
+                continue
+            v = getattr(self, f.name)
+            out[f.name] = list(v) if isinstance(v, tuple) else v
+        for k, v in self.extra:
+            if k != "_hf_extra":
+                out[k] = json.loads(v)
+        return out
+
+    def to_hf_dict(self) -> dict:
+        """The HF `config.json` form (nested text_config, transformers key names)."""
+        flat = self.to_flat_dict()
+        inv = {v: k for k, v in _HF_TO_FLAT.items()}
+        text = {"model_type": "deepseek_v41_text"}
+        skip = {"rope_factor", "beta_fast", "beta_slow", "original_seq_len", "dtype", "expert_dtype",
+                "bos_token_id", "eos_token_id", "pad_token_id", "image_token_id", "max_seq_len", "max_batch_size"}
+        for k, v in flat.items():
+            if k in skip:
+                continue
+            text[inv.get(k, k)] = v
+        text["rope_scaling"] = {"rope_type": "yarn", "factor": self.rope_factor, "beta_fast": self.beta_fast,
+                                "beta_slow": self.beta_slow, "original_max_position_embeddings": self.original_seq_len}
+        hf = {}
+        for k, v in self.extra:
+            if k == "_hf_extra":
+                hf.update(json.loads(v))
+        hf.update({
+            "architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41",
+            "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id, "image_token_id": self.image_token_id,
+            "text_config": text,
+        })
+        if self.dtype == "fp8":
+            hf["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                         "weight_block_size": [32, 32], "scale_fmt": "ue8m0",
+                                         "expert_dtype": self.expert_dtype}
+        else:
+            hf.pop("quantization_config", None)
+        return hf
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes).validated()
+
+    # ------------------------------------------------------------------ derived roles
+    @property
+    def roles(self) -> tuple[LayerRole, ...]:
+        return _derive_roles(self)
+
+    @property
+    def decoder_start(self) -> int:
+        """First decoder layer: the first ratio-1 KV source (the CED projection); n_layers if none."""
+        for s in self.kv_source_layers:
+            if self.compress_ratios[s] == 1:
+                return s
+        return self.n_layers
+
+    @property
+    def index_kv_sources(self) -> tuple[int, ...]:
+        """KV sources that also own index keys (they run an indexer of their own)."""
+        return tuple(s for s in self.kv_source_layers if s in self.index_source_layers)
+
+    @property
+    def topk_width(self) -> dict[int, int]:
+        """Static top-k width per KV source: min(index_topk, entries the cache can hold)."""
+        return {s: min(self.index_topk, self.max_seq_len // self.compress_ratios[s]) for s in self.kv_source_layers}
+
+    def validated(self) -> "ModelConfig":
+        _validate(self)
+        return self
+
+
+def _validate(c: ModelConfig) -> None:
+    def fail(field_name: str, msg: str):
+        raise ConfigError(f"{field_name}: {msg}")
+
+    for name in ("vocab_size", "dim", "n_layers", "n_heads", "head_dim", "window_size", "max_seq_len", "max_batch_size"):
+        if getattr(c, name) <= 0:
+            fail(name, f"must be positive, got {getattr(c, name)}")
+    if len(c.compress_ratios) < c.n_layers:
+        fail("compress_ratios", f"has {len(c.compress_ratios)} entries but n_layers is {c.n_layers}")
+    for l, r in enumerate(c.compress_ratios[: c.n_layers]):
+        if r < 0:
+            fail("compress_ratios", f"layer {l} has negative ratio {r}")
+    if c.head_dim % 32:
+        fail("head_dim", f"{c.head_dim} must be a multiple of 32 (FP8 window scales per 32, FP4 KV scales per 16)")
+    if c.index_head_dim % 32:
+        fail("index_head_dim", f"{c.index_head_dim} must be a multiple of 32 (MXFP4 blocks)")
+    if c.rope_head_dim % 2 or not 0 < c.rope_head_dim <= c.head_dim or c.rope_head_dim > c.index_head_dim:
+        fail("rope_head_dim", f"{c.rope_head_dim} must be even, positive and at most head_dim/index_head_dim")
+    if c.n_heads % c.o_groups:
+        fail("o_groups", f"n_heads {c.n_heads} is not divisible by o_groups {c.o_groups}")
+    if c.n_activated_experts > c.n_routed_experts:
+        fail("n_activated_experts", f"{c.n_activated_experts} exceeds n_routed_experts {c.n_routed_experts}")
+    if c.n_shared_experts != 1:
+        fail("n_shared_experts", f"V4.1 has exactly one shared expert, got {c.n_shared_experts}")
+    if c.score_func not in ("sqrtsoftplus", "sigmoid", "softmax"):
+        fail("score_func", f"unknown scoring function {c.score_func!r}")
+    if c.dtype not in ("fp8", "bf16"):
+        fail("dtype", f"{c.dtype!r} must be 'fp8' or 'bf16'")
+    if c.expert_dtype not in ("fp4", None):
+        fail("expert_dtype", f"{c.expert_dtype!r} must be 'fp4' or null")
+    for name in ("kv_source_layers", "index_source_layers"):
+        seq = getattr(c, name)
+        if list(seq) != sorted(set(seq)):
+            fail(name, f"{list(seq)} must be strictly increasing")
+        for l in seq:
+            if not 0 <= l < c.n_layers:
+                fail(name, f"layer {l} is outside 0..{c.n_layers - 1}")
+            if c.compress_ratios[l] == 0:
+                fail(name, f"layer {l} has compress ratio 0 (sliding window only) and cannot be a source")
+    for l in range(c.n_layers):
+        r = c.compress_ratios[l]
+        if r == 0:
+            continue
+        kv = [s for s in c.kv_source_layers if s <= l]
+        if not kv:
+            fail("kv_source_layers", f"layer {l} has compress ratio {r} but no KV source at or before it")
+        if c.compress_ratios[kv[-1]] != r:
+            fail("compress_ratios", f"layer {l} has ratio {r} but its KV source (layer {kv[-1]}) has ratio {c.compress_ratios[kv[-1]]}")
+        ix = [s for s in c.index_source_layers if s <= l]
+        if not ix or ix[-1] < kv[-1]:
+            fail("index_source_layers", f"layer {l} reads KV of layer {kv[-1]} but no index source at or after it precedes layer {l}")
+        if kv[-1] not in c.index_source_layers:
+            fail("index_source_layers", f"KV source layer {kv[-1]} (used by layer {l}) must also be an index source: it owns the index keys")
+    cs = c.candidate_source_layer
+    if cs >= 0:
+        if cs not in c.kv_source_layers or cs not in c.index_source_layers:
+            fail("candidate_source_layer", f"layer {cs} must be both a KV source and an index source (a Full layer)")
+        if c.candidate_block_size <= 0 or c.candidate_topk_blocks <= 0:
+            fail("candidate_topk_blocks", "candidate_topk_blocks and candidate_block_size must be positive")
+        # the newest block may be partial, so a full pool supplies (blocks-1)*size+1 visible positions
+        supply = (c.candidate_topk_blocks - 1) * c.candidate_block_size + 1
+        if supply < c.index_topk:
+            fail("candidate_topk_blocks", f"a pool of {c.candidate_topk_blocks} blocks x {c.candidate_block_size} can guarantee only "
+                 f"{supply} visible positions, fewer than index_topk={c.index_topk}; masked candidates would fill top-k slots")
+    for l in c.engram_layer_ids:
+        if not 0 <= l < c.n_layers:
+            fail("engram_layer_ids", f"layer {l} is outside 0..{c.n_layers - 1}")
+    if c.engram_layer_ids:
+        if c.engram_max_ngram_size < 2 or c.engram_n_heads <= 0 or c.engram_head_dim % 32:
+            fail("engram_head_dim", "Engram needs max_ngram_size >= 2, heads > 0 and head_dim a multiple of 32")
+        if c.engram_num_embeddings and len(c.engram_num_embeddings) != len(c.engram_layer_ids):
+            fail("engram_num_embeddings", f"{len(c.engram_num_embeddings)} entries for {len(c.engram_layer_ids)} Engram layers")
+    for s in c.kv_source_layers:
+        r = c.compress_ratios[s]
+        if c.max_seq_len % r:
+            fail("max_seq_len", f"{c.max_seq_len} must be a multiple of layer {s}'s compress ratio {r}")
+
+
+def _derive_roles(c: ModelConfig) -> tuple[LayerRole, ...]:
+    roles = []
+    dec = c.decoder_start
+    for l in range(c.n_layers):
+        r = c.compress_ratios[l]
+        kv = max((s for s in c.kv_source_layers if s <= l), default=None) if r else None
+        ix = max((s for s in c.index_source_layers if s <= l), default=None) if r else None
+        is_kv = l in c.kv_source_layers
+        is_ix = l in c.index_source_layers
+        if r == 0:
+            kind = "swa"
+        elif is_kv:
+            kind = "full"
+        elif is_ix:
+            kind = "reindex"
+        else:
+            kind = "reuse"
+        cs = c.candidate_source_layer
+        roles.append(LayerRole(
+            layer=l, kind=kind, half="encoder" if l < dec else "decoder", ratio=r, kv_source=kv,
+            index_source=ix, is_kv_source=is_kv, is_index_source=is_ix,
+            is_candidate_source=(l == cs), uses_candidates=(is_ix and 0 <= cs < l and kv == cs),
+            has_engram=l in c.engram_layer_ids,
+        ))
+    return tuple(roles)

@@ -1,0 +1,169 @@
+"""Linear layers with dense, FP8 or FP4 weights, in two numerics modes.
+
+``mode="exact"`` mirrors the golden oracle (golden README, oracle choices 1 and 2): every dot
+product is computed exactly in float64 and rounded once; the FP8/FP4 GEMMs sum per-32-block
+partial products in float32, block by block in K order, then cast. It needs float64, so it must run
+under ``with jax.enable_x64(True):`` on CPU or GPU (TPUs have no float64).
+
+``mode="fast"`` is the production path: quantise the activation exactly as the oracle does,
+dequantise activation and weight (both exact in bf16: E4M3/E2M1 times a power of two), and run one
+dot with float32 accumulation. It differs from exact mode only by accumulation rounding.
+
+In both modes the activation of an FP8/FP4 GEMM is quantised with `quant_fp8_act` (E4M3, E8M0 scale
+per 32), as the reference's `linear()` does for either weight format.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dsv41_jax import quant
+
+BLOCK = 32
+KINDS = ("dense", "fp8", "fp4")
+MODES = ("fast", "exact")
+
+
+def _require_x64() -> None:
+    if jax.dtypes.canonicalize_dtype(jnp.float64) != jnp.float64:
+        raise RuntimeError(
+            "linear(mode='exact') computes dots in float64, but 64-bit types are disabled; "
+            "wrap the call in `with jax.enable_x64(True):` (or use mode='fast')"
+        )
+
+
+def _round_to(y: jax.Array, dtype) -> jax.Array:
+    """f64 -> dtype via float32, the path torch's (and XLA's) conversion takes."""
+    return y.astype(jnp.float32).astype(dtype)
+
+
+def _sum_blocks_in_order(terms: jax.Array) -> jax.Array:
+    """Float32 sum over the last axis, strictly left to right (a reduce may reassociate)."""
+    terms = jnp.moveaxis(terms, -1, 0)
+
+    def step(acc, term):
+        return acc + term, None
+
+    acc, _ = jax.lax.scan(step, jnp.zeros(terms.shape[1:], jnp.float32), terms)
+    return acc
+
+
+def _quantised_activation(x2: jax.Array, k_padded: int) -> tuple[jax.Array, jax.Array]:
+    """Zero-pad K to whole blocks (zeros never change a block's amax) and quantise to FP8."""
+    pad = k_padded - x2.shape[-1]
+    if pad:
+        x2 = jnp.pad(x2, ((0, 0), (0, pad)))
+    return quant.quant_fp8_act(x2, BLOCK)
+
+
+def _weight_fp8(weight, scale, n: int, k: int):
+    """E4M3 weight values zero-padded to whole K blocks, and per-(row, K block) f32 scales."""
+    nb, kb = -(-n // BLOCK), -(-k // BLOCK)
+    if weight.dtype != jnp.float8_e4m3fn:
+        raise TypeError(f"linear(kind='fp8'): weight must be float8_e4m3fn, got {weight.dtype}")
+    if scale is None or tuple(scale.shape) != (nb, kb):
+        got = None if scale is None else tuple(scale.shape)
+        raise ValueError(
+            f"linear(kind='fp8'): weight {tuple(weight.shape)} needs an E8M0 scale of shape "
+            f"({nb}, {kb}) (one per 32x32 tile), got {got}"
+        )
+    values = jnp.pad(weight.astype(jnp.float32), ((0, 0), (0, kb * BLOCK - k)))
+    row_scale = jnp.repeat(quant.e8m0_to_float(scale), BLOCK, axis=0)[:n]
+    return values, row_scale
+
+
+def _weight_fp4(weight, scale, n: int, k: int):
+    """E2M1 weight values [N, K] and per-(row, K block) f32 scales."""
+    if weight.dtype != jnp.uint8:
+        raise TypeError(f"linear(kind='fp4'): packed weight must be uint8, got {weight.dtype}")
+    if k % BLOCK:
+        raise ValueError(f"linear(kind='fp4'): K = {k} must be a multiple of {BLOCK}")
+    if scale is None or tuple(scale.shape) != (n, k // BLOCK):
+        got = None if scale is None else tuple(scale.shape)
+        raise ValueError(
+            f"linear(kind='fp4'): packed weight {tuple(weight.shape)} needs an E8M0 scale of shape "
+            f"({n}, {k // BLOCK}), got {got}"
+        )
+    values = quant.e2m1_decode(quant.unpack_fp4(weight))
+    return values, quant.e8m0_to_float(scale)
+
+
+def _quantised_linear(x2, weight, scale, kind: str, mode: str, out_dtype):
+    m, k = x2.shape
+    n = weight.shape[0]
+    if kind == "fp8":
+        w_vals, w_scale = _weight_fp8(weight, scale, n, k)
+    else:
+        w_vals, w_scale = _weight_fp4(weight, scale, n, k)
+    kb = w_scale.shape[1]
+    a_q, a_scale_b = _quantised_activation(x2, kb * BLOCK)
+    a_vals, a_scale = a_q.astype(jnp.float32), quant.e8m0_to_float(a_scale_b)
+
+    if mode == "fast":
+        a_deq = (a_vals.reshape(m, kb, BLOCK) * a_scale[..., None]).reshape(m, kb * BLOCK)
+        w_deq = (w_vals.reshape(n, kb, BLOCK) * w_scale[..., None]).reshape(n, kb * BLOCK)
+        # both are exact in bf16 (<= 4 significant bits times a power of two)
+        y = jnp.dot(
+            a_deq.astype(jnp.bfloat16), w_deq.astype(jnp.bfloat16).T, preferred_element_type=jnp.float32
+        )
+        return y.astype(out_dtype)
+
+    _require_x64()
+    a64 = a_vals.astype(jnp.float64).reshape(m, kb, BLOCK)
+    w64 = w_vals.astype(jnp.float64).reshape(n, kb, BLOCK)
+    # exact: <= 8-bit products spanning < 2^41, 32 of them, fit float64's 53 bits in any order
+    block_dots = jnp.einsum("mkb,nkb->mnk", a64, w64).astype(jnp.float32)
+    terms = block_dots * a_scale[:, None, :] * w_scale[None, :, :]
+    return _sum_blocks_in_order(terms).astype(out_dtype)
+
+
+def linear(
+    x: jax.Array,
+    weight: jax.Array,
+    scale: jax.Array | None = None,
+    *,
+    kind: str,
+    mode: str = "fast",
+    out_dtype=None,
+) -> jax.Array:
+    """y = x @ W.T for a dense, FP8 (32x32 E8M0 tiles) or FP4 (E8M0 per 32 along K) weight.
+
+    x: [..., K] bf16/f32.  weight: dense [N, K]; fp8 float8_e4m3fn [N, K] + scale uint8
+    [ceil(N/32), ceil(K/32)]; fp4 packed uint8 [N, K/2] + scale uint8 [N, K/32].
+    The output dtype defaults to x.dtype (the reference returns torch's default dtype, which is
+    the activation dtype in every call site).
+    """
+    if kind not in KINDS:
+        raise ValueError(f"linear: kind must be one of {KINDS}, got {kind!r}")
+    if mode not in MODES:
+        raise ValueError(f"linear: mode must be one of {MODES}, got {mode!r}")
+    x = jnp.asarray(x)
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if weight.ndim != 2:
+        raise ValueError(f"linear: weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+    k_weight = weight.shape[1] * (2 if kind == "fp4" else 1)
+    if x.shape[-1] != k_weight:
+        raise ValueError(
+            f"linear(kind={kind!r}): x has K = {x.shape[-1]} but the weight {tuple(weight.shape)} "
+            f"expects K = {k_weight}"
+        )
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+
+    if kind == "dense":
+        if scale is not None:
+            raise ValueError("linear(kind='dense') takes no scale; pass kind='fp8' or 'fp4'")
+        if mode == "exact":
+            _require_x64()
+            y = _round_to(jnp.dot(x2.astype(jnp.float64), weight.astype(jnp.float64).T), out_dtype)
+        else:
+            dtype = jnp.promote_types(x2.dtype, weight.dtype)
+            y = jnp.dot(
+                x2.astype(dtype),
+                weight.astype(dtype).T,
+                precision=jax.lax.Precision.HIGHEST,
+                preferred_element_type=jnp.float32,
+            ).astype(out_dtype)
+    else:
+        y = _quantised_linear(x2, weight, scale, kind, mode, out_dtype)
+    return y.reshape(*lead, y.shape[-1])

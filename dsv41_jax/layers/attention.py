@@ -1,0 +1,58 @@
+"""Attention of one layer: low-rank queries, FP8 window KV, sparse sink attention, grouped output.
+
+The cross-layer parts (which compressed entries, whose cache) are decided by the model's
+layer loop; this module owns only what every layer has: its query path, its window KV,
+its sink and its output projection (SPEC §3 "Attention").
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsv41_jax import quant
+from dsv41_jax.layers.basic import QLinear, RMSNorm, matmul, weight_kind
+from dsv41_jax.layers.compressor import Compressor
+from dsv41_jax.layers.indexer import Indexer
+from dsv41_jax.layers.rope import apply_rope
+
+
+class Attention(nnx.Module):
+    """One layer's attention; owns a compressor / indexer when its role says so."""
+
+    def __init__(self, cfg, role, *, rngs: nnx.Rngs):
+        kind = weight_kind(cfg)
+        self.n_heads, self.head_dim, self.rope_dim = cfg.n_heads, cfg.head_dim, cfg.rope_head_dim
+        self.o_groups, self.o_lora_rank = cfg.o_groups, cfg.o_lora_rank
+        self.attn_sink = nnx.Param(jax.random.normal(rngs.params(), (cfg.n_heads,), jnp.float32))
+        self.wq_a = QLinear(cfg.dim, cfg.q_lora_rank, kind, rngs=rngs)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+        self.wq_b = QLinear(cfg.q_lora_rank, cfg.n_heads * cfg.head_dim, kind, rngs=rngs)
+        self.wkv = QLinear(cfg.dim, cfg.head_dim, kind, rngs=rngs)
+        self.kv_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        group_in = cfg.n_heads * cfg.head_dim // cfg.o_groups
+        self.wo_a = QLinear(group_in, cfg.o_groups * cfg.o_lora_rank, "dense", rngs=rngs)
+        self.wo_b = QLinear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, kind, rngs=rngs, std=0.2 / (cfg.o_groups * cfg.o_lora_rank) ** 0.5)
+        self.compressor = Compressor(cfg, role.ratio, rngs=rngs) if role.is_kv_source else None
+        self.indexer = Indexer(cfg, role.is_kv_source, rngs=rngs) if role.is_index_source else None
+
+    def queries(self, x, cos, sin, mode):
+        """(qr, q): the normed low-rank latent (also the indexer's input) and RoPE'd heads [B,T,H,D]."""
+        B, T, _ = x.shape
+        qr = self.q_norm(self.wq_a(x, mode))
+        q = self.wq_b(qr, mode).reshape(B, T, self.n_heads, self.head_dim)
+        return qr, apply_rope(q, cos, sin, self.rope_dim)
+
+    def window_kv(self, x, cos, sin, mode):
+        """This chunk's window K (= V): RMSNorm(W_kv x), RoPE, FP8 over all dims. bf16 values."""
+        kv = self.kv_norm(self.wkv(x, mode))
+        return apply_rope(kv, cos, sin, self.rope_dim)
+
+    def output(self, o, cos, sin, mode):
+        """Undo the query rotation on the output, then the grouped o-LoRA and wo_b."""
+        B, T = o.shape[:2]
+        o = apply_rope(o, cos, sin, self.rope_dim, inverse=True)
+        o = o.reshape(B, T, self.o_groups, -1)
+        wo_a = self.wo_a.weight[...].reshape(self.o_groups, self.o_lora_rank, -1)
+        o = matmul(o, wo_a, "btgd,grd->btgr", o.dtype, mode)
+        return self.wo_b(o.reshape(B, T, -1), mode)

@@ -1,0 +1,91 @@
+"""Small building blocks: quantization-aware Linear, RMSNorm, and exact-mode dot products."""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsv41_jax import gemm, quant
+
+
+def round_from_f64(y: jax.Array, dtype) -> jax.Array:
+    """Round a float64 result to `dtype` the way torch's CPU cast does: through fp32.
+
+    (torch converts double -> float -> bfloat16; the golden oracle's "rounded once" results
+    went through that cast, so we mirror it rather than a direct correctly rounded cast.)
+    """
+    return y.astype(jnp.float32).astype(dtype)
+
+
+def matmul(x: jax.Array, w: jax.Array, spec: str, out_dtype, mode: str) -> jax.Array:
+    """einsum with the oracle's numerics in exact mode (float64, one rounding), fp32 accumulation otherwise."""
+    if mode == "exact":
+        y = jnp.einsum(spec, x.astype(jnp.float64), w.astype(jnp.float64), precision=jax.lax.Precision.HIGHEST)
+        return round_from_f64(y, out_dtype)
+    y = jnp.einsum(spec, x, w, preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
+    return y.astype(out_dtype)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in fp32, returned in the input dtype (reference RMSNorm)."""
+    xf = x.astype(jnp.float32)
+    var = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
+    y = xf * jax.lax.rsqrt(var + jnp.float32(eps))
+    return (weight.astype(jnp.float32) * y).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """Norm with a learned (bf16) gain; eps is tiny (1e-20) in V4.1, so fp32 matters."""
+
+    def __init__(self, dim: int, eps: float, *, dtype=jnp.bfloat16):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        return rms_norm(x, self.weight[...], self.eps)
+
+
+class QLinear(nnx.Module):
+    """A Linear whose weight is kept as the checkpoint stores it.
+
+    kind "fp8": E4M3 weight + E8M0 scale per 32x32 block; "fp4": packed E2M1 [out, in/2] + E8M0
+    per 32 along in; "dense": a plain bf16/fp32 matrix. Quantized kinds quantize the activation
+    to FP8 per 32 first, as the reference `linear()` does.
+    """
+
+    def __init__(self, in_features: int, out_features: int, kind: str, *, rngs: nnx.Rngs,
+                 dtype=jnp.bfloat16, std: float | None = None):
+        self.in_features, self.out_features, self.kind = in_features, out_features, kind
+        std = 1.0 / math.sqrt(in_features) if std is None else std
+        w = jax.random.normal(rngs.params(), (out_features, in_features), jnp.float32) * std
+        if kind == "fp8":
+            q, s = quant.quant_fp8_weight(w)
+            self.weight, self.scale = nnx.Param(q), nnx.Param(s)
+        elif kind == "fp4":
+            q, s = quant.quant_fp4_weight(w)
+            self.weight, self.scale = nnx.Param(q), nnx.Param(s)
+        elif kind == "dense":
+            self.weight, self.scale = nnx.Param(w.astype(dtype)), None
+        else:
+            raise ValueError(f"QLinear kind must be 'fp8', 'fp4' or 'dense', got {kind!r}")
+
+    def __call__(self, x: jax.Array, mode: str = "fast", out_dtype=None) -> jax.Array:
+        scale = None if self.scale is None else self.scale[...]
+        return gemm.linear(x, self.weight[...], scale, kind=self.kind, mode=mode, out_dtype=out_dtype)
+
+    def dequantized(self) -> jax.Array:
+        """The weight as fp32 values (exact: FP8/FP4 values are representable)."""
+        if self.kind == "fp8":
+            return quant.dequant_fp8_weight(self.weight[...], self.scale[...])
+        if self.kind == "fp4":
+            return quant.dequant_fp4_weight(self.weight[...], self.scale[...])
+        return self.weight[...].astype(jnp.float32)
+
+
+def weight_kind(cfg, *, expert: bool = False) -> str:
+    """Storage kind of a quantizable Linear under this config (SPEC §4 table)."""
+    if expert:
+        return "fp4" if cfg.expert_dtype == "fp4" else ("fp8" if cfg.dtype == "fp8" else "dense")
+    return "fp8" if cfg.dtype == "fp8" else "dense"

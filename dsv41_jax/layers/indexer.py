@@ -1,0 +1,76 @@
+"""The indexer: picks the compressed positions each query attends to (SPEC §3 "Indexer").
+
+FP4 query heads score every visible index key with a weighted ReLU sum; the candidate-pool
+source also ranks absolute blocks of positions, and Reindex layers after it search only
+inside that pool. Keys belong to the KV source (made from its pre-RoPE latent).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsv41_jax import quant
+from dsv41_jax.layers.basic import QLinear, RMSNorm, matmul, weight_kind
+from dsv41_jax.layers.rope import apply_rope
+
+
+class Indexer(nnx.Module):
+    """Query side (every index source) and, for KV sources, the key projection."""
+
+    def __init__(self, cfg, owns_keys: bool, *, rngs: nnx.Rngs):
+        self.n_heads, self.head_dim, self.rope_dim = cfg.index_n_heads, cfg.index_head_dim, cfg.rope_head_dim
+        self.wq_b = QLinear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, weight_kind(cfg), rngs=rngs)
+        self.weights_proj = QLinear(cfg.dim, cfg.index_n_heads, "dense", rngs=rngs, std=2 / cfg.dim ** 0.5)
+        self.wk = QLinear(cfg.head_dim, cfg.index_head_dim, "dense", rngs=rngs) if owns_keys else None
+        self.k_norm = RMSNorm(cfg.index_head_dim, cfg.norm_eps) if owns_keys else None
+
+    def keys(self, latent: jax.Array, cos, sin, mode: str) -> jax.Array:
+        """Index keys from the pre-RoPE latent: RMSNorm(W_k c), RoPE at the group position, MXFP4."""
+        k = self.k_norm(self.wk(latent, mode))
+        k = apply_rope(k, cos, sin, self.rope_dim)
+        return k
+
+    def scores(self, x, qr, keys_bf16, cos, sin, visible_len, mode: str) -> jax.Array:
+        """I[b,t,g] = sum_h w[b,t,h] relu(q[b,t,h] . k[b,g]) in the reference's bf16 rounding points;
+        -inf where g >= visible_len[b,t]."""
+        B, T, _ = x.shape
+        q = self.wq_b(qr, mode).reshape(B, T, self.n_heads, self.head_dim)
+        q = quant.fake_fp4_mx(apply_rope(q, cos, sin, self.rope_dim), 32)
+        w = self.weights_proj(x, mode)
+        w = (w.astype(jnp.float32) * jnp.float32(self.head_dim ** -0.5 * self.n_heads ** -0.5)).astype(jnp.bfloat16)
+        s = matmul(q, keys_bf16, "bthd,bgd->bthg", jnp.bfloat16, mode)
+        s = (jax.nn.relu(s) * w[..., None]).astype(jnp.bfloat16)
+        s = jnp.sum(s.astype(jnp.float32), axis=2).astype(jnp.bfloat16)
+        G = keys_bf16.shape[1]
+        vis = jnp.arange(G)[None, None] < visible_len[..., None]
+        return jnp.where(vis, s.astype(jnp.float32), -jnp.inf)
+
+
+def candidate_pool(scores: jax.Array, visible_len: jax.Array, n_blocks: int, block: int):
+    """Level one of the two-level top-k: keep the `n_blocks` best absolute blocks per query.
+
+    A block scores the max of its positions; the block holding the newest visible position is
+    pinned (+inf); picks that come back -inf (nothing reachable) are dropped.
+    Returns (pool mask like scores, block scores [.., n_total_blocks]).
+    """
+    G = scores.shape[-1]
+    nb = -(-G // block)
+    pad = nb * block - G
+    s = jnp.pad(scores, [(0, 0)] * (scores.ndim - 1) + [(0, pad)], constant_values=-jnp.inf)
+    bs = jnp.max(s.reshape(*s.shape[:-1], nb, block), axis=-1)
+    last = (visible_len - 1) // block
+    bs = jnp.where(jnp.arange(nb) == last[..., None], jnp.inf, bs)
+    k = min(n_blocks, nb)
+    vals, idx = jax.lax.top_k(bs, k)
+    keep = jnp.zeros(bs.shape, bool)
+    keep = jnp.put_along_axis(keep, idx, vals > -jnp.inf, axis=-1, inplace=False)
+    mask = jnp.repeat(keep, block, axis=-1)[..., :G]
+    return mask, bs
+
+
+def select_topk(scores: jax.Array, visible_len: jax.Array, k: int):
+    """Top-k positions (ties to the lower index), sorted ascending; unreachable slots are -1."""
+    _, idx = jax.lax.top_k(scores, k)
+    idx = jnp.sort(idx, axis=-1)
+    return jnp.where(idx < visible_len[..., None], idx, -1).astype(jnp.int32)

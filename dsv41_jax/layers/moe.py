@@ -1,0 +1,177 @@
+"""Mixture of experts: sqrt-softplus gate with a selection-only bias, 6 of N routed experts with
+clamped SwiGLU, and a shared expert on every token (SPEC §3 "MoE").
+
+Routed expert weights are stacked [E, out, in] (packed MXFP4 on the checkpoint), so expert
+parallelism and grouped GEMM kernels see one array per matrix.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsv41_jax import gemm, quant
+from dsv41_jax.layers.basic import QLinear, matmul, weight_kind
+
+
+def _softplus_torch(x):
+    """torch's softplus (beta 1, threshold 20): the identity above 20."""
+    return jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
+
+
+def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
+    """silu(min(gate, L)) * clamp(up, ±L) in fp32 (the clamps come from training)."""
+    gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
+    if limit > 0:
+        up = jnp.clip(up, -limit, limit)
+        gate = jnp.minimum(gate, limit)
+    return jax.nn.silu(gate) * up
+
+
+class Gate(nnx.Module):
+    """Scores in fp32; the bias picks experts but the weights come from the unbiased scores."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        self.cfg_topk, self.score_func = cfg.n_activated_experts, cfg.score_func
+        self.gate_temp, self.norm_topk_prob, self.route_scale = cfg.gate_temp, cfg.norm_topk_prob, cfg.route_scale
+        self.weight = nnx.Param((jax.random.normal(rngs.params(), (cfg.n_routed_experts, cfg.dim)) * 2 / math.sqrt(cfg.dim)).astype(jnp.bfloat16))
+        self.bias = nnx.Param(jax.random.normal(rngs.params(), (cfg.n_routed_experts,), jnp.float32) * 0.1)
+
+    def scores(self, x, mode):
+        s = matmul(x.astype(jnp.float32), self.weight[...].astype(jnp.float32), "...d,ed->...e", jnp.float32, mode)
+        s = s / jnp.float32(self.gate_temp)
+        if self.score_func == "softmax":
+            return jax.nn.softmax(s, axis=-1)
+        if self.score_func == "sigmoid":
+            return jax.nn.sigmoid(s)
+        return jnp.sqrt(_softplus_torch(s))
+
+    def route(self, scores, forced=None):
+        """(weights [..., k], experts [..., k]) — experts ordered by descending biased score."""
+        _, experts = jax.lax.top_k(scores + self.bias[...], self.cfg_topk)
+        if forced is not None:
+            experts = forced.astype(experts.dtype)
+        w = jnp.take_along_axis(scores, experts, axis=-1)
+        if self.norm_topk_prob and self.cfg_topk > 1:
+            w = w / (jnp.sum(w, axis=-1, keepdims=True) + jnp.float32(1e-20))
+        return w * jnp.float32(self.route_scale), experts
+
+
+class Experts(nnx.Module):
+    """The routed experts, stacked. kind fp4 (MXFP4 packed), fp8 or dense."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        self.kind = weight_kind(cfg, expert=True)
+        self.limit = cfg.swiglu_limit
+        E, d, f = cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim
+
+        def make(out, inp, std):
+            w = jax.random.normal(rngs.params(), (E, out, inp), jnp.float32) * std
+            if self.kind == "fp4":
+                q, s = jax.vmap(quant.quant_fp4_weight)(w)
+                return nnx.Param(q), nnx.Param(s)
+            if self.kind == "fp8":
+                q, s = jax.vmap(quant.quant_fp8_weight)(w)
+                return nnx.Param(q), nnx.Param(s)
+            return nnx.Param(w.astype(jnp.bfloat16)), None
+
+        self.w1, self.w1_scale = make(f, d, 1 / math.sqrt(d))
+        self.w2, self.w2_scale = make(d, f, 0.2 / math.sqrt(f))
+        self.w3, self.w3_scale = make(f, d, 1 / math.sqrt(d))
+
+    def _lin(self, x, w, s, mode):
+        return gemm.linear(x, w, s, kind=self.kind, mode=mode)
+
+    def per_row(self, x, experts, weights, mode):
+        """Expert outputs for rows (token, slot): x [n, d], experts [n], weights [n] -> [n, d] bf16.
+
+        Gathers each row's expert weights: cost and bytes grow with the active experts only,
+        which suits decode; prefill-sized batches go through `grouped`.
+        """
+        def one(xr, e, wr):
+            g = lambda a: None if a is None else a[...][e]
+            h = swiglu(self._lin(xr[None], g(self.w1), g(self.w1_scale), mode),
+                       self._lin(xr[None], g(self.w3), g(self.w3_scale), mode), self.limit)
+            h = (wr * h).astype(xr.dtype)
+            return self._lin(h, g(self.w2), g(self.w2_scale), mode)[0]
+
+        return jax.vmap(one)(x, experts, weights)
+
+    def dense_weights(self):
+        deq = {"fp4": quant.dequant_fp4_weight, "fp8": quant.dequant_fp8_weight}.get(self.kind)
+        if deq is None:
+            return self.w1[...], self.w2[...], self.w3[...]
+        return tuple(jax.vmap(deq)(w[...], s[...]).astype(jnp.bfloat16)
+                     for w, s in ((self.w1, self.w1_scale), (self.w2, self.w2_scale), (self.w3, self.w3_scale)))
+
+    def grouped(self, x, experts, weights, mode):
+        """Sort rows by expert and run ragged GEMMs over dequantized weights (XLA fallback for prefill)."""
+        E = self.w1.shape[0]
+        order = jnp.argsort(experts, stable=True)
+        xs, es, ws = x[order], experts[order], weights[order]
+        sizes = jnp.bincount(es, length=E).astype(jnp.int32)
+        w1, w2, w3 = self.dense_weights()
+        quantize = self.kind != "dense"
+        xq = quant.fake_fp8_act(xs, 32) if quantize else xs
+        up1 = jax.lax.ragged_dot(xq, jnp.swapaxes(w1, 1, 2), sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+        up3 = jax.lax.ragged_dot(xq, jnp.swapaxes(w3, 1, 2), sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+        h = (ws[:, None] * swiglu(up1, up3, self.limit)).astype(x.dtype)
+        hq = quant.fake_fp8_act(h, 32) if quantize else h
+        out = jax.lax.ragged_dot(hq, jnp.swapaxes(w2, 1, 2), sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+        return jnp.zeros_like(out).at[order].set(out)
+
+
+class SharedExpert(nnx.Module):
+    """The always-on expert (FP8 linears on the checkpoint)."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        kind, d, f = weight_kind(cfg), cfg.dim, cfg.moe_inter_dim
+        self.limit = cfg.swiglu_limit
+        self.w1 = QLinear(d, f, kind, rngs=rngs, std=1.5 / math.sqrt(d))
+        self.w2 = QLinear(f, d, kind, rngs=rngs, std=0.2 / math.sqrt(f))
+        self.w3 = QLinear(d, f, kind, rngs=rngs, std=1.5 / math.sqrt(d))
+
+    def __call__(self, x, mode):
+        h = swiglu(self.w1(x, mode), self.w3(x, mode), self.limit).astype(x.dtype)
+        return self.w2(h, mode)
+
+
+class MoE(nnx.Module):
+    """Gate + routed experts + shared expert; returns the output and the routing decision."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        self.gate = Gate(cfg, rngs=rngs)
+        self.experts = Experts(cfg, rngs=rngs)
+        self.shared_experts = SharedExpert(cfg, rngs=rngs)
+        self.topk = cfg.n_activated_experts
+        self.grouped_threshold = 256  # rows above which the sorted ragged path is cheaper
+
+    def __call__(self, x, mode, forced=None, impl="xla"):
+        """x [B, T, d] bf16 -> (y bf16, info) with info = {scores, biased, experts}."""
+        B, T, d = x.shape
+        flat = x.reshape(B * T, d)
+        scores = self.gate.scores(flat, mode)
+        weights, experts = self.gate.route(scores, None if forced is None else forced.reshape(B * T, -1))
+        k = self.topk
+        # the reference adds expert outputs in ascending expert order in fp32; sort slots to match
+        slot_order = jnp.argsort(experts, axis=-1)
+        e_sorted = jnp.take_along_axis(experts, slot_order, -1)
+        w_sorted = jnp.take_along_axis(weights, slot_order, -1)
+        rows = jnp.repeat(flat, k, axis=0)
+        n = B * T * k
+        if impl == "pallas" and self.experts.kind == "fp4":
+            from pallas_kernels import expert_gemm_moe  # noqa: WPS433 (optional dependency on the kernels)
+            out = expert_gemm_moe(self.experts, rows, e_sorted.reshape(-1), w_sorted.reshape(-1))
+        elif mode == "exact" or n <= self.grouped_threshold:
+            out = self.experts.per_row(rows, e_sorted.reshape(-1), w_sorted.reshape(-1), mode)
+        else:
+            out = self.experts.grouped(rows, e_sorted.reshape(-1), w_sorted.reshape(-1), mode)
+        out = out.reshape(B * T, k, d).astype(jnp.float32)
+        y = jnp.zeros((B * T, d), jnp.float32)
+        for j in range(k):
+            y = y + out[:, j]
+        y = y + self.shared_experts(flat, mode).astype(jnp.float32)
+        info = {"scores": scores.reshape(B, T, -1), "experts": experts.reshape(B, T, k), "weights": weights.reshape(B, T, k)}
+        return y.astype(x.dtype).reshape(B, T, d), info

@@ -1,0 +1,313 @@
+"""The V4.1 backbone as a Flax NNX module, run functionally over an explicit cache.
+
+`forward(model, tokens, cache, ...)` continues every sequence of the batch from its own
+position (`cache["length"]`): prefill is a forward over an empty cache, chunked prefill a
+forward over a partly filled one, decode a forward of one token. The cache goes in and comes
+back; nothing is mutated. Cross-layer sharing (CSA2, SPEC §2) is plain dataflow inside the
+layer loop: KV sources write compressed entries and index keys, index sources publish top-k,
+the candidate source publishes its pool.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsv41_jax import kv_layout
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.layers.attention import Attention
+from dsv41_jax.layers.basic import RMSNorm, matmul
+from dsv41_jax.layers.engram import Engram
+from dsv41_jax.layers.indexer import candidate_pool, select_topk
+from dsv41_jax.layers.mhc_site import HyperSite, collapse, expand
+from dsv41_jax.layers.moe import MoE
+from dsv41_jax.layers.rope import cos_sin, layer_frequencies
+from dsv41_jax.runtime import Runtime
+from dsv41_jax.sparse_attention import sparse_attention
+
+
+class Block(nnx.Module):
+    """One layer: [Engram] -> mHC attention site -> mHC FFN site."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, engram_rows: int | None, *, rngs: nnx.Rngs):
+        role = cfg.roles[layer]
+        self.layer, self.role = layer, role
+        self.attn = Attention(cfg, role, rngs=rngs)
+        self.ffn = MoE(cfg, rngs=rngs)
+        self.engram = Engram(cfg, engram_rows, rngs=rngs) if engram_rows is not None else None
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.hc_attn = HyperSite(cfg, rngs=rngs)
+        self.hc_ffn = HyperSite(cfg, rngs=rngs)
+
+
+class Transformer(nnx.Module):
+    """embed -> hc copies -> blocks -> collapse -> norm -> fp32 head."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, engram_rows: tuple[int, ...] | None = None):
+        self.cfg = cfg
+        self.embed = nnx.Param((jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.dim), jnp.float32)).astype(jnp.bfloat16))
+        rows = engram_rows if engram_rows is not None else engram_table_rows(cfg)
+        self.layers = nnx.List([
+            Block(cfg, l, rows[cfg.engram_layer_ids.index(l)] if l in cfg.engram_layer_ids else None, rngs=rngs)
+            for l in range(cfg.n_layers)
+        ])
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.head = nnx.Param((jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.dim), jnp.float32) * 2 / cfg.dim ** 0.5).astype(jnp.bfloat16))
+
+
+def engram_table_rows(cfg: ModelConfig) -> tuple[int, ...]:
+    """Rows of each Engram table: from the config when given, else from the prime layout."""
+    if not cfg.engram_layer_ids:
+        return ()
+    if cfg.engram_num_embeddings:
+        return tuple(cfg.engram_num_embeddings)
+    from dsv41_jax.engram_hash import EngramLayout
+
+    return EngramLayout.build(cfg.engram_layer_ids, cfg.engram_max_ngram_size, cfg.engram_n_heads, cfg.engram_head_dim,
+                              cfg.engram_vocab_size, cfg.engram_compressed_vocab_size, cfg.engram_pad_id).num_embeddings
+
+
+# ---------------------------------------------------------------------------------------- cache
+def init_cache(cfg: ModelConfig, batch: int | None = None) -> dict:
+    """An empty cache with fixed shapes (SPEC §5): window rings, per-source compressed KV, index
+    keys and compressor partial groups, per-sequence lengths."""
+    B = batch or cfg.max_batch_size
+    cache = {
+        "length": jnp.zeros((B,), jnp.int32),
+        "window": [kv_layout.empty_window(B, cfg.window_size, cfg.head_dim) for _ in range(cfg.n_layers)],
+        "compressed": {}, "index_keys": {}, "compressor": {},
+        # which KV source's index keys were published last (only read in reference-quirk mode)
+        "published": jnp.full((B,), -1, jnp.int32),
+    }
+    for s in cfg.kv_source_layers:
+        m = cfg.compress_ratios[s]
+        G = cfg.max_seq_len // m
+        cache["compressed"][f"layer{s}"] = kv_layout.empty_compressed(B, G, cfg.head_dim)
+        if s in cfg.index_source_layers:
+            cache["index_keys"][f"layer{s}"] = kv_layout.empty_index_keys(B, G, cfg.index_head_dim)
+        if m > 1:
+            cache["compressor"][f"layer{s}"] = {"kv": jnp.zeros((B, m, cfg.head_dim), jnp.float32),
+                                                "score": jnp.full((B, m, cfg.head_dim), -jnp.inf, jnp.float32)}
+    return cache
+
+
+def _scatter_rows(buf: jax.Array, rows: jax.Array, idx: jax.Array) -> jax.Array:
+    """buf [B, N, ...] with rows [B, J, ...] written at idx [B, J] (idx < 0 dropped)."""
+    N = buf.shape[1]
+    idx = jnp.where(idx < 0, N, idx)  # out of range -> dropped
+    b = jnp.arange(buf.shape[0])[:, None]
+    return buf.at[b, idx].set(rows.astype(buf.dtype), mode="drop")
+
+
+def _scatter_container(c, rows, idx):
+    return type(c)(*(_scatter_rows(a, r, idx) for a, r in zip(c, rows)))
+
+
+# ----------------------------------------------------------------------------- decisions (forced)
+def tie_aware_equal(scores: jax.Array, own: jax.Array, ref: jax.Array) -> jax.Array:
+    """Per row: do two index sets agree, up to exact ties at the selection boundary?
+
+    own/ref: [..., K] with -1 padding. The sets may differ only in elements whose score equals
+    the lowest selected score of `own` (a tie the oracle broke differently).
+    """
+    def member(a, b):
+        return jnp.any((a[..., :, None] == b[..., None, :]) & (b[..., None, :] >= 0), axis=-1) & (a >= 0)
+
+    own_only = (own >= 0) & ~member(own, ref)
+    ref_only = (ref >= 0) & ~member(ref, own)
+    s_own = jnp.take_along_axis(scores, jnp.maximum(own, 0), -1)
+    s_ref = jnp.take_along_axis(scores, jnp.maximum(ref, 0), -1)
+    bound = jnp.min(jnp.where(own >= 0, s_own, jnp.inf), -1, keepdims=True)
+    same_count = jnp.sum(own >= 0, -1) == jnp.sum(ref >= 0, -1)
+    ok_own = jnp.all(~own_only | (s_own == bound), -1)
+    ok_ref = jnp.all(~ref_only | (s_ref == bound), -1)
+    return same_count & ok_own & ok_ref
+
+
+# -------------------------------------------------------------------------------------- forward
+def _window_indices(start, T, W):
+    """Per query: W slots of [ring (W) ++ chunk (T)], oldest position first; -1 where none."""
+    pos = start[:, None] + jnp.arange(T)[None]  # [B, T]
+    p = pos[..., None] - (W - 1) + jnp.arange(W)  # [B, T, W]
+    in_chunk = p >= start[:, None, None]
+    idx = jnp.where(in_chunk, W + p - start[:, None, None], p % W)
+    return jnp.where(p >= 0, idx, -1).astype(jnp.int32)
+
+
+def _write_ring(ring: kv_layout.WindowKV, new: kv_layout.WindowKV, start, W) -> kv_layout.WindowKV:
+    """Write the chunk's last min(T, W) window entries into ring slots pos % W."""
+    T = new.values.shape[1]
+    keep = min(T, W)
+    pos = start[:, None] + jnp.arange(T - keep, T)[None]
+    sl = jax.tree.map(lambda a: a[:, T - keep:], new)
+    return _scatter_container(ring, sl, pos % W)
+
+
+def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runtime = Runtime(),
+            engram_ids: jax.Array | None = None, forced: dict | None = None, collect: bool = False):
+    """Run `tokens` [B, T] on top of `cache`. Returns (logits [B,T,V] fp32, new cache, aux).
+
+    engram_ids: [B, T, n_engram_layers, n_cols] table rows (host int64 hashing, see
+      `dsv41_jax.engram_hash`); required when the config has Engram layers.
+    forced: optional {"topk": {layer: [B,T,K]}, "experts": {layer: [B,T,k]}} decisions to impose
+      after comparing them (tie-aware) with the model's own; agreement comes back in aux.
+    collect: also return per-layer intermediates in aux["trace"].
+    """
+    cfg = model.cfg
+    mode = runtime.mode
+    B, T = tokens.shape
+    W = cfg.window_size
+    start = cache["length"]
+    positions = start[:, None] + jnp.arange(T)[None]
+    new_cache = {"length": start + T, "window": list(cache["window"]), "compressed": dict(cache["compressed"]),
+                 "index_keys": dict(cache["index_keys"]), "compressor": dict(cache["compressor"]),
+                 "published": cache["published"]}
+    aux = {"topk": {}, "experts": {}, "topk_agree": {}, "experts_agree": {}, "trace": {}}
+    trace = aux["trace"]
+
+    h = model.embed[...][tokens]
+    h = jnp.broadcast_to(h[:, :, None, :], (B, T, cfg.hc_mult, cfg.dim))
+    pre = jnp.zeros((B, T, cfg.hc_mult), jnp.float32).at[..., 0].set(1.0)
+    topk_of: dict[int, jax.Array] = {}
+    pool = None
+
+    for block in model.layers:
+        l, role = block.layer, block.role
+        if block.engram is not None:
+            if engram_ids is None:
+                raise ValueError(f"layer {l} has Engram: pass engram_ids (see dsv41_jax.engram_hash.hash_ids)")
+            h, gate = block.engram(h, engram_ids[:, :, cfg.engram_layer_ids.index(l)], mode)
+            if collect:
+                trace[f"engram.{l}.gate"] = gate
+        if collect:
+            trace[f"layer{l}.block_input"], trace[f"layer{l}.pre_mix_in"] = h, pre
+        a_pre, a_post, a_comb = block.hc_attn.mixes(h, mode)
+        x = block.attn_norm(collapse(h, pre))
+        attn = block.attn
+        freqs = layer_frequencies(cfg, role.ratio)
+        cos, sin = cos_sin(positions, freqs)
+        qr, q = attn.queries(x, cos, sin, mode)
+        win_new = kv_layout.quantize_window(attn.window_kv(x, cos, sin, mode))
+        ring = cache["window"][l]
+        keys = jnp.concatenate([kv_layout.dequantize_window(ring), kv_layout.dequantize_window(win_new)], 1)
+        idx = _window_indices(start, T, W)
+        new_cache["window"][l] = _write_ring(ring, win_new, start, W)
+
+        if role.ratio:
+            m, src = role.ratio, role.kv_source
+            key = f"layer{src}"
+            visible = (positions + 1) // m
+            if role.is_kv_source:
+                state = new_cache["compressor"].get(key)
+                lat, gids, state = attn.compressor.groups(x, start, state, mode)
+                if state is not None:
+                    new_cache["compressor"][key] = state
+                gcos, gsin = cos_sin(jnp.maximum(gids, 0) * m, freqs)
+                if attn.indexer is not None:
+                    k_new = kv_layout.quantize_index_keys(attn.indexer.keys(lat, gcos, gsin, mode))
+                    new_cache["index_keys"][key] = _scatter_container(new_cache["index_keys"][key], k_new, gids)
+                    produced = jnp.any(gids >= 0, axis=1)
+                    new_cache["published"] = jnp.where(produced, src, new_cache["published"])
+                from dsv41_jax.layers.rope import apply_rope
+
+                entries = kv_layout.quantize_compressed(apply_rope(lat, gcos, gsin, cfg.rope_head_dim))
+                new_cache["compressed"][key] = _scatter_container(new_cache["compressed"][key], entries, gids)
+                if collect:
+                    trace[f"layer{l}.compressor_latent"], trace[f"layer{l}.compressor_gids"] = lat, gids
+            if role.is_index_source:
+                keys_bf16 = _index_keys_for(cfg, new_cache, role, runtime).astype(jnp.bfloat16)
+                scores = attn.indexer.scores(x, qr, keys_bf16, cos, sin, visible, mode)
+                if role.is_candidate_source:
+                    pool, block_scores = candidate_pool(scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)
+                    if collect:
+                        trace[f"layer{l}.candidates"], trace["candidate_block_scores"] = pool, block_scores
+                elif role.uses_candidates:
+                    scores = jnp.where(pool, scores, -jnp.inf)
+                sel = select_topk(scores, visible, cfg.topk_width[src])
+                if forced is not None and l in forced.get("topk", {}):
+                    ref = forced["topk"][l]
+                    ref = jnp.pad(ref, [(0, 0), (0, 0), (0, sel.shape[-1] - ref.shape[-1])], constant_values=-1)
+                    aux["topk_agree"][l] = tie_aware_equal(scores, sel, ref)
+                    sel = ref.astype(jnp.int32)
+                topk_of[l] = sel
+                if collect:
+                    trace[f"layer{l}.index_score"] = scores
+            sel = topk_of[role.index_source]
+            aux["topk"][l] = sel
+            comp = kv_layout.dequantize_compressed(new_cache["compressed"][key]).astype(keys.dtype)
+            off = keys.shape[1]
+            keys = jnp.concatenate([keys, comp], 1)
+            idx = jnp.concatenate([idx, jnp.where(sel >= 0, sel + off, -1)], -1)
+
+        o = sparse_attention(q, keys.astype(q.dtype), attn.attn_sink[...], idx, cfg.head_dim ** -0.5, mode=mode)
+        a_out = attn.output(o, cos, sin, mode)
+        h = expand(a_out, h, a_post, a_comb)
+        if collect:
+            trace.update({f"layer{l}.attn_input": x, f"layer{l}.attn_output": a_out, f"layer{l}.sparse_attn_out": o,
+                          f"layer{l}.hc_attn_pre": a_pre, f"layer{l}.hc_attn_post": a_post, f"layer{l}.hc_attn_comb": a_comb})
+
+        f_pre, f_post, f_comb = block.hc_ffn.mixes(h, mode)
+        x = block.ffn_norm(collapse(h, a_pre))
+        forced_e = None if forced is None else forced.get("experts", {}).get(l)
+        y, info = block.ffn(x, mode, forced=forced_e, impl=_impl(runtime))
+        if forced_e is not None:
+            own = jax.lax.top_k(info["scores"] + block.ffn.gate.bias[...], cfg.n_activated_experts)[1]
+            aux["experts_agree"][l] = tie_aware_equal(info["scores"] + block.ffn.gate.bias[...], own, forced_e.astype(own.dtype))
+        aux["experts"][l] = info["experts"]
+        h = expand(y, h, f_post, f_comb)
+        if collect:
+            trace.update({f"layer{l}.ffn_input": x, f"layer{l}.ffn_output": y, f"layer{l}.hc_ffn_pre": f_pre,
+                          f"layer{l}.hc_ffn_post": f_post, f"layer{l}.hc_ffn_comb": f_comb,
+                          f"layer{l}.gate_scores": info["scores"], f"layer{l}.gate_weights": info["weights"],
+                          f"layer{l}.gate_indices": info["experts"]})
+        pre = f_pre
+
+    final = collapse(h, pre)
+    if collect:
+        trace["final_hidden"] = final
+    x = model.norm(final)
+    logits = matmul(x.astype(jnp.float32), model.head[...].astype(jnp.float32), "btd,vd->btv", jnp.float32, mode)
+    return logits, new_cache, aux
+
+
+def _impl(runtime: Runtime) -> str:
+    if runtime.impl == "auto":
+        return "pallas" if jax.default_backend() in ("tpu", "gpu") else "xla"
+    return runtime.impl
+
+
+def _index_keys_for(cfg: ModelConfig, cache: dict, role, runtime: Runtime) -> jax.Array:
+    """The index keys an index source scores (dequantized [B, G, Di]).
+
+    Intended: its own KV source's keys. Reference quirk (SPEC §6): whatever KV source published
+    last, truncated/padded to this layer's cache length.
+    """
+    own = kv_layout.dequantize_index_keys(cache["index_keys"][f"layer{role.kv_source}"])
+    if not runtime.index_k_quirk:
+        return own
+    G = own.shape[1]
+    out = own
+    for s in cfg.index_kv_sources:
+        if s == role.kv_source:
+            continue
+        other = kv_layout.dequantize_index_keys(cache["index_keys"][f"layer{s}"])
+        other = other[:, :G] if other.shape[1] >= G else jnp.pad(other, ((0, 0), (0, G - other.shape[1]), (0, 0)))
+        out = jnp.where((cache["published"] == s)[:, None, None], other, out)
+    return out
+
+
+# ------------------------------------------------------------------------------- host-side API
+def check_inputs(cfg: ModelConfig, tokens: np.ndarray, lengths: np.ndarray) -> None:
+    """Clear errors for bad input, before anything is traced."""
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}")
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= cfg.vocab_size):
+        bad = int(tokens.min() if tokens.min() < 0 else tokens.max())
+        raise ValueError(f"token id {bad} is out of range for vocab_size {cfg.vocab_size}")
+    end = int(np.max(np.asarray(lengths))) + tokens.shape[1]
+    if end > cfg.max_seq_len:
+        raise ValueError(f"sequence would reach {end} tokens but the cache holds max_seq_len={cfg.max_seq_len}; "
+                         f"build the config with a larger max_seq_len (e.g. cfg.replace(max_seq_len=...))")

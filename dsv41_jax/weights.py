@@ -1,0 +1,163 @@
+"""Weights by the reference's state-dict names <-> the model's parameter tree.
+
+The reference (and the HF checkpoint, which uses the same bare names) stores one tensor per
+expert matrix; we stack experts, so `layers.L.ffn.experts.E.w1.weight` is row E of
+`layers[L].ffn.experts.w1`. Quantized tensors keep their storage: E4M3 as float8_e4m3fn,
+E8M0 scales and packed E2M1 as uint8 bytes.
+"""
+from __future__ import annotations
+
+import re
+from typing import Callable, Iterable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsv41_jax.config import ModelConfig
+
+
+class WeightError(ValueError):
+    """A tensor is missing, unexpected, or has the wrong shape/dtype."""
+
+
+_EXPERT = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.(weight|scale)$")
+_RENAMES = [  # (reference suffix regex, our path template); `_reference_name` is the inverse
+    (r"hc_(attn|ffn)_fn", r"hc_\1.fn"), (r"hc_(attn|ffn)_base", r"hc_\1.base"), (r"hc_(attn|ffn)_scale", r"hc_\1.scale"),
+    (r"attn\.attn_sink", "attn.attn_sink"),
+    (r"engram\.embed\.weight", "engram.embed"), (r"engram\.embed\.scale", "engram.embed_scale"),
+    (r"ffn\.gate\.weight", "ffn.gate.weight"), (r"ffn\.gate\.bias", "ffn.gate.bias"),
+]
+
+
+def _our_path(name: str) -> tuple | None:
+    """Reference name -> (our parameter path, expert index or None); None for names we don't model."""
+    if name in ("embed.weight", "head.weight"):
+        return (name.split(".")[0],), None
+    if name == "norm.weight":
+        return ("norm", "weight"), None
+    m = _EXPERT.match(name)
+    if m:
+        l, e, w, kind = m.groups()
+        return ("layers", int(l), "ffn", "experts", w if kind == "weight" else f"{w}_scale"), int(e)
+    m = re.match(r"^layers\.(\d+)\.(.+)$", name)
+    if not m:
+        return None
+    l, rest = int(m.group(1)), m.group(2)
+    for pat, rep in _RENAMES:
+        if re.fullmatch(pat, rest):
+            rest = re.sub(pat, rep, rest)
+            break
+    return ("layers", l, *[int(p) if p.isdigit() else p for p in rest.split(".")]), None
+
+
+def is_ignored(name: str) -> bool:
+    """Tensors outside the text backbone: DSpark (mtp.*), vision, aligner, image delimiters, VL bias."""
+    return name.startswith(("mtp.", "vision.", "aligner.", "image_")) or name.endswith("gate.bias_vl")
+
+
+def flat_params(model_or_state) -> dict[tuple, nnx.Variable]:
+    state = nnx.state(model_or_state) if isinstance(model_or_state, nnx.Module) else model_or_state
+    return {tuple(k): v for k, v in nnx.to_flat_state(state)}
+
+
+def _coerce(arr: np.ndarray, want: jax.ShapeDtypeStruct, name: str) -> np.ndarray:
+    """Bring a stored tensor to the parameter's dtype without changing its values or bytes."""
+    want_dt = np.dtype(want.dtype)
+    a = np.asarray(arr)
+    if a.dtype == want_dt:
+        return a
+    if a.dtype.itemsize == want_dt.itemsize and a.dtype.kind in "uiV" and want_dt.kind in "uV" or (
+            a.dtype.itemsize == 1 and want_dt.itemsize == 1):
+        return a.view(want_dt)  # raw bytes: U8/I8 holding E4M3, E8M0 or packed E2M1
+    if want_dt.kind == "f" and a.dtype.kind == "f":
+        return a.astype(want_dt)  # bf16 on disk, fp32 in the model (compressor, head): exact
+    raise WeightError(f"{name}: stored dtype {a.dtype} cannot become the model's {want_dt}")
+
+
+def load_reference_state_dict(cfg: ModelConfig, get: Callable[[str], np.ndarray], names: Iterable[str],
+                              *, model: nnx.Module | None = None, strict: bool = True):
+    """Build a Transformer from tensors named as the reference's state dict.
+
+    get(name) returns a numpy array (only called for names we use). Raises WeightError naming
+    every missing, unexpected or mis-shaped tensor. Returns (model, skipped names).
+    """
+    from dsv41_jax.model import Transformer
+
+    abstract = model if model is not None else nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    params = flat_params(state)
+    filled: dict[tuple, np.ndarray] = {}
+    expert_parts: dict[tuple, dict[int, np.ndarray]] = {}
+    skipped, unexpected, problems = [], [], []
+    for name in names:
+        if is_ignored(name):
+            skipped.append(name)
+            continue
+        mapped = _our_path(name)
+        if mapped is None or mapped[0] not in params:
+            unexpected.append(name)
+            continue
+        path, expert = mapped
+        want = params[path]
+        if expert is None:
+            arr = _coerce(get(name), want, name)
+            if tuple(arr.shape) != tuple(want.shape):
+                problems.append(f"{name}: shape {tuple(arr.shape)}, expected {tuple(want.shape)}")
+                continue
+            filled[path] = arr
+        else:
+            sub = jax.ShapeDtypeStruct(want.shape[1:], want.dtype)
+            arr = _coerce(get(name), sub, name)
+            if tuple(arr.shape) != tuple(sub.shape):
+                problems.append(f"{name}: shape {tuple(arr.shape)}, expected {tuple(sub.shape)}")
+                continue
+            expert_parts.setdefault(path, {})[expert] = arr
+    for path, parts in expert_parts.items():
+        n = params[path].shape[0]
+        missing = [e for e in range(n) if e not in parts]
+        if missing:
+            problems.append(f"{'.'.join(map(str, path))}: experts {missing[:8]}{'...' if len(missing) > 8 else ''} missing")
+            continue
+        filled[path] = np.stack([parts[e] for e in range(n)])
+    missing = [".".join(map(str, p)) for p in params if p not in filled]
+    if strict and (missing or unexpected or problems):
+        msg = []
+        if missing:
+            msg.append(f"missing tensors for parameters: {missing[:20]}{' ...' if len(missing) > 20 else ''}")
+        if unexpected:
+            msg.append(f"unexpected tensors: {unexpected[:20]}{' ...' if len(unexpected) > 20 else ''}")
+        msg.extend(problems)
+        raise WeightError("; ".join(msg))
+    for path, arr in filled.items():
+        params[path].set_value(jnp.asarray(arr))
+    state = nnx.from_flat_state([(p, v) for p, v in params.items()])
+    return nnx.merge(graphdef, state), skipped
+
+
+def _reference_name(path: tuple) -> str:
+    """Our non-expert parameter path -> the reference state-dict name."""
+    if path[0] in ("embed", "head"):
+        return f"{path[0]}.weight"
+    if path == ("norm", "weight"):
+        return "norm.weight"
+    rest = ".".join(map(str, path[2:]))
+    rest = re.sub(r"^hc_(attn|ffn)\.(fn|base|scale)$", r"hc_\1_\2", rest)
+    rest = {"engram.embed": "engram.embed.weight", "engram.embed_scale": "engram.embed.scale"}.get(rest, rest)
+    return f"layers.{path[1]}.{rest}"
+
+
+def to_reference_state_dict(model: nnx.Module) -> dict[str, np.ndarray]:
+    """Inverse of the loader: reference names -> numpy arrays in the model's storage dtypes."""
+    out = {}
+    for path, var in flat_params(model).items():
+        value = np.asarray(var.get_value())
+        if path[2:4] == ("ffn", "experts"):
+            w = path[4]
+            base, kind = (w[:2], "scale") if w.endswith("_scale") else (w, "weight")
+            for e in range(value.shape[0]):
+                out[f"layers.{path[1]}.ffn.experts.{e}.{base}.{kind}"] = value[e]
+        else:
+            out[_reference_name(path)] = value
+    return out

@@ -1,0 +1,501 @@
+"""The DeepSeek-V4.1 chat encoder against hand-worked strings, ids and published fixtures.
+
+Expected strings are typed here, not built with the encoder's helpers. Where a serving
+engine published a fixture produced by DeepSeek's reference encoder, it is reproduced
+byte for byte (source repo and path in a comment next to it).
+"""
+import re
+
+import pytest
+from tiny_dsv41_tokenizer import SPECIAL_IDS, WORD_IDS, build_tokenizer_json
+
+from dsv41_jax import special_tokens as st
+from dsv41_jax.chat import encode_chat, encode_chat_ids, resolve_effort
+from dsv41_jax.tokenizer import load_tokenizer
+
+BOS = "<｜begin▁of▁sentence｜>"
+EOS = "<｜end▁of▁sentence｜>"
+SYS = "<｜System｜>"
+U = "<｜User｜>"
+A = "<｜Assistant｜>"
+
+
+def effort(n):
+    return f"Reasoning Effort: {n} (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+TOOL_GET = {
+    "type": "function",
+    "function": {"name": "get", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+}
+TOOLS_BLOCK_FOR_GET = (
+    "## Tools\n\n"
+    "You have access to a set of tools to help answer the user's question. You can invoke tools by "
+    'writing a "<｜DSML｜ calls>" block like the following:\n\n'
+    "<｜DSML｜ calls>\n"
+    '<｜DSML｜ invoke name="$TOOL_NAME">\n'
+    '<｜DSML｜ parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</｜DSML｜ parameter>\n'
+    "...\n"
+    "</｜DSML｜ invoke>\n"
+    '<｜DSML｜ invoke name="$TOOL_NAME2">\n'
+    "...\n"
+    "</｜DSML｜ invoke>\n"
+    "</｜DSML｜ calls>\n\n"
+    'String parameters should be specified as is and set `string="true"`. For all other types '
+    '(numbers, booleans, arrays, objects), pass the value in JSON format and set `string="false"`.\n\n'
+    "If thinking_mode is enabled (triggered by <think>), you MUST output your complete reasoning "
+    "inside <think>...</think> BEFORE any tool calls or final response.\n\n"
+    "Otherwise, output directly after </think> with tool calls or final response.\n\n"
+    "### Available Tool Schemas\n\n"
+    '{"name": "get", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}\n\n'
+    "You MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n"
+)
+
+
+# ---- single turn -------------------------------------------------------------------------
+
+
+def test_single_turn_chat():
+    # vLLM tests/tokenizers_/test_deepseek_v41.py::test_chat_mode_has_closed_thinking_prefix
+    assert encode_chat([user("question")], thinking=False) == BOS + U + "question" + A + "</think>"
+
+
+def test_single_turn_thinking_hosts_effort_in_a_system_turn():
+    # vLLM tests/tokenizers_/test_deepseek_v41.py::test_numeric_reasoning_effort (default "high")
+    assert encode_chat([user("question")], thinking=True) == BOS + SYS + effort(75) + U + "question" + A + "<think>"
+
+
+def test_effort_line_goes_before_the_system_content():
+    messages = [{"role": "system", "content": "Be exact."}, user("Hello")]
+    assert encode_chat(messages, thinking=True, effort=100) == (
+        BOS + SYS + effort(100) + "Be exact." + U + "Hello" + A + "<think>"
+    )
+    # chat mode: the system token stays, no effort line (SGLang test_encoding_dsv41.py
+    # ::test_leading_system_message_uses_system_token)
+    assert encode_chat(messages, thinking=False, effort=100) == BOS + SYS + "Be exact." + U + "Hello" + A + "</think>"
+
+
+def test_add_bos_false_continues_a_context():
+    assert encode_chat([user("hi")], thinking=False, add_bos=False) == U + "hi" + A + "</think>"
+
+
+def test_text_parts_join_with_a_blank_line():
+    # vLLM tests/tokenizers_/test_deepseek_v41.py::test_raw_text_parts_preserve_reference_separator
+    parts = [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]
+    assert encode_chat([{"role": "user", "content": parts}], thinking=False) == (
+        BOS + U + "first\n\nsecond" + A + "</think>"
+    )
+
+
+def test_consecutive_user_messages_merge_into_one_turn():
+    assert encode_chat([user("a"), user("b")], thinking=False) == BOS + U + "a\n\nb" + A + "</think>"
+
+
+# ---- effort -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "budget"),
+    [(None, 75), ("low", 50), ("high", 75), ("max", 100), (1, 1), (42, 42), (100, 100)],
+)
+def test_effort_names_and_ints(value, budget):
+    expected = BOS + SYS + effort(budget) + U + "q" + A + "<think>"
+    assert encode_chat([user("q")], thinking=True, effort=value) == expected
+
+
+def test_configurable_effort_table():
+    # SGLang's table (test_encoding_dsv41.py::test_tiers_and_budgets_map_to_1_100): 25/50/75/100.
+    table = {"low": 25, "high": 50, "xhigh": 75, "max": 100}
+    assert resolve_effort(None, table) == 50
+    assert resolve_effort("xhigh", table) == 75
+    assert encode_chat([user("q")], thinking=True, effort="low", effort_table=table).count(effort(25)) == 1
+
+
+@pytest.mark.parametrize("value", ["medium", "none", "75", 0, 101, -1, True, 1.5, []])
+def test_bad_effort_names_the_value_and_the_accepted_range(value):
+    for thinking in (True, False):  # validated in chat mode too, like the reference
+        with pytest.raises(ValueError, match=re.escape(repr(value)) + r".*1-100.*'low': 50"):
+            encode_chat([user("q")], thinking=thinking, effort=value)
+
+
+def test_bad_effort_table():
+    with pytest.raises(ValueError, match="'huge': 500"):
+        encode_chat([user("q")], thinking=True, effort_table={"huge": 500})
+    with pytest.raises(ValueError, match="effort=None means 'high'"):
+        encode_chat([user("q")], thinking=True, effort_table={"max": 100})
+
+
+# ---- multi-turn reasoning ------------------------------------------------------------------
+
+# vLLM tests/tokenizers_/fixtures/deepseek_v4/test_input_2.json (vLLM accepts "reasoning" for
+# "reasoning_content"; SGLang's copy of the same case uses "reasoning_content").
+GREETING = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Hello"},
+    {"role": "assistant", "reasoning": "The user said hello, I should greet back.", "content": "Hi there! How can I help you?"},
+    {"role": "user", "content": "What is the capital of France?"},
+    {
+        "role": "assistant",
+        "reasoning_content": "The user asks about the capital of France. It is Paris.",
+        "content": "The capital of France is Paris.",
+    },
+]
+
+
+def test_published_fixture_multi_turn_thinking_drops_earlier_reasoning():
+    # vLLM tests/tokenizers_/fixtures/deepseek_v41/test_output_2.txt (default effort 75 revision)
+    expected = (
+        "<｜begin▁of▁sentence｜><｜System｜>Reasoning Effort: 75 (range 1-100, the higher the value, the "
+        "more thorough the reasoning)\n\nYou are a helpful assistant.<｜User｜>Hello<｜Assistant｜></think>"
+        "Hi there! How can I help you?<｜end▁of▁sentence｜><｜User｜>What is the capital of France?"
+        "<｜Assistant｜><think>The user asks about the capital of France. It is Paris.</think>"
+        "The capital of France is Paris.<｜end▁of▁sentence｜>"
+    )
+    assert encode_chat(GREETING, thinking=True) == expected
+
+
+def test_published_fixture_multi_turn_chat():
+    # SGLang test/registered/unit/entrypoints/openai/fixtures/dsv41/test_output_2.txt (chat mode)
+    expected = (
+        "<｜begin▁of▁sentence｜><｜System｜>You are a helpful assistant.<｜User｜>Hello<｜Assistant｜></think>"
+        "Hi there! How can I help you?<｜end▁of▁sentence｜><｜User｜>What is the capital of France?"
+        "<｜Assistant｜></think>The capital of France is Paris.<｜end▁of▁sentence｜>"
+    )
+    assert encode_chat(GREETING, thinking=False) == expected
+
+
+TWO_QUESTIONS = [user("q1"), {"role": "assistant", "content": "a1", "reasoning_content": "r1"}, user("q2")]
+
+
+def test_thinking_drops_reasoning_before_the_last_user_turn():
+    # SGLang test_encoding_dsv41.py::test_drop_thinking_without_tools
+    assert encode_chat(TWO_QUESTIONS, thinking=True) == (
+        BOS + SYS + effort(75) + U + "q1" + A + "</think>a1" + EOS + U + "q2" + A + "<think>"
+    )
+
+
+def test_reasoning_is_kept_when_tools_are_offered():
+    assert encode_chat(TWO_QUESTIONS, thinking=True, tools=[TOOL_GET]) == (
+        BOS + SYS + effort(75) + "\n\n" + TOOLS_BLOCK_FOR_GET
+        + U + "q1" + A + "<think>r1</think>a1" + EOS + U + "q2" + A + "<think>"
+    )
+
+
+def test_drop_thinking_false_keeps_reasoning_without_tools():
+    assert encode_chat(TWO_QUESTIONS, thinking=True, drop_thinking=False) == (
+        BOS + SYS + effort(75) + U + "q1" + A + "<think>r1</think>a1" + EOS + U + "q2" + A + "<think>"
+    )
+
+
+def test_chat_mode_never_writes_reasoning():
+    assert encode_chat(TWO_QUESTIONS, thinking=False, tools=[TOOL_GET]) == (
+        BOS + SYS + "\n\n" + TOOLS_BLOCK_FOR_GET + U + "q1" + A + "</think>a1" + EOS + U + "q2" + A + "</think>"
+    )
+
+
+def test_finished_conversation_gets_no_new_header():
+    messages = [user("hi"), {"role": "assistant", "content": "ok"}]
+    assert encode_chat(messages, thinking=False) == BOS + U + "hi" + A + "</think>ok" + EOS
+
+
+def test_system_only_conversation_has_no_header():
+    # reference encoder: only user turns and later system turns open an assistant reply
+    assert encode_chat([{"role": "system", "content": "s"}], thinking=True) == BOS + SYS + effort(75) + "s"
+
+
+def test_mid_conversation_system_message_acts_as_a_user_turn():
+    # SGLang test_encoding_dsv41.py::test_mid_conversation_system_message_triggers_assistant_header
+    messages = [
+        {"role": "system", "content": "sys"},
+        user("q1"),
+        {"role": "assistant", "content": "a1", "reasoning_content": "r1"},
+        {"role": "system", "content": "mid sys"},
+    ]
+    assert encode_chat(messages, thinking=True, effort=88) == (
+        BOS + SYS + effort(88) + "sys" + U + "q1" + A + "</think>a1" + EOS + SYS + "mid sys" + A + "<think>"
+    )
+    # vLLM test_deepseek_v41.py::test_mid_system_gets_its_own_marker_and_generation_header
+    later = [user("question"), {"role": "system", "content": "answer briefly"}]
+    assert encode_chat(later, thinking=False) == BOS + U + "question" + SYS + "answer briefly" + A + "</think>"
+
+
+# ---- tools ------------------------------------------------------------------------------------
+
+# vLLM tests/tokenizers_/fixtures/deepseek_v4/test_input_1.json
+WEATHER_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the weather for a specific location",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "location": {"type": "string", "description": "The city name"},
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"], "description": "Temperature unit"},
+                },
+                "required": ["location"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": "Search the web for information",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "query": {"type": "string", "description": "Search query"},
+                    "num_results": {"type": "integer", "description": "Number of results to return"},
+                },
+                "required": ["query"],
+            },
+        },
+    },
+]
+WEATHER_MESSAGES = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What's the weather in Beijing?"},
+    {
+        "role": "assistant",
+        "reasoning": "The user wants to know the weather in Beijing. I should use the get_weather tool.",
+        "tool_calls": [
+            {
+                "id": "call_001",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"location": "Beijing", "unit": "celsius"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_001", "content": '{"temperature": 22, "condition": "sunny", "humidity": 45}'},
+    {
+        "role": "assistant",
+        "reasoning": "Got the weather data. Let me format a nice response.",
+        "content": "The weather in Beijing is currently sunny with a temperature of 22°C and 45% humidity.",
+    },
+]
+# vLLM tests/tokenizers_/fixtures/deepseek_v41/test_output_1.txt (revision with default effort 75)
+WEATHER_EXPECTED = (
+    "<｜begin▁of▁sentence｜><｜System｜>Reasoning Effort: 75 (range 1-100, the higher the value, the more "
+    "thorough the reasoning)\n\nYou are a helpful assistant.\n\n## Tools\n\nYou have access to a set of tools "
+    "to help answer the user's question. You can invoke tools by writing a \"<｜DSML｜ calls>\" block like the "
+    "following:\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name=\"$TOOL_NAME\">\n<｜DSML｜ parameter "
+    "name=\"$PARAMETER_NAME\" string=\"true|false\">$PARAMETER_VALUE</｜DSML｜ parameter>\n...\n</｜DSML｜ "
+    "invoke>\n<｜DSML｜ invoke name=\"$TOOL_NAME2\">\n...\n</｜DSML｜ invoke>\n</｜DSML｜ calls>\n\nString "
+    "parameters should be specified as is and set `string=\"true\"`. For all other types (numbers, "
+    "booleans, arrays, objects), pass the value in JSON format and set `string=\"false\"`.\n\nIf "
+    "thinking_mode is enabled (triggered by <think>), you MUST output your complete reasoning inside "
+    "<think>...</think> BEFORE any tool calls or final response.\n\nOtherwise, output directly after "
+    "</think> with tool calls or final response.\n\n### Available Tool Schemas\n\n{\"name\": "
+    "\"get_weather\", \"description\": \"Get the weather for a specific location\", \"parameters\": "
+    "{\"type\": \"object\", \"properties\": {\"location\": {\"type\": \"string\", \"description\": \"The "
+    "city name\"}, \"unit\": {\"type\": \"string\", \"enum\": [\"celsius\", \"fahrenheit\"], "
+    "\"description\": \"Temperature unit\"}}, \"required\": [\"location\"]}}\n{\"name\": \"search\", "
+    "\"description\": \"Search the web for information\", \"parameters\": {\"type\": \"object\", "
+    "\"properties\": {\"query\": {\"type\": \"string\", \"description\": \"Search query\"}, "
+    "\"num_results\": {\"type\": \"integer\", \"description\": \"Number of results to return\"}}, "
+    "\"required\": [\"query\"]}}\n\nYou MUST strictly follow the above defined tool name and parameter "
+    "schemas to invoke tool calls.\n<｜User｜>What's the weather in Beijing?<｜Assistant｜><think>The user "
+    "wants to know the weather in Beijing. I should use the get_weather tool.</think>\n\n<｜DSML｜ "
+    "calls>\n<｜DSML｜ invoke name=\"get_weather\">\n<｜DSML｜ parameter name=\"location\" "
+    "string=\"true\">Beijing</｜DSML｜ parameter>\n<｜DSML｜ parameter name=\"unit\" "
+    "string=\"true\">celsius</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n</｜DSML｜ "
+    "calls><｜end▁of▁sentence｜><｜User｜><tool_result>{\"temperature\": 22, \"condition\": \"sunny\", "
+    "\"humidity\": 45}</tool_result><｜Assistant｜><think>Got the weather data. Let me format a nice "
+    "response.</think>The weather in Beijing is currently sunny with a temperature of 22°C and 45% "
+    "humidity.<｜end▁of▁sentence｜>"
+)
+
+
+def test_published_fixture_tool_call_and_tool_result():
+    assert len(WEATHER_EXPECTED) == 2374  # the fixture file's size in characters
+    assert encode_chat(WEATHER_MESSAGES, thinking=True, tools=WEATHER_TOOLS) == WEATHER_EXPECTED
+
+
+def test_published_tool_call_rendering_with_non_string_argument():
+    # SGLang test_encoding_dsv41.py TOOL_CALL_COMPLETION (assistant turn after the last user turn)
+    messages = [
+        user("question"),
+        {
+            "role": "assistant",
+            "reasoning_content": "  reason  ",
+            "content": "summary",
+            "tool_calls": [{"type": "function", "function": {"name": "lookup", "arguments": '{"query":"value","limit":2}'}}],
+        },
+    ]
+    completion = (
+        "  reason  </think>summary\n\n"
+        "<｜DSML｜ calls>\n"
+        '<｜DSML｜ invoke name="lookup">\n'
+        '<｜DSML｜ parameter name="query" string="true">value</｜DSML｜ parameter>\n'
+        '<｜DSML｜ parameter name="limit" string="false">2</｜DSML｜ parameter>\n'
+        "</｜DSML｜ invoke>\n"
+        "</｜DSML｜ calls><｜end▁of▁sentence｜>"
+    )
+    assert encode_chat(messages, thinking=True) == BOS + SYS + effort(75) + U + "question" + A + "<think>" + completion
+
+
+PARALLEL_CALLS = [
+    user("what is the weather"),
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "a", "type": "function", "function": {"name": "get", "arguments": {"city": "paris", "days": 2}}},
+            {"id": "b", "type": "function", "function": {"name": "get", "arguments": '{"city": "rome", "flags": [1, true], "opts": {"x": null}}'}},
+        ],
+    },
+    {"role": "tool", "tool_call_id": "b", "content": "rome: rain"},
+    {"role": "tool", "tool_call_id": "a", "content": "paris: sun"},
+    user("thanks"),
+]
+PARALLEL_CALLS_DSML = (
+    "\n\n<｜DSML｜ calls>\n"
+    '<｜DSML｜ invoke name="get">\n'
+    '<｜DSML｜ parameter name="city" string="true">paris</｜DSML｜ parameter>\n'
+    '<｜DSML｜ parameter name="days" string="false">2</｜DSML｜ parameter>\n'
+    "</｜DSML｜ invoke>\n"
+    '<｜DSML｜ invoke name="get">\n'
+    '<｜DSML｜ parameter name="city" string="true">rome</｜DSML｜ parameter>\n'
+    '<｜DSML｜ parameter name="flags" string="false">[1, true]</｜DSML｜ parameter>\n'
+    '<｜DSML｜ parameter name="opts" string="false">{"x": null}</｜DSML｜ parameter>\n'
+    "</｜DSML｜ invoke>\n"
+    "</｜DSML｜ calls>"
+)
+MERGED_RESULTS = "<tool_result>paris: sun</tool_result>\n\n<tool_result>rome: rain</tool_result>\n\nthanks"
+
+
+def test_tool_results_merge_into_the_user_turn_in_call_order():
+    assert encode_chat(PARALLEL_CALLS, thinking=False) == (
+        BOS + U + "what is the weather" + A + "</think>" + PARALLEL_CALLS_DSML + EOS + U + MERGED_RESULTS + A + "</think>"
+    )
+
+
+def test_tool_loop_reasoning_follows_the_tools_rule():
+    calls = [dict(PARALLEL_CALLS[1], reasoning_content="plan")] 
+    messages = PARALLEL_CALLS[:1] + calls + PARALLEL_CALLS[2:]
+    # no tools offered: the reference drops the call's reasoning (the result turn is the last user turn)
+    assert encode_chat(messages, thinking=True) == (
+        BOS + SYS + effort(75) + U + "what is the weather" + A + "</think>" + PARALLEL_CALLS_DSML + EOS
+        + U + MERGED_RESULTS + A + "<think>"
+    )
+    # tools offered: the reasoning stays
+    kept = encode_chat(messages, thinking=True, tools=[TOOL_GET])
+    assert kept.endswith(
+        U + "what is the weather" + A + "<think>plan</think>" + PARALLEL_CALLS_DSML + EOS + U + MERGED_RESULTS + A + "<think>"
+    )
+
+
+def test_tools_without_a_system_message_get_an_empty_system_turn():
+    # vLLM vllm/tokenizers/deepseek_v41.py inserts {"role": "system", "content": ""} for tools
+    assert encode_chat([user("hi")], thinking=False, tools=[TOOL_GET]) == (
+        BOS + SYS + "\n\n" + TOOLS_BLOCK_FOR_GET + U + "hi" + A + "</think>"
+    )
+
+
+# ---- image placeholder escaping ----------------------------------------------------------------
+
+
+def test_literal_image_token_is_escaped_everywhere():
+    image = "<｜deepseek_image｜>"
+    messages = [
+        {"role": "system", "content": f"s {image}"},
+        user(f"u {image}"),
+        {
+            "role": "assistant",
+            "content": f"c {image}",
+            "reasoning_content": f"r {image}",
+            "tool_calls": [{"id": "x", "function": {"name": "get", "arguments": {"city": image}}}],
+        },
+        {"role": "tool", "tool_call_id": "x", "content": f"t {image}"},
+    ]
+    text = encode_chat(messages, thinking=True, drop_thinking=False)
+    assert image not in text
+    for prefix in ("s ", "u ", "c ", "r ", ">", "t "):
+        assert prefix + "<|deepseek_image|>" in text
+    assert text.count("<|deepseek_image|>") == 6
+
+
+# ---- validation -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("messages", "pattern"),
+    [
+        ([{"role": "developer", "content": "x"}], r"messages\[0\]: unknown role 'developer'"),
+        ([user("a"), {"content": "x"}], r"messages\[1\]: unknown role None"),
+        (["hello"], r"messages\[0\]: unknown role"),
+        ([{"role": "user"}], r"messages\[0\]: missing 'content'"),
+        ([{"role": "system", "content": None}], r"missing 'content'"),
+        ([{"role": "tool", "tool_call_id": "a"}], r"missing 'content'"),
+        ([user("a"), {"role": "assistant"}], r"messages\[1\]: assistant message has neither"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "only text parts.*'image_url'"),
+        ([{"role": "user", "content": 5}], "content must be a str"),
+        ([user("a"), {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{bad"}}]}], "not valid JSON"),
+        ([user("a"), {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}], "must be a JSON object"),
+        ([user("a"), {"role": "assistant", "content": "", "tool_calls": [{"name": "f"}]}], "each tool call needs"),
+        ([user("a"), {"role": "assistant", "content": "x", "reasoning": "p", "reasoning_content": "q"}], "disagree"),
+        ([], "non-empty list"),
+        ("hello", "non-empty list"),
+    ],
+)
+def test_bad_messages_are_clear_errors(messages, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        encode_chat(messages, thinking=False)
+
+
+def test_bad_tools_and_flags_are_clear_errors():
+    with pytest.raises(ValueError, match=r"tools\[0\] must be"):
+        encode_chat([user("a")], thinking=False, tools=[{"name": "f"}])
+    with pytest.raises(ValueError, match="tools must be a list"):
+        encode_chat([user("a")], thinking=False, tools=TOOL_GET)
+    with pytest.raises(ValueError, match="thinking must be True or False"):
+        encode_chat([user("a")], thinking="yes")
+
+
+# ---- ids ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return load_tokenizer(build_tokenizer_json(tmp_path_factory.mktemp("chat_tok")))
+
+
+W = WORD_IDS
+EFFORT_42_IDS = [W[w] for w in "Reasoning Effort : 42 ( range 1 - 100 , the higher the value , the more thorough the reasoning )".split()]
+
+
+def test_ids_single_turn_chat(tok):
+    assert encode_chat_ids(tok, [user("hi there")], thinking=False) == [0, 128803, W["hi"], W["there"], 128804, 128822]
+
+
+def test_ids_thinking_with_system_and_effort(tok):
+    messages = [{"role": "system", "content": "ok"}, user("hi")]
+    assert encode_chat_ids(tok, messages, thinking=True, effort=42) == (
+        [0, 128799] + EFFORT_42_IDS + [W["ok"], 128803, W["hi"], 128804, 128821]
+    )
+
+
+def test_ids_multi_turn_drop_reasoning_and_eos(tok):
+    messages = [user("hi"), {"role": "assistant", "content": "ok", "reasoning_content": "think"}, user("hello")]
+    ids = encode_chat_ids(tok, messages, thinking=True, effort=42)
+    assert ids == [0, 128799] + EFFORT_42_IDS + [128803, W["hi"], 128804, 128822, W["ok"], 1, 128803, W["hello"], 128804, 128821]
+    assert ids.count(0) == 1 and W["think"] not in ids
+
+
+def test_ids_never_contain_the_image_id(tok):
+    assert tok.encode("<｜deepseek_image｜>") == [st.IMAGE_TOKEN_ID]  # control: unescaped, it would
+    ids = encode_chat_ids(tok, [user("<｜deepseek_image｜>")], thinking=False)
+    assert ids == [0, 128803, W["<|"], W["deepseek_image"], W["|>"], 128804, 128822]
+
+
+def test_ids_need_the_markers_as_added_tokens(tmp_path):
+    specials = {k: v for k, v in SPECIAL_IDS.items() if k != st.USER}
+    broken = load_tokenizer(build_tokenizer_json(tmp_path, specials=specials, sentinels=False))
+    with pytest.raises(ValueError, match="lacks the special tokens.*User"):
+        encode_chat_ids(broken, [user("hi")], thinking=False)
