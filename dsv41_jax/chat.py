@@ -24,12 +24,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import numbers
+import types
 from collections.abc import Mapping, Sequence
 
 from dsv41_jax import chat_dsml
 from dsv41_jax import special_tokens as st
 
-DEFAULT_EFFORT_TABLE: Mapping[str, int] = {"low": 50, "high": 75, "max": 100}  # DeepSeek API values
+# The reference encoder's table (checkpoint encoding.py, as pinned by vLLM's conformance test)
+# and the DeepSeek API's; SGLang ships 25/50/75/100 with "xhigh", hence `effort_table`.
+DEFAULT_EFFORT_TABLE: Mapping[str, int] = types.MappingProxyType({"low": 50, "high": 75, "max": 100})
 DEFAULT_EFFORT_NAME = "high"  # reference DEFAULT_REASONING_EFFORT, used when effort is None
 EFFORT_MIN, EFFORT_MAX = 1, 100
 IMAGE_ESCAPED = "<|deepseek_image|>"
@@ -42,6 +45,7 @@ def escape_image_placeholder(text: str) -> str:
 
 
 def effort_line(budget: int) -> str:
+    """The thinking-mode line the model was trained to read its reasoning budget from."""
     return f"Reasoning Effort: {budget} (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
 
 

@@ -90,3 +90,98 @@ def empty_index_keys(batch: int, entries: int, dim: int) -> IndexKeys:
 def row_bytes(container: tuple) -> int:
     """Bytes of one cached row (last axis) of a layout container, from its dtypes and shapes."""
     return sum(int(a.shape[-1]) * jnp.dtype(a.dtype).itemsize for a in container)
+
+
+# ----------------------------------------------------------------------------- kernel views
+#
+# What the Pallas kernels (pallas_kernels/) read. Keeping these here means the serving issue's
+# packed, paged layout only has to provide the same views (ideally as stored arrays, so the views
+# cost nothing).
+#
+# TPU view ("words"): Mosaic DMAs and vector ops are safest on 32-bit data, so every row is
+# regrouped into uint32 words. Element e = 8j + n of a row (n in 0..7) sits in "plane" n, lane j:
+#   - window values: `low` word j holds the E4M3 bytes of elements 8j..8j+3 (byte n = element
+#     8j+n), `high` word j those of 8j+4..8j+7;
+#   - FP4 rows (compressed KV, index keys): word j holds packed bytes 4j..4j+3, so its nibble n
+#     (from the least significant end) is element 8j+n;
+#   - scale bytes are zero-padded to a multiple of 4 and packed 4 per word, byte t in bits 8t..8t+7.
+# Kernels permute queries into the same plane order and the output back.
+# On TPU, building these views from the uint8/float8 containers above is a relayout copy of the
+# whole cache (8-bit and 32-bit arrays are tiled differently in HBM); a stored word layout avoids it.
+#
+# GPU view ("bytes"): the raw bytes as uint8, row-major, which Triton gathers directly.
+
+
+class WindowWords(NamedTuple):
+    """Window rows as uint32: low/high [..., D/8] (elements 8j..8j+3 / 8j+4..8j+7), scales [..., ceil(D/128)]."""
+
+    low: jax.Array
+    high: jax.Array
+    scales: jax.Array
+
+
+class Fp4Words(NamedTuple):
+    """FP4 rows as uint32: packed [..., D/8] (nibble n of word j = element 8j+n), scales [..., ceil(nscales/4)]."""
+
+    packed: jax.Array
+    scales: jax.Array
+
+
+def _pack_words(b: jax.Array) -> jax.Array:
+    """uint8 [..., 4m] -> uint32 [..., m], byte t of each group in bits 8t..8t+7 (explicit, endian-free)."""
+    b = b.astype(jnp.uint32).reshape(*b.shape[:-1], b.shape[-1] // 4, 4)
+    return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+
+
+def _pad_to_words(b: jax.Array) -> jax.Array:
+    pad = -b.shape[-1] % 4
+    if pad:
+        b = jnp.pad(b, [(0, 0)] * (b.ndim - 1) + [(0, pad)])
+    return _pack_words(b)
+
+
+def _check_dim(dim: int, what: str) -> None:
+    if dim % 32:
+        raise ValueError(f"{what}: the kernels need a row width that is a multiple of 32, got {dim}")
+
+
+def window_words(w: WindowKV) -> WindowWords:
+    """Kernel (TPU) view of window rows; see the section comment for the element order."""
+    dim = int(w.values.shape[-1])
+    _check_dim(dim, "window_words")
+    values = jax.lax.bitcast_convert_type(w.values, jnp.uint8).reshape(*w.values.shape[:-1], dim // 8, 8)
+    low = _pack_words(values[..., :4].reshape(*values.shape[:-2], dim // 2))
+    high = _pack_words(values[..., 4:].reshape(*values.shape[:-2], dim // 2))
+    return WindowWords(low, high, _pad_to_words(w.scales))
+
+
+def _fp4_words(packed: jax.Array, scales: jax.Array, what: str) -> Fp4Words:
+    _check_dim(2 * int(packed.shape[-1]), what)
+    if scales.dtype != jnp.uint8:
+        scales = jax.lax.bitcast_convert_type(scales, jnp.uint8)
+    return Fp4Words(_pack_words(packed), _pad_to_words(scales))
+
+
+def compressed_words(c: CompressedKV) -> Fp4Words:
+    """Kernel (TPU) view of compressed rows: FP4 words plus E4M3 scale bytes packed in words."""
+    return _fp4_words(c.packed, c.scales, "compressed_words")
+
+
+def index_key_words(k: IndexKeys) -> Fp4Words:
+    """Kernel (TPU) view of index keys: FP4 words plus E8M0 scale bytes packed in words."""
+    return _fp4_words(k.packed, k.scales, "index_key_words")
+
+
+def window_bytes(w: WindowKV) -> tuple[jax.Array, jax.Array]:
+    """Kernel (GPU) view: (E4M3 values as uint8 [..., D], E8M0 scales uint8 [..., D/32])."""
+    return jax.lax.bitcast_convert_type(w.values, jnp.uint8), w.scales
+
+
+def compressed_bytes(c: CompressedKV) -> tuple[jax.Array, jax.Array]:
+    """Kernel (GPU) view: (packed FP4 uint8 [..., D/2], E4M3 scales as uint8 [..., D/16])."""
+    return c.packed, jax.lax.bitcast_convert_type(c.scales, jnp.uint8)
+
+
+def index_key_bytes(k: IndexKeys) -> tuple[jax.Array, jax.Array]:
+    """Kernel (GPU) view: (packed FP4 uint8 [..., Di/2], E8M0 scales uint8 [..., Di/32])."""
+    return k.packed, k.scales

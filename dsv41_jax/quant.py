@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsv41_jax.exact_ops import true_divide
+
 E2M1_VALUES = np.array(
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
     dtype=np.float32,
@@ -69,17 +71,6 @@ def _e8m0_reciprocal(b: jax.Array) -> jax.Array:
     normal = jax.lax.bitcast_convert_type(field << 23, jnp.float32)
     value = jnp.where(b == 254, jnp.float32(2.0**-127), normal)
     return jnp.where(b == 255, jnp.float32(jnp.nan), value)
-
-
-def _divide_exactly(a: jax.Array, b: jax.Array) -> jax.Array:
-    """IEEE a / b, elementwise on equal shapes.
-
-    XLA's algebraic simplifier rewrites A / broadcast(B) (and A / constant) into A * (1/B), which
-    rounds twice; the oracle divides once (this flips e.g. 0.0732421875 / 0.05859375 = 1.25 to
-    1.2500001 and its E2M1 code). The barrier hides the broadcast from that rewrite.
-    """
-    b = jax.lax.optimization_barrier(jnp.broadcast_to(b, jnp.broadcast_shapes(a.shape, b.shape)))
-    return a / b
 
 
 def _to_e4m3(x: jax.Array) -> jax.Array:
@@ -215,14 +206,14 @@ def quant_fp4_kv(
     xb = _blocks(x, block, "quant_fp4_kv")
     amax = _block_amax(xb, FP4_KV_AMAX_FLOOR)
     if scale_by == "divide":
-        raw = _divide_exactly(amax, jnp.float32(E2M1_MAX))
+        raw = true_divide(amax, jnp.float32(E2M1_MAX))
     elif scale_by == "reciprocal":
         raw = amax * jnp.float32(1.0 / E2M1_MAX)
     else:
         raise ValueError(f"quant_fp4_kv: scale_by must be 'divide' or 'reciprocal', got {scale_by!r}")
     scale = _to_e4m3(raw)
     s = scale.astype(jnp.float32)[..., None]
-    scaled = _divide_exactly(xb, s) if divide_values else xb * (jnp.float32(1.0) / s)
+    scaled = true_divide(xb, s) if divide_values else xb * (jnp.float32(1.0) / s)
     return pack_fp4(_flat(e2m1_encode(scaled))), scale
 
 
@@ -297,7 +288,7 @@ def quant_fp8_weight(w: jax.Array, block: int = 32) -> tuple[jax.Array, jax.Arra
     wp = jnp.pad(jnp.asarray(w, jnp.float32), ((0, nb * block - n), (0, kb * block - k)))
     tiles = wp.reshape(nb, block, kb, block)
     amax = jnp.max(jnp.abs(tiles), axis=(1, 3))
-    scale = float_to_e8m0_ceil(_divide_exactly(amax, jnp.float32(E4M3_MAX)))
+    scale = float_to_e8m0_ceil(true_divide(amax, jnp.float32(E4M3_MAX)))
     q = _to_e4m3(tiles * _e8m0_reciprocal(scale)[:, None, :, None])
     return q.reshape(nb * block, kb * block)[:n, :k], scale
 
@@ -324,7 +315,7 @@ def quant_fp4_weight(w: jax.Array, block: int = 32) -> tuple[jax.Array, jax.Arra
     _check_matrix(w, "quant_fp4_weight")
     wb = _blocks(w, block, "quant_fp4_weight")
     amax = jnp.max(jnp.abs(wb), axis=-1)
-    scale = float_to_e8m0_ceil(_divide_exactly(amax, jnp.float32(E2M1_MAX)))
+    scale = float_to_e8m0_ceil(true_divide(amax, jnp.float32(E2M1_MAX)))
     codes = e2m1_encode(wb * _e8m0_reciprocal(scale)[..., None])
     return pack_fp4(_flat(codes)), scale
 

@@ -347,7 +347,11 @@ PARALLEL_CALLS = [
         "content": None,
         "tool_calls": [
             {"id": "a", "type": "function", "function": {"name": "get", "arguments": {"city": "paris", "days": 2}}},
-            {"id": "b", "type": "function", "function": {"name": "get", "arguments": '{"city": "rome", "flags": [1, true], "opts": {"x": null}}'}},
+            {
+                "id": "b",
+                "type": "function",
+                "function": {"name": "get", "arguments": '{"city": "rome", "flags": [1, true], "opts": {"x": null}}'},
+            },
         ],
     },
     {"role": "tool", "tool_call_id": "b", "content": "rome: rain"},
@@ -377,7 +381,7 @@ def test_tool_results_merge_into_the_user_turn_in_call_order():
 
 
 def test_tool_loop_reasoning_follows_the_tools_rule():
-    calls = [dict(PARALLEL_CALLS[1], reasoning_content="plan")] 
+    calls = [dict(PARALLEL_CALLS[1], reasoning_content="plan")]
     messages = PARALLEL_CALLS[:1] + calls + PARALLEL_CALLS[2:]
     # no tools offered: the reference drops the call's reasoning (the result turn is the last user turn)
     assert encode_chat(messages, thinking=True) == (
@@ -424,6 +428,10 @@ def test_literal_image_token_is_escaped_everywhere():
 # ---- validation -------------------------------------------------------------------------------
 
 
+def calling(call):
+    return {"role": "assistant", "content": "", "tool_calls": [call]}
+
+
 @pytest.mark.parametrize(
     ("messages", "pattern"),
     [
@@ -436,9 +444,9 @@ def test_literal_image_token_is_escaped_everywhere():
         ([user("a"), {"role": "assistant"}], r"messages\[1\]: assistant message has neither"),
         ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "only text parts.*'image_url'"),
         ([{"role": "user", "content": 5}], "content must be a str"),
-        ([user("a"), {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{bad"}}]}], "not valid JSON"),
-        ([user("a"), {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}], "must be a JSON object"),
-        ([user("a"), {"role": "assistant", "content": "", "tool_calls": [{"name": "f"}]}], "each tool call needs"),
+        ([user("a"), calling({"function": {"name": "f", "arguments": "{bad"}})], "not valid JSON"),
+        ([user("a"), calling({"function": {"name": "f", "arguments": "[1]"}})], "must be a JSON object"),
+        ([user("a"), calling({"name": "f"})], "each tool call needs"),
         ([user("a"), {"role": "assistant", "content": "x", "reasoning": "p", "reasoning_content": "q"}], "disagree"),
         ([], "non-empty list"),
         ("hello", "non-empty list"),
@@ -467,7 +475,8 @@ def tok(tmp_path_factory):
 
 
 W = WORD_IDS
-EFFORT_42_IDS = [W[w] for w in "Reasoning Effort : 42 ( range 1 - 100 , the higher the value , the more thorough the reasoning )".split()]
+EFFORT_42_WORDS = "Reasoning Effort : 42 ( range 1 - 100 , the higher the value , the more thorough the reasoning )"
+EFFORT_42_IDS = [W[w] for w in EFFORT_42_WORDS.split()]
 
 
 def test_ids_single_turn_chat(tok):

@@ -1,0 +1,79 @@
+"""Manifold-constrained hyper-connections: splitting the 24 mixes into pre / post / comb (SPEC §3).
+
+`sinkhorn_split` reproduces the golden oracle's ``hc_split_sinkhorn`` (golden README, oracle
+choice 1) bit for bit on its kernel vectors, which requires mirroring torch's CPU float32
+arithmetic exactly:
+  * sigmoid(z) = 1 / (1 + exp(-z)) and softmax = exp(z - max) * (1 / sum), with torch's CPU exp
+    (SLEEF expf_u10, see `sleef_exp`); with ``exp_impl="xla"`` ~1 % of exps are 1 ulp off;
+  * every normalisation is a true IEEE division (XLA would otherwise turn x / broadcast(s) into
+    x * (1/s)); sums over 4 entries run left to right.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dsv41_jax.exact_ops import sum_in_order, true_divide
+from dsv41_jax.sleef_exp import expf_u10
+
+
+def _exp(x: jax.Array, exp_impl: str) -> jax.Array:
+    if exp_impl == "sleef":
+        return expf_u10(x)
+    if exp_impl == "xla":
+        return jnp.exp(x)
+    raise ValueError(f"exp_impl must be 'sleef' or 'xla', got {exp_impl!r}")
+
+
+def sinkhorn_split(
+    mixes: jax.Array,
+    hc_scale: jax.Array,
+    hc_base: jax.Array,
+    hc_mult: int,
+    iters: int,
+    eps: float,
+    *,
+    exp_impl: str = "sleef",
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Split mHC mixes [..., (2+hc)*hc] into pre [..., hc], post [..., hc], comb [..., hc, hc].
+
+    pre = sigmoid(s0*m + b) + eps; post = 2*sigmoid(s1*m + b); comb = row softmax of the
+    hc x hc logits (row-major), + eps, column-normalised, then (iters - 1) x (row, column)
+    normalisation, each dividing by (sum + eps). comb[j, k]: j is the source copy (the output is
+    X'_k = post_k F(u) + sum_j comb[j, k] X_j). All float32.
+    """
+    hc = int(hc_mult)
+    n_mix = (2 + hc) * hc
+    if mixes.shape[-1] != n_mix:
+        raise ValueError(
+            f"sinkhorn_split: mixes last dim is {mixes.shape[-1]}, expected (2+hc)*hc = {n_mix} "
+            f"for hc_mult={hc}"
+        )
+    if tuple(hc_scale.shape) != (3,) or tuple(hc_base.shape) != (n_mix,):
+        raise ValueError(
+            f"sinkhorn_split: hc_scale must be [3] and hc_base [{n_mix}], got "
+            f"{tuple(hc_scale.shape)} and {tuple(hc_base.shape)}"
+        )
+    if iters < 1:
+        raise ValueError(f"sinkhorn_split: iters must be >= 1, got {iters}")
+    f32 = jnp.float32
+    m = mixes.astype(f32)
+    scale = hc_scale.astype(f32)
+    base = hc_base.astype(f32)
+    eps = f32(eps)
+    one = f32(1.0)
+
+    def sigmoid(z):
+        return one / (one + _exp(-z, exp_impl))
+
+    pre = sigmoid(m[..., :hc] * scale[0] + base[:hc]) + eps
+    post = f32(2.0) * sigmoid(m[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+
+    logits = (m[..., 2 * hc :] * scale[2] + base[2 * hc :]).reshape(*m.shape[:-1], hc, hc)
+    e = _exp(logits - jnp.max(logits, axis=-1, keepdims=True), exp_impl)
+    comb = e * (one / sum_in_order(e, -1)) + eps
+    comb = true_divide(comb, sum_in_order(comb, -2) + eps)
+    for _ in range(iters - 1):
+        comb = true_divide(comb, sum_in_order(comb, -1) + eps)
+        comb = true_divide(comb, sum_in_order(comb, -2) + eps)
+    return pre, post, comb

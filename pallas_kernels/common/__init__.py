@@ -1,0 +1,1 @@
+"""Helpers shared by the kernel folders: bit-level number-format decoders and backend selection."""
