@@ -6,14 +6,15 @@ arithmetic exactly:
   * sigmoid(z) = 1 / (1 + exp(-z)) and softmax = exp(z - max) * (1 / sum), with torch's CPU exp
     (SLEEF expf_u10, see `sleef_exp`); with ``exp_impl="xla"`` ~1 % of exps are 1 ulp off;
   * every normalisation is a true IEEE division (XLA would otherwise turn x / broadcast(s) into
-    x * (1/s)); sums over 4 entries run left to right.
+    x * (1/s)); sums over 4 entries run left to right; multiply-then-add is never fused into an
+    FMA (XLA contracts those under jit).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax.exact_ops import sum_in_order, true_divide
+from dsv41_jax.exact_ops import no_fma, sum_in_order, true_divide
 from dsv41_jax.sleef_exp import expf_u10
 
 
@@ -66,12 +67,16 @@ def sinkhorn_split(
     def sigmoid(z):
         return one / (one + _exp(-z, exp_impl))
 
-    pre = sigmoid(m[..., :hc] * scale[0] + base[:hc]) + eps
-    post = f32(2.0) * sigmoid(m[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+    def affine(part, k):  # torch: one multiply, then one add (never fused)
+        return no_fma(part * scale[k]) + base[sl[k]]
 
-    logits = (m[..., 2 * hc :] * scale[2] + base[2 * hc :]).reshape(*m.shape[:-1], hc, hc)
+    sl = (slice(0, hc), slice(hc, 2 * hc), slice(2 * hc, n_mix))
+    pre = sigmoid(affine(m[..., sl[0]], 0)) + eps
+    post = f32(2.0) * sigmoid(affine(m[..., sl[1]], 1))
+
+    logits = affine(m[..., sl[2]], 2).reshape(*m.shape[:-1], hc, hc)
     e = _exp(logits - jnp.max(logits, axis=-1, keepdims=True), exp_impl)
-    comb = e * (one / sum_in_order(e, -1)) + eps
+    comb = no_fma(e * (one / sum_in_order(e, -1))) + eps
     comb = true_divide(comb, sum_in_order(comb, -2) + eps)
     for _ in range(iters - 1):
         comb = true_divide(comb, sum_in_order(comb, -1) + eps)

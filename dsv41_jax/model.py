@@ -9,6 +9,8 @@ the candidate source publishes its pool.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +19,7 @@ from flax import nnx
 from dsv41_jax import kv_layout
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.layers.attention import Attention
-from dsv41_jax.layers.basic import RMSNorm, matmul
+from dsv41_jax.layers.basic import KeyStream, RMSNorm, matmul
 from dsv41_jax.layers.engram import Engram
 from dsv41_jax.layers.indexer import candidate_pool, select_topk
 from dsv41_jax.layers.mhc_site import HyperSite, collapse, expand
@@ -25,6 +27,9 @@ from dsv41_jax.layers.moe import MoE
 from dsv41_jax.layers.rope import cos_sin, layer_frequencies
 from dsv41_jax.runtime import Runtime
 from dsv41_jax.sparse_attention import sparse_attention
+
+
+COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
 
 
 class Block(nnx.Module):
@@ -45,8 +50,9 @@ class Block(nnx.Module):
 class Transformer(nnx.Module):
     """embed -> hc copies -> blocks -> collapse -> norm -> fp32 head."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, engram_rows: tuple[int, ...] | None = None):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs | int = 0, engram_rows: tuple[int, ...] | None = None):
         self.cfg = cfg
+        rngs = KeyStream(rngs)
         self.embed = nnx.Param((jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.dim), jnp.float32)).astype(jnp.bfloat16))
         rows = engram_rows if engram_rows is not None else engram_table_rows(cfg)
         self.layers = nnx.List([
@@ -146,7 +152,8 @@ def _write_ring(ring: kv_layout.WindowKV, new: kv_layout.WindowKV, start, W) -> 
 
 
 def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runtime = Runtime(),
-            engram_ids: jax.Array | None = None, forced: dict | None = None, collect: bool = False):
+            engram_ids: jax.Array | None = None, forced: dict | None = None, collect: bool = False,
+            replay: dict | None = None):
     """Run `tokens` [B, T] on top of `cache`. Returns (logits [B,T,V] fp32, new cache, aux).
 
     engram_ids: [B, T, n_engram_layers, n_cols] table rows (host int64 hashing, see
@@ -154,6 +161,8 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
     forced: optional {"topk": {layer: [B,T,K]}, "experts": {layer: [B,T,k]}} decisions to impose
       after comparing them (tie-aware) with the model's own; agreement comes back in aux.
     collect: also return per-layer intermediates in aux["trace"].
+    replay: optional {layer: (stream [B,T,hc,d], pre_mix [B,T,hc])} substituted as that layer's
+      input (after its Engram), to replay single layers from traced inputs.
     """
     cfg = model.cfg
     mode = runtime.mode
@@ -181,6 +190,8 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
             h, gate = block.engram(h, engram_ids[:, :, cfg.engram_layer_ids.index(l)], mode)
             if collect:
                 trace[f"engram.{l}.gate"] = gate
+        if replay is not None and l in replay:
+            h, pre = replay[l][0].astype(h.dtype), replay[l][1].astype(jnp.float32)
         if collect:
             trace[f"layer{l}.block_input"], trace[f"layer{l}.pre_mix_in"] = h, pre
         a_pre, a_post, a_comb = block.hc_attn.mixes(h, mode)
@@ -216,6 +227,9 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
                 new_cache["compressed"][key] = _scatter_container(new_cache["compressed"][key], entries, gids)
                 if collect:
                     trace[f"layer{l}.compressor_latent"], trace[f"layer{l}.compressor_gids"] = lat, gids
+                    trace[f"layer{l}.compressed_kv_entries"] = kv_layout.dequantize_compressed(new_cache["compressed"][key])
+                    if attn.indexer is not None:
+                        trace[f"layer{l}.index_k_entries"] = kv_layout.dequantize_index_keys(new_cache["index_keys"][key])
             if role.is_index_source:
                 keys_bf16 = _index_keys_for(cfg, new_cache, role, runtime).astype(jnp.bfloat16)
                 scores = attn.indexer.scores(x, qr, keys_bf16, cos, sin, visible, mode)
@@ -245,7 +259,7 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
         a_out = attn.output(o, cos, sin, mode)
         h = expand(a_out, h, a_post, a_comb)
         if collect:
-            trace.update({f"layer{l}.attn_input": x, f"layer{l}.attn_output": a_out, f"layer{l}.sparse_attn_out": o,
+            trace.update({f"layer{l}.after_attn": h, f"layer{l}.attn_input": x, f"layer{l}.attn_output": a_out, f"layer{l}.sparse_attn_out": o,
                           f"layer{l}.hc_attn_pre": a_pre, f"layer{l}.hc_attn_post": a_post, f"layer{l}.hc_attn_comb": a_comb})
 
         f_pre, f_post, f_comb = block.hc_ffn.mixes(h, mode)
@@ -311,3 +325,17 @@ def check_inputs(cfg: ModelConfig, tokens: np.ndarray, lengths: np.ndarray) -> N
     if end > cfg.max_seq_len:
         raise ValueError(f"sequence would reach {end} tokens but the cache holds max_seq_len={cfg.max_seq_len}; "
                          f"build the config with a larger max_seq_len (e.g. cfg.replace(max_seq_len=...))")
+
+
+def make_step(graphdef, runtime: Runtime = Runtime(), collect: bool = False):
+    """A jitted pure step: (params, tokens, cache, engram_ids, forced, replay) -> (logits, cache, aux)."""
+
+    # bf16 rounding points are model semantics (they move FP8/FP4 roundings and top-k): forbid
+    # XLA from keeping excess precision across them.
+    @functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
+    def step(params, tokens, cache, engram_ids=None, forced=None, replay=None):
+        model = nnx.merge(graphdef, params)
+        return forward(model, tokens, cache, runtime=runtime, engram_ids=engram_ids, forced=forced,
+                       collect=collect, replay=replay)
+
+    return step

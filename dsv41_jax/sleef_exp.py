@@ -15,6 +15,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dsv41_jax.exact_ops import no_fma
+
 # SLEEF constants (sleef/src/libm/misc.h and sleefsimdsp.c)
 _R_LN2 = 1.442695040888963407359924681001892137426645954152985934135449406931
 _L2U = 0.693145751953125
@@ -35,17 +37,22 @@ def _f32(v: float) -> jax.Array:
 
 def _split(a: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Veltkamp split of a float32 into two 12-bit halves (a = hi + lo exactly)."""
-    c = _f32(4097.0) * a
+    c = no_fma(_f32(4097.0) * a)
     hi = c - (c - a)
     return hi, a - hi
 
 
 def _fma(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
-    """a * b + c with a single rounding (emulated: exact product, exact sum, one final add)."""
-    p = a * b
+    """a * b + c with a single rounding (emulated: exact product, exact sum, one final add).
+
+    Every intermediate is fenced with `no_fma` so XLA's own contraction cannot break the
+    error-free transformations.
+    """
+    a, b, c = no_fma(a), no_fma(b), no_fma(c)
+    p = no_fma(a * b)
     ah, al = _split(a)
     bh, bl = _split(b)
-    p_err = ((ah * bh - p) + ah * bl + al * bh) + al * bl
+    p_err = ((no_fma(ah * bh) - p) + no_fma(ah * bl) + no_fma(al * bh)) + no_fma(al * bl)
     s = p + c
     bb = s - p
     s_err = (p - (s - bb)) + (c - bb)
@@ -60,13 +67,13 @@ def _pow2(k: jax.Array) -> jax.Array:
 def expf_u10(x: jax.Array) -> jax.Array:
     """exp(x) in float32, bit-identical to SLEEF's FMA ``expf_u10`` (torch's CPU float exp)."""
     d = jnp.asarray(x, jnp.float32)
-    q = jnp.round(d * _f32(_R_LN2))  # round half to even, like the vector rint
+    q = jnp.round(no_fma(d * _f32(_R_LN2)))  # round half to even, like the vector rint
     s = _fma(q, _f32(-_L2U), d)
     s = _fma(q, _f32(-_L2L), s)
     u = jnp.full_like(d, _f32(_POLY[0]))
     for coeff in _POLY[1:]:
         u = _fma(u, s, _f32(coeff))
-    u = _f32(1.0) + _fma(s * s, u, s)
+    u = _f32(1.0) + _fma(no_fma(s * s), u, s)
     qi = jnp.clip(q, -150, 150).astype(jnp.int32)
     half = qi >> 1
     u = u * _pow2(half) * _pow2(qi - half)

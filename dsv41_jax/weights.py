@@ -62,18 +62,20 @@ def flat_params(model_or_state) -> dict[tuple, nnx.Variable]:
     return {tuple(k): v for k, v in nnx.to_flat_state(state)}
 
 
+_WIDE_FLOATS = (np.dtype(jnp.bfloat16), np.dtype(np.float16), np.dtype(np.float32))
+
+
 def _coerce(arr: np.ndarray, want: jax.ShapeDtypeStruct, name: str) -> np.ndarray:
     """Bring a stored tensor to the parameter's dtype without changing its values or bytes."""
     want_dt = np.dtype(want.dtype)
     a = np.asarray(arr)
     if a.dtype == want_dt:
         return a
-    if a.dtype.itemsize == want_dt.itemsize and a.dtype.kind in "uiV" and want_dt.kind in "uV" or (
-            a.dtype.itemsize == 1 and want_dt.itemsize == 1):
+    if a.dtype.itemsize == 1 and want_dt.itemsize == 1:
         return a.view(want_dt)  # raw bytes: U8/I8 holding E4M3, E8M0 or packed E2M1
-    if want_dt.kind == "f" and a.dtype.kind == "f":
+    if a.dtype in _WIDE_FLOATS and want_dt in _WIDE_FLOATS and want_dt.itemsize >= a.dtype.itemsize:
         return a.astype(want_dt)  # bf16 on disk, fp32 in the model (compressor, head): exact
-    raise WeightError(f"{name}: stored dtype {a.dtype} cannot become the model's {want_dt}")
+    raise WeightError(f"{name}: stored dtype {a.dtype} cannot become the model's {want_dt} without changing values")
 
 
 def load_reference_state_dict(cfg: ModelConfig, get: Callable[[str], np.ndarray], names: Iterable[str],

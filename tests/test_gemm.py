@@ -34,11 +34,14 @@ def test_activation_quant_matches_golden(vec, kind):
 
 
 @pytest.mark.parametrize("kind", ["fp8", "fp4"])
-def test_exact_mode_is_bit_exact(vec, kind):
+@pytest.mark.parametrize("jit", [False, True])
+def test_exact_mode_is_bit_exact(vec, kind, jit):
     p, a, w, s = _golden_case(vec, kind)
+    fn = lambda x: linear(x, w, s, kind=kind, mode="exact")  # noqa: E731
+    fn = jax.jit(fn) if jit else fn
     with jax.enable_x64(True):
-        out_bf16 = linear(a, w, s, kind=kind, mode="exact")
-        out_f32 = linear(a.astype(jnp.float32), w, s, kind=kind, mode="exact")
+        out_bf16 = fn(a)
+        out_f32 = fn(a.astype(jnp.float32))
     assert out_bf16.dtype == jnp.bfloat16 and out_f32.dtype == jnp.float32
     np.testing.assert_array_equal(bits(out_bf16), bits(vec[p + "out_bf16"]))
     np.testing.assert_array_equal(bits(out_f32), bits(vec[p + "out_f32"]))

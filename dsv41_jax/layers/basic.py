@@ -89,3 +89,22 @@ def weight_kind(cfg, *, expert: bool = False) -> str:
     if expert:
         return "fp4" if cfg.expert_dtype == "fp4" else ("fp8" if cfg.dtype == "fp8" else "dense")
     return "fp8" if cfg.dtype == "fp8" else "dense"
+
+
+class KeyStream:
+    """Deterministic per-parameter keys (fold_in of a counter).
+
+    Used instead of `nnx.Rngs` streams inside module constructors: folding in a counter keeps
+    tracing linear in the number of parameters, which matters under `nnx.eval_shape` of the
+    full 40-layer model.
+    """
+
+    def __init__(self, seed):
+        if isinstance(seed, nnx.Rngs):
+            seed = seed.params()
+        self.key = jax.random.key(seed) if isinstance(seed, int) else seed
+        self.count = 0
+
+    def params(self) -> jax.Array:
+        self.count += 1
+        return jax.random.fold_in(self.key, self.count)

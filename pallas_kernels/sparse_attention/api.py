@@ -1,0 +1,118 @@
+"""`sparse_sink_attention`: the one entry point the model calls, with the impl switch and the VJP.
+
+The forward runs the Pallas kernel (TPU or GPU) or the jnp reference. The kernels have no
+backward of their own: `jax.custom_vjp` differentiates the jnp reference (reference.py) instead,
+recomputing its forward in the backward pass. Gradients flow to q and the sink; the quantized
+caches and the index lists get zero cotangents (they are integer/FP8 storage, not trainable
+values; training that needs dK/dV uses impl="xla" on the dequantized KV).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from dsv41_jax import kv_layout
+from pallas_kernels.common.backend import resolve
+from pallas_kernels.sparse_attention.reference import sparse_sink_attention_reference
+
+
+def _kernel_for(kind: str):
+    if kind == "tpu":
+        from pallas_kernels.sparse_attention.tpu import sparse_sink_attention_tpu
+
+        return sparse_sink_attention_tpu
+    from pallas_kernels.sparse_attention.gpu import sparse_sink_attention_gpu
+
+    return sparse_sink_attention_gpu
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _kernel_with_reference_vjp(kind, interpret, scale, q, window, compressed, window_idx, compressed_idx, sink):
+    return _kernel_for(kind)(q, window, compressed, window_idx, compressed_idx, sink, scale, interpret=interpret)
+
+
+def _fwd(kind, interpret, scale, q, window, compressed, window_idx, compressed_idx, sink):
+    out = _kernel_with_reference_vjp(kind, interpret, scale, q, window, compressed, window_idx, compressed_idx, sink)
+    return out, (q, window, compressed, window_idx, compressed_idx, sink)
+
+
+def _bwd(kind, interpret, scale, residuals, g):
+    q, window, compressed, window_idx, compressed_idx, sink = residuals
+
+    def reference(q_, sink_):
+        return sparse_sink_attention_reference(q_, window, compressed, window_idx, compressed_idx, sink_, scale)
+
+    _, vjp = jax.vjp(reference, q, sink)
+    dq, dsink = vjp(g)
+    return dq, None, None, None, None, dsink
+
+
+_kernel_with_reference_vjp.defvjp(_fwd, _bwd)
+
+
+def _validate(q, window, compressed, window_idx, compressed_idx, sink) -> None:
+    if q.ndim != 4:
+        raise ValueError(f"sparse_sink_attention: q must be [B, S, H, D], got shape {q.shape}")
+    B, S, H, D = q.shape
+    if D % 32:
+        raise ValueError(f"sparse_sink_attention: head dim {D} must be a multiple of 32 (one scale per 32)")
+    if sink.shape != (H,):
+        raise ValueError(f"sparse_sink_attention: sink must be [H] = [{H}], got shape {sink.shape}")
+    if window is not None:
+        if not isinstance(window, kv_layout.WindowKV):
+            raise TypeError(f"sparse_sink_attention: window must be a kv_layout.WindowKV, got {type(window).__name__}")
+        if window.values.ndim != 3 or window.values.shape[0] != B or window.values.shape[2] != D:
+            raise ValueError(f"sparse_sink_attention: window values must be [B={B}, Nw, D={D}], got {window.values.shape}")
+        if window_idx is None or window_idx.shape[:2] != (B, S):
+            raise ValueError(f"sparse_sink_attention: window_idx must be [B={B}, S={S}, Kw], got "
+                             f"{None if window_idx is None else window_idx.shape}")
+    if compressed is not None:
+        if not isinstance(compressed, kv_layout.CompressedKV):
+            raise TypeError(f"sparse_sink_attention: compressed must be a kv_layout.CompressedKV, got {type(compressed).__name__}")
+        if compressed.packed.ndim != 3 or compressed.packed.shape[0] != B or compressed.packed.shape[2] * 2 != D:
+            raise ValueError(f"sparse_sink_attention: compressed packed must be [B={B}, G, D/2={D // 2}], got "
+                             f"{compressed.packed.shape}")
+        if compressed_idx is None or compressed_idx.shape[:2] != (B, S):
+            raise ValueError(f"sparse_sink_attention: compressed_idx must be [B={B}, S={S}, Kc], got "
+                             f"{None if compressed_idx is None else compressed_idx.shape}")
+    if window is None and compressed is None:
+        raise ValueError("sparse_sink_attention: give at least one of window / compressed")
+
+
+def sparse_sink_attention(
+    q: jax.Array,
+    window: kv_layout.WindowKV | None,
+    compressed: kv_layout.CompressedKV | None,
+    window_idx: jax.Array | None,
+    compressed_idx: jax.Array | None,
+    sink: jax.Array,
+    scale: float,
+    *,
+    impl: str = "auto",
+    interpret: bool | None = None,
+    platform: str | None = None,
+) -> jax.Array:
+    """Attention of each query row over its window slots, then its compressed slots (K = V).
+
+    q [B, S, H, D] bf16; window: WindowKV [B, Nw, D] (E4M3 + E8M0 per 32); compressed:
+    CompressedKV [B, G, D] (E2M1 + E4M3 per 16) or None; window_idx [B, S, Kw] / compressed_idx
+    [B, S, Kc] int32 row indices, -1 = empty slot (indices must be < Nw / G; the kernels clamp
+    larger ones); sink [H] f32 logits; scale the softmax scale. Returns [B, S, H, D] in q.dtype:
+    o_h = sum_j e^{s_j} v_j / (sum_j e^{s_j} + e^{sink_h}), s_j = scale * q_h . k_j, and 0 for a
+    row without a valid slot (SPEC §3 "Attention"). Duplicated slots count twice (as in the
+    reference). S = 1 is decode; any S is prefill / training.
+
+    impl: "xla" the jnp reference, "pallas" a kernel, "auto" the kernel on TPU/GPU and the
+    reference on CPU. interpret: run the kernel in the Pallas interpreter (default: on CPU).
+    platform: "tpu" / "gpu" kernel to use (default: the backend's; the TPU kernel on CPU).
+    The backward pass is the jnp reference's VJP (see the module docstring).
+    """
+    _validate(q, window, compressed, window_idx, compressed_idx, sink)
+    choice = resolve(impl, interpret, platform)
+    if choice.kind == "xla":
+        return sparse_sink_attention_reference(q, window, compressed, window_idx, compressed_idx, sink, scale)
+    return _kernel_with_reference_vjp(
+        choice.kind, choice.interpret, float(scale), q, window, compressed, window_idx, compressed_idx, sink
+    )

@@ -1,0 +1,75 @@
+"""mhc.sinkhorn_split against the golden Sinkhorn vectors; sleef_exp against a float64 emulation."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv41_jax.mhc import sinkhorn_split
+from dsv41_jax.sleef_exp import expf_u10
+from kernel_vectors import bits, kernel_vectors
+from sleef_reference import sleef_expf_reference
+
+
+@pytest.fixture(scope="module")
+def vec(golden_root):
+    return kernel_vectors(golden_root)
+
+
+def _inputs(vec):
+    return (jnp.asarray(vec["sinkhorn.mixes"]), jnp.asarray(vec["sinkhorn.hc_scale"]),
+            jnp.asarray(vec["sinkhorn.hc_base"]))
+
+
+@pytest.mark.parametrize("iters", [20, 1, 3])
+@pytest.mark.parametrize("jit", [False, True])
+def test_bit_exact_against_golden(vec, iters, jit):
+    fn = lambda m, s, b: sinkhorn_split(m, s, b, 4, iters, 1e-6)  # noqa: E731
+    pre, post, comb = (jax.jit(fn) if jit else fn)(*_inputs(vec))
+    assert comb.shape == (9, 4, 4) and comb.dtype == jnp.float32
+    np.testing.assert_array_equal(bits(pre), bits(vec[f"sinkhorn.iters{iters}.pre"]))
+    np.testing.assert_array_equal(bits(post), bits(vec[f"sinkhorn.iters{iters}.post"]))
+    np.testing.assert_array_equal(bits(comb), bits(vec[f"sinkhorn.iters{iters}.comb"]))
+
+
+def test_xla_exp_variant_is_within_one_ulp(vec):
+    for iters in (20, 1, 3):
+        out = sinkhorn_split(*_inputs(vec), 4, iters, 1e-6, exp_impl="xla")
+        for got, name in zip(out, ("pre", "post", "comb")):
+            ref = vec[f"sinkhorn.iters{iters}.{name}"]
+            ulps = np.abs(bits(got).astype(np.int64) - bits(ref).astype(np.int64))
+            assert ulps.max() <= 1, (iters, name)
+
+
+def test_leading_dims_and_doubly_stochastic():
+    rng = np.random.default_rng(0)
+    mixes = jnp.asarray(rng.standard_normal((2, 3, 24)), jnp.float32)
+    scale = jnp.asarray([1.0, 1.0, 1.0], jnp.float32)
+    base = jnp.asarray(rng.standard_normal(24), jnp.float32)
+    pre, post, comb = sinkhorn_split(mixes, scale, base, 4, 20, 1e-6)
+    assert pre.shape == (2, 3, 4) and post.shape == (2, 3, 4) and comb.shape == (2, 3, 4, 4)
+    np.testing.assert_allclose(np.asarray(comb).sum(-2), 1.0, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(comb).sum(-1), 1.0, atol=1e-3)
+    assert (np.asarray(post) > 0).all() and (np.asarray(post) < 2).all()
+
+
+def test_bad_shapes_raise():
+    with pytest.raises(ValueError, match="expected \\(2\\+hc\\)\\*hc = 24"):
+        sinkhorn_split(jnp.zeros((2, 20)), jnp.ones(3), jnp.zeros(24), 4, 20, 1e-6)
+
+
+# ----------------------------------------------------------------------------- SLEEF exp
+
+
+@pytest.mark.parametrize("lo, hi", [(-87.0, 88.0), (-30.0, 5.0), (-1e-3, 1e-3)])
+def test_expf_u10_matches_float64_emulation(lo, hi):
+    x = np.random.default_rng(int(hi)).uniform(lo, hi, 200_000).astype(np.float32)
+    ref = sleef_expf_reference(x)
+    np.testing.assert_array_equal(bits(jax.jit(expf_u10)(x)), bits(ref))
+    np.testing.assert_array_equal(bits(expf_u10(x)), bits(ref))
+
+
+def test_expf_u10_special_values():
+    x = np.array([0.0, -0.0, -105.0, 105.0, np.inf, -np.inf, np.nan], np.float32)
+    out = np.asarray(expf_u10(x))
+    np.testing.assert_array_equal(out[:6], [1.0, 1.0, 0.0, np.inf, np.inf, 0.0])
+    assert np.isnan(out[6])
