@@ -158,8 +158,9 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
 
     engram_ids: [B, T, n_engram_layers, n_cols] table rows (host int64 hashing, see
       `dsv41_jax.engram_hash`); required when the config has Engram layers.
-    forced: optional {"topk": {layer: [B,T,K]}, "experts": {layer: [B,T,k]}} decisions to impose
-      after comparing them (tie-aware) with the model's own; agreement comes back in aux.
+    forced: optional {"topk": {layer: [B,T,K]}, "experts": {layer: [B,T,k]}, "impose": bool} decisions
+      compared (tie-aware) with the model's own, agreement returned in aux, then imposed when
+      `impose` (a traced bool, default True) holds, so free and forced runs share one compilation.
     collect: also return per-layer intermediates in aux["trace"].
     replay: optional {layer: (stream [B,T,hc,d], pre_mix [B,T,hc])} substituted as that layer's
       input (after its Engram), to replay single layers from traced inputs.
@@ -244,7 +245,7 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
                     ref = forced["topk"][l]
                     ref = jnp.pad(ref, [(0, 0), (0, 0), (0, sel.shape[-1] - ref.shape[-1])], constant_values=-1)
                     aux["topk_agree"][l] = tie_aware_equal(scores, sel, ref)
-                    sel = ref.astype(jnp.int32)
+                    sel = jnp.where(forced.get("impose", True), ref.astype(jnp.int32), sel)
                 topk_of[l] = sel
                 if collect:
                     trace[f"layer{l}.index_score"] = scores
@@ -265,7 +266,8 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
         f_pre, f_post, f_comb = block.hc_ffn.mixes(h, mode)
         x = block.ffn_norm(collapse(h, a_pre))
         forced_e = None if forced is None else forced.get("experts", {}).get(l)
-        y, info = block.ffn(x, mode, forced=forced_e, impl=_impl(runtime))
+        y, info = block.ffn(x, mode, forced=forced_e, impl=_impl(runtime),
+                            impose=True if forced is None else forced.get("impose", True))
         if forced_e is not None:
             own = jax.lax.top_k(info["scores"] + block.ffn.gate.bias[...], cfg.n_activated_experts)[1]
             aux["experts_agree"][l] = tie_aware_equal(info["scores"] + block.ffn.gate.bias[...], own, forced_e.astype(own.dtype))

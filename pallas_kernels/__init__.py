@@ -8,7 +8,11 @@
 impl="auto" runs the Pallas kernel on TPU (Mosaic) and GPU (Triton) and the jnp reference on CPU;
 "pallas" forces the kernel (interpreted on CPU); "xla" forces the reference. See README.md.
 """
+from pallas_kernels.expert_gemm import expert_gemm_moe, fp8_block_gemm, grouped_fp4_gemm
 from pallas_kernels.indexer import candidate_pool, indexer_scores, topk_indices
 from pallas_kernels.sparse_attention import sparse_sink_attention
 
-__all__ = ["sparse_sink_attention", "indexer_scores", "candidate_pool", "topk_indices"]
+__all__ = [
+    "sparse_sink_attention", "indexer_scores", "candidate_pool", "topk_indices",
+    "grouped_fp4_gemm", "fp8_block_gemm", "expert_gemm_moe",
+]

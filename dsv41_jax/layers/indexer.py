@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv41_jax import quant
+from dsv41_jax.exact_ops import no_fma
 from dsv41_jax.layers.basic import QLinear, RMSNorm, matmul, weight_kind
 from dsv41_jax.layers.rope import apply_rope
 
@@ -40,7 +41,9 @@ class Indexer(nnx.Module):
         w = self.weights_proj(x, mode)
         w = (w.astype(jnp.float32) * jnp.float32(self.head_dim ** -0.5 * self.n_heads ** -0.5)).astype(jnp.bfloat16)
         s = matmul(q, keys_bf16, "bthd,bgd->bthg", jnp.bfloat16, mode)
-        s = (jax.nn.relu(s) * w[..., None]).astype(jnp.bfloat16)
+        # the bf16 rounding of each head's product is a reference rounding point; the fence keeps
+        # XLA from computing product and sum in one fp32 pass
+        s = no_fma(jax.nn.relu(s) * w[..., None])
         s = jnp.sum(s.astype(jnp.float32), axis=2).astype(jnp.bfloat16)
         G = keys_bf16.shape[1]
         vis = jnp.arange(G)[None, None] < visible_len[..., None]

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dsv41_jax.exact_ops import no_fma
 from dsv41_jax.layers.basic import matmul
 from dsv41_jax.mhc import sinkhorn_split
 
@@ -36,10 +37,10 @@ class HyperSite(nnx.Module):
 
 def collapse(h: jax.Array, pre: jax.Array) -> jax.Array:
     """sum_j pre_j X_j in fp32, returned in the stream dtype."""
-    return jnp.sum(pre[..., None] * h.astype(jnp.float32), axis=-2).astype(h.dtype)
+    return jnp.sum(no_fma(pre[..., None] * h.astype(jnp.float32)), axis=-2).astype(h.dtype)
 
 
 def expand(y: jax.Array, h: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
     """X'_k = post_k y + sum_j comb[j,k] X_j (comb's first index is the source copy)."""
-    mixed = jnp.sum(comb[..., None] * h.astype(jnp.float32)[..., :, None, :], axis=-3)
-    return (post[..., None] * y.astype(jnp.float32)[..., None, :] + mixed).astype(y.dtype)
+    mixed = jnp.sum(no_fma(comb[..., None] * h.astype(jnp.float32)[..., :, None, :]), axis=-3)
+    return (no_fma(post[..., None] * y.astype(jnp.float32)[..., None, :]) + mixed).astype(y.dtype)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv41_jax import gemm, quant
+from dsv41_jax.exact_ops import no_fma, true_divide
 from dsv41_jax.layers.basic import QLinear, matmul, weight_kind
 
 
@@ -48,14 +49,17 @@ class Gate(nnx.Module):
             return jax.nn.sigmoid(s)
         return jnp.sqrt(_softplus_torch(s))
 
-    def route(self, scores, forced=None):
-        """(weights [..., k], experts [..., k]) — experts ordered by descending biased score."""
+    def route(self, scores, forced=None, impose=True):
+        """(weights [..., k], experts [..., k]) — experts ordered by descending biased score.
+
+        forced: optional expert ids that replace the choice where `impose` (a traced bool) holds.
+        """
         _, experts = jax.lax.top_k(scores + self.bias[...], self.cfg_topk)
         if forced is not None:
-            experts = forced.astype(experts.dtype)
+            experts = jnp.where(impose, forced.astype(experts.dtype), experts)
         w = jnp.take_along_axis(scores, experts, axis=-1)
         if self.norm_topk_prob and self.cfg_topk > 1:
-            w = w / (jnp.sum(w, axis=-1, keepdims=True) + jnp.float32(1e-20))
+            w = true_divide(w, jnp.sum(w, axis=-1, keepdims=True) + jnp.float32(1e-20))
         return w * jnp.float32(self.route_scale), experts
 
 
@@ -94,7 +98,7 @@ class Experts(nnx.Module):
             g = lambda a: None if a is None else a[...][e]
             h = swiglu(self._lin(xr[None], g(self.w1), g(self.w1_scale), mode),
                        self._lin(xr[None], g(self.w3), g(self.w3_scale), mode), self.limit)
-            h = (wr * h).astype(xr.dtype)
+            h = no_fma(wr * h).astype(xr.dtype)
             return self._lin(h, g(self.w2), g(self.w2_scale), mode)[0]
 
         return jax.vmap(one)(x, experts, weights)
@@ -148,12 +152,12 @@ class MoE(nnx.Module):
         self.topk = cfg.n_activated_experts
         self.grouped_threshold = 256  # rows above which the sorted ragged path is cheaper
 
-    def __call__(self, x, mode, forced=None, impl="xla"):
+    def __call__(self, x, mode, forced=None, impl="xla", impose=True):
         """x [B, T, d] bf16 -> (y bf16, info) with info = {scores, biased, experts}."""
         B, T, d = x.shape
         flat = x.reshape(B * T, d)
         scores = self.gate.scores(flat, mode)
-        weights, experts = self.gate.route(scores, None if forced is None else forced.reshape(B * T, -1))
+        weights, experts = self.gate.route(scores, None if forced is None else forced.reshape(B * T, -1), impose)
         k = self.topk
         # the reference adds expert outputs in ascending expert order in fp32; sort slots to match
         slot_order = jnp.argsort(experts, axis=-1)

@@ -59,3 +59,14 @@ def byte_of_word(words: jax.Array, which: int) -> jax.Array:
 def nibble_of_word(words: jax.Array, which: int) -> jax.Array:
     """Nibble `which` (0 = least significant) of int32 words, as int32 in [0, 15]."""
     return jax.lax.shift_right_logical(words, jnp.int32(4 * which)) & 0xF
+
+
+def idiv(x: jax.Array, n: int) -> jax.Array:
+    """x // n for non-negative int32 x, as lax.div: jnp's floor division lowers through `sign`,
+    which Mosaic only lowers on a real chip, and a bare Python n would turn int64 under x64."""
+    return jax.lax.div(x, jnp.asarray(n, x.dtype))
+
+
+def irem(x: jax.Array, n: int) -> jax.Array:
+    """x % n for non-negative int32 x (see `idiv`)."""
+    return jax.lax.rem(x, jnp.asarray(n, x.dtype))

@@ -17,8 +17,7 @@ def _one_hot(n_words: int, lanes: int, block: int, byte: int) -> jax.Array:
     """[n_words, lanes] bf16: 1 where lane j's scale byte 8j // block is byte `byte` of word w."""
     w = jax.lax.broadcasted_iota(jnp.int32, (n_words, lanes), 0)
     j = jax.lax.broadcasted_iota(jnp.int32, (n_words, lanes), 1)
-    # lax.div, not //: jnp's floor division lowers through `sign`, which needs a real chip
-    return (jax.lax.div(8 * j, block) == 4 * w + byte).astype(jnp.bfloat16)
+    return (bits.idiv(8 * j, block) == 4 * w + byte).astype(jnp.bfloat16)
 
 
 def scale_byte_per_lane(words: jax.Array, lanes: int, block: int) -> jax.Array:

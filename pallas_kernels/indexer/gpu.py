@@ -31,16 +31,16 @@ def _kernel(q_ref, w_ref, len_ref, *refs, rows_per_batch, key_block, n_keys, bf1
     else:
         packed_ref, scales_ref, o_ref = refs
     r, kb = pl.program_id(0), pl.program_id(1)
-    batch = jax.lax.div(r, rows_per_batch)
+    batch = bits.idiv(r, rows_per_batch)
     q = q_ref[0]  # [Hp, Di] bf16
     di = q.shape[-1]
     g = kb * key_block + jax.lax.broadcasted_iota(jnp.int32, (key_block,), 0)
     in_range = g < n_keys
     rows = jnp.minimum(g, n_keys - 1)[:, None]
     cols = jax.lax.broadcasted_iota(jnp.int32, (1, di), 1)
-    byte = plgpu.load(packed_ref.at[batch, rows, jax.lax.div(cols, 2)], mask=in_range[:, None], other=0)
-    code = jax.lax.shift_right_logical(byte.astype(jnp.int32), 4 * jax.lax.rem(cols, 2)) & 0xF
-    sbyte = plgpu.load(scales_ref.at[batch, rows, jax.lax.div(cols, 32)], mask=in_range[:, None], other=127)
+    byte = plgpu.load(packed_ref.at[batch, rows, bits.idiv(cols, 2)], mask=in_range[:, None], other=0)
+    code = jax.lax.shift_right_logical(byte.astype(jnp.int32), 4 * bits.irem(cols, 2)) & 0xF
+    sbyte = plgpu.load(scales_ref.at[batch, rows, bits.idiv(cols, 32)], mask=in_range[:, None], other=127)
     k = (bits.e2m1_to_f32(code) * bits.e8m0_to_f32(sbyte.astype(jnp.int32))).astype(jnp.bfloat16)
     dots = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # [Hp, BG]
     if bf16_rounding:

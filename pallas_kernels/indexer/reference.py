@@ -29,9 +29,10 @@ def visibility_mask(compress_len: jax.Array, pool_mask: jax.Array | None, n_keys
 
 def indexer_scores_reference(q_packed, q_scale, keys, weights, compress_len, pool_mask=None, *, bf16_rounding=False):
     """scores [B, S, G] f32; see `pallas_kernels.indexer_scores` for the contract."""
-    q = quant.dequant_fp4_mx(q_packed, q_scale, 32)  # [B, S, Hi, Di] f32, exact
-    k = kv_layout.dequantize_index_keys(keys)  # [B, G, Di] f32, exact
-    dots = jnp.einsum("bshd,bgd->bshg", q, k, precision=jax.lax.Precision.HIGHEST)
+    # MXFP4 values are exact in bf16; products are exact and accumulate in f32
+    q = quant.dequant_fp4_mx(q_packed, q_scale, 32).astype(jnp.bfloat16)  # [B, S, Hi, Di]
+    k = kv_layout.dequantize_index_keys(keys).astype(jnp.bfloat16)  # [B, G, Di]
+    dots = jnp.einsum("bshd,bgd->bshg", q, k, preferred_element_type=jnp.float32)
     if bf16_rounding:
         dots = _round_bf16(dots)
     terms = jax.nn.relu(dots) * weights.astype(jnp.float32)[..., None]

@@ -44,7 +44,7 @@ def _kernel(*refs, rows_per_batch, n_win_blocks, n_comp_blocks, blocks_per_split
     outs = list(it)
 
     r, split = pl.program_id(0), pl.program_id(2)
-    batch = jax.lax.div(r, rows_per_batch)
+    batch = bits.idiv(r, rows_per_batch)
     q = q_ref[0]  # [HB, D]
     hb, d = q.shape
     cols = jax.lax.broadcasted_iota(jnp.int32, (1, d), 1)
@@ -72,16 +72,16 @@ def _kernel(*refs, rows_per_batch, n_win_blocks, n_comp_blocks, blocks_per_split
         idx_ref, values_ref, scales_ref = win
         rows, valid, mask = gathered(idx_ref, blk)
         code = plgpu.load(values_ref.at[batch, rows, cols], mask=mask, other=0).astype(jnp.int32)
-        sbyte = plgpu.load(scales_ref.at[batch, rows, jax.lax.div(cols, 32)], mask=mask, other=127).astype(jnp.int32)
+        sbyte = plgpu.load(scales_ref.at[batch, rows, bits.idiv(cols, 32)], mask=mask, other=127).astype(jnp.int32)
         k = (bits.e4m3_to_f32(code) * bits.e8m0_to_f32(sbyte)).astype(jnp.bfloat16)
         return attend(carry, k, valid)
 
     def compressed_block(blk, carry):
         idx_ref, packed_ref, scales_ref = comp
         rows, valid, mask = gathered(idx_ref, blk)
-        byte = plgpu.load(packed_ref.at[batch, rows, jax.lax.div(cols, 2)], mask=mask, other=0).astype(jnp.int32)
-        code = jax.lax.shift_right_logical(byte, 4 * jax.lax.rem(cols, 2)) & 0xF
-        sbyte = plgpu.load(scales_ref.at[batch, rows, jax.lax.div(cols, 16)], mask=mask, other=0).astype(jnp.int32)
+        byte = plgpu.load(packed_ref.at[batch, rows, bits.idiv(cols, 2)], mask=mask, other=0).astype(jnp.int32)
+        code = jax.lax.shift_right_logical(byte, 4 * bits.irem(cols, 2)) & 0xF
+        sbyte = plgpu.load(scales_ref.at[batch, rows, bits.idiv(cols, 16)], mask=mask, other=0).astype(jnp.int32)
         k = (bits.e2m1_to_f32(code) * bits.e4m3_to_f32(sbyte)).astype(jnp.bfloat16)
         return attend(carry, k, valid)
 

@@ -79,9 +79,10 @@ def _kernel(*refs, rows_per_batch, n_rows, n_win_rows, n_comp_rows, k_win, k_com
     sems = next(it)
 
     r = pl.program_id(0)
-    slot = jax.lax.rem(r, 2)  # lax div/rem: jnp's floor semantics lower through `sign`, which needs a chip
+    slot = bits.irem(r, 2)
 
-    def copies(idx_ref, k, hbm, bufs, sem0, n_src, batch, buf_slot, j):
+    def copies(idx_ref, hbm, bufs, sem0, n_src, batch, buf_slot, j):
+        """The DMAs of slot j: one per cache array (values, scales), same shapes for start and wait."""
         row = jnp.minimum(idx_ref[0, 0, j], n_src - 1)
         return [
             pltpu.make_async_copy(src.at[batch, pl.ds(row, 1)], buf.at[buf_slot, pl.ds(j, 1)], sems.at[sem0 + a, buf_slot])
@@ -92,7 +93,7 @@ def _kernel(*refs, rows_per_batch, n_rows, n_win_rows, n_comp_rows, k_win, k_com
         def body(j, carry):
             @pl.when(idx_ref[0, 0, j] >= 0)
             def _():
-                for c in copies(idx_ref, k, hbm, bufs, sem0, n_src, batch, buf_slot, j):
+                for c in copies(idx_ref, hbm, bufs, sem0, n_src, batch, buf_slot, j):
                     getattr(c, action)()
 
             return carry
@@ -112,11 +113,11 @@ def _kernel(*refs, rows_per_batch, n_rows, n_win_rows, n_comp_rows, k_win, k_com
             buf[...] = jnp.zeros(buf.shape, buf.dtype)
         gather(win_cur, comp_cur, 0, 0, "start")
 
-    gather(win_cur, comp_cur, jax.lax.div(r, rows_per_batch), slot, "wait")
+    gather(win_cur, comp_cur, bits.idiv(r, rows_per_batch), slot, "wait")
 
     @pl.when(r + 1 < n_rows)
     def _prefetch_next_row():
-        gather(win_next, comp_next, jax.lax.div(r + 1, rows_per_batch), 1 - slot, "start")
+        gather(win_next, comp_next, bits.idiv(r + 1, rows_per_batch), 1 - slot, "start")
 
     q = q_ref[0]
     q_planes = [q[n] for n in range(8)]

@@ -1,0 +1,40 @@
+"""Checkpoints: the released HF shard format (load, write) and orbax (fast restarts).
+
+`load(folder)` opens either kind; `hf_loader.load_checkpoint` and `orbax_io` are the two
+readers, `hf_writer` and `orbax_io.save_params` the writers. Placement (`shardings=`) follows
+`placement`: None = first device, a Sharding, or a callable (path, shape, dtype) -> Sharding.
+"""
+from __future__ import annotations
+
+import pathlib
+
+from dsv41_jax.checkpoint.hf_loader import CheckpointError, LoadReport, load_checkpoint
+from dsv41_jax.checkpoint.hf_writer import save_hf_checkpoint, write_hf_folder
+
+__all__ = ["CheckpointError", "LoadReport", "checkpoint_format", "load", "load_checkpoint", "save_hf_checkpoint",
+           "write_hf_folder"]
+
+
+def checkpoint_format(folder) -> str:
+    """"hf" or "orbax" for a checkpoint folder; CheckpointError when it is neither."""
+    from dsv41_jax.checkpoint import orbax_io
+    from dsv41_jax.checkpoint.hf_loader import INDEX_FILE, SINGLE_FILE
+
+    folder = pathlib.Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint folder {folder} does not exist")
+    if (folder / INDEX_FILE).is_file() or (folder / SINGLE_FILE).is_file():
+        return "hf"
+    if orbax_io.is_orbax_checkpoint(folder):
+        return "orbax"
+    raise CheckpointError(f"{folder} is neither an HF checkpoint ({INDEX_FILE} + shards) nor an orbax one "
+                          f"({orbax_io.CONFIG_FILE} + {orbax_io.PARAMS_DIR}/)")
+
+
+def load(folder, *, shardings=None, progress: bool = True, config_overrides: dict | None = None):
+    """(cfg, model, report) from an HF or orbax checkpoint folder."""
+    if checkpoint_format(folder) == "orbax":
+        from dsv41_jax.checkpoint.orbax_io import load_orbax_checkpoint
+
+        return load_orbax_checkpoint(folder, shardings=shardings, config_overrides=config_overrides)
+    return load_checkpoint(folder, shardings=shardings, progress=progress, config_overrides=config_overrides)

@@ -1,0 +1,261 @@
+"""Load a released-format HF folder (config.json, index, safetensors shards) into the model.
+
+No conversion step: the bare names of SPEC §9 map onto the parameter tree (`names.py`), the
+quantized tensors keep their storage (E4M3 as float8_e4m3fn, E8M0 scales and packed E2M1 as
+uint8 bytes), and each parameter is placed with its target sharding while it is read, one
+block at a time (`placement.place`), so a 500 GB checkpoint never sits whole in host RAM.
+
+Everything that can be checked from the headers is checked before any data is read: missing,
+unexpected, mis-shaped and mis-typed tensors are reported together, by name. DSpark (`mtp.*`),
+vision and aligner tensors are skipped and listed in the report. A V4 config is refused by
+`ModelConfig` (its compressors are per layer; V4.1 shares them, SPEC §9).
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+from flax import nnx
+
+from dsv41_jax.checkpoint import fp8_tiles, placement
+from dsv41_jax.checkpoint.names import DiskTensor, disk_tensors, is_wo_a, wo_a_scale_shape
+from dsv41_jax.checkpoint.safetensors_file import DTYPES, SafetensorsFile, TensorInfo, read_header
+from dsv41_jax.config import ConfigError, ModelConfig
+from dsv41_jax.weights import WeightError, flat_params, is_ignored
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be read: missing files, broken index, wrong format."""
+
+
+@dataclass
+class LoadReport:
+    """What a load did: tensors read and skipped, and the conversions it applied."""
+
+    source: str
+    format: str
+    tensors_read: int = 0
+    bytes_read: int = 0
+    shards: int = 0
+    skipped: list[str] = field(default_factory=list)  # DSpark / vision / aligner: not modelled
+    skipped_bytes: int = 0
+    dequantized: list[str] = field(default_factory=list)  # FP8 wo_a -> bf16 (SPEC §4)
+    upcast: list[str] = field(default_factory=list)  # bf16 on disk -> fp32 parameter (exact)
+
+    def summary(self) -> str:
+        groups = sorted({re.sub(r"^layers\.\d+\.", "layers.*.", n) if n.startswith("layers.") else n.split(".")[0]
+                         for n in self.skipped})
+        s = (f"loaded {self.tensors_read} tensors ({self.bytes_read / 2**20:.1f} MiB) from {self.shards} shard(s) of {self.source}")
+        if self.skipped:
+            s += f"; skipped {len(self.skipped)} tensors not modelled ({', '.join(groups)}; {self.skipped_bytes / 2**20:.1f} MiB)"
+        if self.dequantized:
+            s += f"; dequantized {len(self.dequantized)} FP8 wo_a to bf16"
+        return s
+
+
+# --------------------------------------------------------------------------------- folder
+def read_config(folder: pathlib.Path, overrides: dict | None = None) -> ModelConfig:
+    """The folder's config.json as a ModelConfig; the error names the file."""
+    try:
+        cfg = ModelConfig.from_file(folder / "config.json")
+    except ConfigError as e:
+        raise ConfigError(f"{folder / 'config.json'}: {e}") from None
+    return cfg.replace(**overrides) if overrides else cfg
+
+
+def weight_map(folder: pathlib.Path) -> dict[str, str]:
+    """name -> shard file name, from the index (or the single-file layout)."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            wm = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index} is not a safetensors index (need a JSON object with weight_map): {e}") from None
+        missing = sorted({f for f in wm.values() if not (folder / f).is_file()})
+        if missing:
+            raise CheckpointError(f"{index} lists shard files that are not in {folder}: {missing[:10]}"
+                                  f"{' ...' if len(missing) > 10 else ''} ({len(missing)} missing)")
+        return dict(wm)
+    single = folder / SINGLE_FILE
+    if single.is_file():
+        return {name: SINGLE_FILE for name in read_header(single)[0]}
+    raise CheckpointError(f"{folder} has neither {INDEX_FILE} nor {SINGLE_FILE}; is it an HF checkpoint folder?")
+
+
+def _headers(folder: pathlib.Path, wm: dict[str, str]) -> dict[str, TensorInfo]:
+    infos: dict[str, TensorInfo] = {}
+    for shard in sorted(set(wm.values())):
+        infos_of, _ = read_header(folder / shard)
+        for name, info in infos_of.items():
+            if wm.get(name) == shard:
+                infos[name] = info
+    absent = [n for n, s in wm.items() if n not in infos]
+    if absent:
+        raise CheckpointError(f"the index maps {len(absent)} tensors to shards that do not contain them, e.g. "
+                              f"{[(n, wm[n]) for n in absent[:5]]}; the index and the shards disagree")
+    return infos
+
+
+# --------------------------------------------------------------------------------- checks
+def _accepted(t: DiskTensor, param_dtype: np.dtype) -> tuple[str, ...]:
+    """Disk dtypes that hold this parameter's values exactly, in the model's storage."""
+    name = np.dtype(param_dtype).name
+    if name == "float8_e4m3fn":
+        return ("F8_E4M3",)
+    if name == "uint8":
+        return ("F8_E8M0", "U8") if t.name.endswith(".scale") else ("I8", "U8")
+    if name == "bfloat16":
+        return ("BF16",)
+    if name == "float32":
+        return ("F32", "BF16")
+    return (t.dtype,)
+
+
+def _v4_hint(unexpected: list[str], cfg: ModelConfig) -> str:
+    """Per-layer compressor tensors outside the KV sources are the V4 census (SPEC §9)."""
+    layers = sorted({int(m.group(1)) for n in unexpected if (m := re.match(r"layers\.(\d+)\.attn\.compressor\.", n))})
+    if not layers:
+        return ""
+    return (f" Layers {layers[:10]} carry their own compressor but are not KV sources {list(cfg.kv_source_layers)}:"
+            " this looks like a DeepSeek-V4 checkpoint (per-layer compressors), which V4.1 does not load.")
+
+
+def _plan(cfg: ModelConfig, params: dict, infos: dict[str, TensorInfo]):
+    """Group the checkpoint tensors by parameter; raise WeightError naming every problem."""
+    expected = {t.name: t for t in disk_tensors(params, wo_a_fp8=False)}
+    skipped = [n for n in infos if is_ignored(n)]
+    wo_a_scales = {n[: -len("weight")] + "scale" for n, t in expected.items() if is_wo_a(t.path)}
+    unexpected = [n for n in infos if n not in expected and n not in wo_a_scales and not is_ignored(n)]
+    missing = [n for n in expected if n not in infos]
+    problems = []
+    by_path: dict[tuple, list[DiskTensor]] = {}
+    for name, t in expected.items():
+        if name not in infos:
+            continue
+        info, want_dt = infos[name], params[t.path].dtype
+        accepted = _accepted(t, want_dt)
+        scale_name = name[: -len("weight")] + "scale"
+        if is_wo_a(t.path) and scale_name in infos:  # the release's FP8 wo_a
+            accepted = ("F8_E4M3",)
+            s = infos[scale_name]
+            if s.dtype not in ("F8_E8M0", "U8") or s.shape != wo_a_scale_shape(t.shape):
+                problems.append(f"{scale_name}: {s.dtype}{list(s.shape)}, expected F8_E8M0{list(wo_a_scale_shape(t.shape))}")
+        if info.dtype not in accepted:
+            problems.append(f"{name}: dtype {info.dtype} on disk, expected {' or '.join(accepted)} "
+                            f"(the model keeps it as {np.dtype(want_dt).name})")
+        if info.shape != t.shape:
+            problems.append(f"{name}: shape {list(info.shape)}, expected {list(t.shape)}")
+        by_path.setdefault(t.path, []).append(t)
+    if missing or unexpected or problems:
+        msg = []
+        if missing:
+            msg.append(f"{len(missing)} missing tensors: {missing[:20]}{' ...' if len(missing) > 20 else ''}")
+        if unexpected:
+            msg.append(f"{len(unexpected)} unexpected tensors: {unexpected[:20]}{' ...' if len(unexpected) > 20 else ''}"
+                       + _v4_hint(unexpected, cfg))
+        msg.extend(problems[:40])
+        raise WeightError("checkpoint does not match the config: " + "; ".join(msg))
+    return by_path, skipped
+
+
+# --------------------------------------------------------------------------------- reading
+def _to_param(arr: np.ndarray, want: np.dtype) -> np.ndarray:
+    if arr.dtype == want:
+        return arr
+    if arr.dtype.itemsize == 1 and want.itemsize == 1:
+        return arr.view(want)  # raw bytes: E8M0 / packed E2M1
+    return arr.astype(want)  # bf16 -> fp32, exact
+
+
+class _Reader:
+    """Reads blocks of one parameter from its checkpoint tensors (open shards are shared)."""
+
+    def __init__(self, folder, wm, files, param, tensors: list[DiskTensor], infos, report: LoadReport):
+        self.folder, self.wm, self.files = folder, wm, files
+        self.want = np.dtype(param.dtype)
+        self.shape = tuple(param.shape)
+        self.tensors, self.infos, self.report = tensors, infos, report
+
+    def _file(self, name) -> SafetensorsFile:
+        shard = self.wm[name]
+        if shard not in self.files:
+            self.files[shard] = SafetensorsFile(self.folder / shard)
+        return self.files[shard]
+
+    def _read(self, name, index):
+        return self._file(name).read(name, index)
+
+    def __call__(self, index: tuple) -> np.ndarray:
+        t0 = self.tensors[0]
+        if t0.expert is not None:  # stacked experts: rows of the block are experts
+            experts = range(*index[0].indices(self.shape[0]))
+            by_expert = {t.expert: t.name for t in self.tensors}
+            first = _to_param(self._read(by_expert[experts[0]], index[1:]), self.want) if len(experts) else None
+            out = np.empty((len(experts),) + (first.shape if first is not None else ()), self.want)
+            for i, e in enumerate(experts):
+                out[i] = first if i == 0 else _to_param(self._read(by_expert[e], index[1:]), self.want)
+            return out
+        scale_name = t0.name[: -len("weight")] + "scale"
+        if is_wo_a(t0.path) and scale_name in self.infos:
+            full = fp8_tiles.dequantize(self._read(t0.name, None), self._read(scale_name, None))
+            return np.ascontiguousarray(full[index])
+        return _to_param(self._read(t0.name, index), self.want)
+
+
+def load_checkpoint(folder, *, shardings: placement.ShardingSpec = None, progress: bool = True,
+                    config_overrides: dict | None = None):
+    """Load an HF-format folder. Returns (cfg, model, report).
+
+    shardings: None (first device), a Sharding for every parameter, or a callable
+      (param path, shape, dtype) -> Sharding; each device reads only its block.
+    config_overrides: runtime fields to change (e.g. {"max_seq_len": 8192}); they size caches only.
+    """
+    from tqdm.auto import tqdm
+
+    from dsv41_jax.info import abstract_model
+
+    folder = pathlib.Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint folder {folder} does not exist")
+    cfg = read_config(folder, config_overrides)
+    wm = weight_map(folder)
+    infos = _headers(folder, wm)
+    graphdef, state = nnx.split(abstract_model(cfg))
+    params = flat_params(state)
+    by_path, skipped = _plan(cfg, params, infos)
+    report = LoadReport(str(folder), "hf", shards=len(set(wm.values())), skipped=skipped,
+                        skipped_bytes=sum(infos[n].nbytes for n in skipped))
+    where = placement.resolve(shardings)
+    files: dict[str, SafetensorsFile] = {}
+    skip = set(skipped)
+    total = sum(i.nbytes for n, i in infos.items() if n not in skip)
+    try:
+        with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=not progress) as bar:
+            for path, var in params.items():
+                tensors = by_path[path]
+                sharding = where(path, tuple(var.shape), np.dtype(var.dtype))
+                read = _Reader(folder, wm, files, var, tensors, infos, report)
+                var.set_value(placement.place(tuple(var.shape), var.dtype, sharding, read))
+                nbytes = sum(infos[t.name].nbytes for t in tensors)
+                scale_name = tensors[0].name[: -len("weight")] + "scale"
+                if is_wo_a(path) and scale_name in infos:
+                    nbytes += infos[scale_name].nbytes
+                report.tensors_read += len(tensors)
+                report.bytes_read += nbytes
+                if is_wo_a(path) and tensors[0].name[: -len("weight")] + "scale" in infos:
+                    report.dequantized.append(tensors[0].name)
+                elif tensors[0].expert is None and infos[tensors[0].name].dtype == "BF16" and np.dtype(var.dtype) == np.float32:
+                    report.upcast.append(tensors[0].name)
+                bar.update(nbytes)
+    finally:
+        for f in files.values():
+            f.close()
+    model = nnx.merge(graphdef, nnx.from_flat_state([(p, v) for p, v in params.items()]))
+    return cfg, model, report

@@ -1,0 +1,84 @@
+"""The `dsv41` command line: info, golden-check (and the commands other modules register)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _cmd_info(args) -> int:
+    from dsv41_jax.config import ConfigError, ModelConfig
+    from dsv41_jax.info import format_info, model_info
+
+    try:
+        cfg = ModelConfig.load(args.config)
+    except ConfigError as e:
+        print(f"dsv41 info: {e}", file=sys.stderr)
+        return 2
+    info = model_info(cfg)
+    if args.json:
+        print(json.dumps({"config": args.config, **info}, indent=1))
+    else:
+        print(format_info(args.config, info))
+    return 0
+
+
+def _cmd_golden_check(args) -> int:
+    import pathlib
+
+    from dsv41_jax.golden_check import format_table, run_all
+
+    root = pathlib.Path(args.dir)
+    if not root.is_dir():
+        print(f"dsv41 golden-check: {root} is not a folder", file=sys.stderr)
+        return 2
+    entries = run_all(root, impl=args.impl, interpret=args.impl == "pallas", only=args.only)
+    if args.json:
+        print(json.dumps({"cases": [e.to_json() for e in entries]}, indent=1))
+    else:
+        print(format_table(entries))
+    return 0 if entries and all(e.passed for e in entries) else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dsv41", description="DeepSeek-V4.1-Flash in JAX/Flax")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("info", help="parameter counts and cache bytes of a config")
+    s.add_argument("--config", default="v41-flash", help="preset name (v41-flash, tiny) or path to a config.json")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(func=_cmd_info)
+
+    s = sub.add_parser("golden-check", help="compare the model with a folder of reference outputs")
+    s.add_argument("dir", help="golden root folder (config folders with cases.json, optional quant vectors)")
+    s.add_argument("--json", action="store_true", help="print only {\"cases\": [...]} on stdout")
+    s.add_argument("--impl", choices=["xla", "pallas"], default="xla", help="attention/MoE implementation (pallas runs interpreted on CPU)")
+    s.add_argument("--only", action="append", metavar="NAME", help="check only this config folder ('quant' for the vectors); repeatable")
+    s.set_defaults(func=_cmd_golden_check)
+
+    for register in _extra_commands():
+        register(sub)
+    return p
+
+
+def _extra_commands():
+    """Subcommands owned by other modules (generate, convert, plan, train, demo), when present."""
+    import importlib
+
+    out = []
+    for mod in ("dsv41_jax.cli_generate", "dsv41_jax.cli_convert", "sharding.cli_plan", "dsv41_jax.cli_train"):
+        try:
+            out.append(importlib.import_module(mod).register)
+        except ModuleNotFoundError as e:
+            if e.name != mod:
+                raise
+    return out
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

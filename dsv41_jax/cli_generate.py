@@ -1,0 +1,157 @@
+"""`dsv41 generate`: chat-encode a prompt, run a checkpoint, stream the reply to stdout.
+
+Cheap checks come first (folder, tokenizer.json, messages, effort, prompt length), so a bad
+input fails in a second with a clear message and exit code 2, before any weights are read.
+Logs and the loading progress bar go to stderr; with --json stdout carries one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+
+class InputError(ValueError):
+    """A bad command-line input; reported as `dsv41 generate: ...` with exit code 2."""
+
+
+def parse_effort(text: str | None):
+    """'low' / 'high' / 'max' / '1'..'100' -> the value chat.resolve_effort takes."""
+    if text is None:
+        return None
+    return int(text) if text.strip().lstrip("+-").isdigit() else text.strip()
+
+
+def read_messages(path: str) -> tuple[list, list | None]:
+    """(messages, tools) from a JSON file: a list of messages, or {"messages": [...], "tools": [...]}."""
+    p = pathlib.Path(path)
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(f"--messages {p}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"--messages {p}: cannot read it ({e})") from None
+    except json.JSONDecodeError as e:
+        raise InputError(f"--messages {p}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    if isinstance(data, dict) and "messages" in data:
+        return data["messages"], data.get("tools")
+    if isinstance(data, list):
+        return data, None
+    raise InputError(f"--messages {p}: expected a JSON list of messages or an object with a \"messages\" list, "
+                     f"got {type(data).__name__}")
+
+
+def _prompt_ids(args, tokenizer) -> list[int]:
+    from dsv41_jax.chat import encode_chat_ids
+
+    messages, tools = (read_messages(args.messages) if args.messages is not None
+                       else ([{"role": "user", "content": args.prompt}], None))
+    try:
+        return encode_chat_ids(tokenizer, messages, thinking=args.thinking, effort=parse_effort(args.effort), tools=tools)
+    except (ValueError, TypeError, KeyError) as e:
+        raise InputError(str(e)) from None
+
+
+def _mesh_shardings(n_devices: int):
+    """None (first device) for 1; a replicated ("data",) mesh over the first n devices otherwise."""
+    from dsv41_jax.checkpoint import placement
+
+    if n_devices == 1:
+        return None
+    try:
+        return placement.replicated(placement.data_mesh(n_devices))
+    except ValueError as e:
+        raise InputError(f"--devices: {e}") from None
+
+
+def _run(args) -> int:
+    from dsv41_jax.checkpoint import checkpoint_format, load
+    from dsv41_jax.checkpoint.hf_loader import read_config
+    from dsv41_jax.generate import Generator, Sampling, TextStream
+    from dsv41_jax.runtime import Runtime
+    from dsv41_jax.tokenizer import load_tokenizer
+
+    folder = pathlib.Path(args.checkpoint)
+    if not folder.is_dir():
+        raise InputError(f"--checkpoint {folder}: no such folder")
+    if not (folder / "tokenizer.json").is_file():
+        raise InputError(f"--checkpoint {folder}: no tokenizer.json; copy the tokenizer.json that ships with the weights into it")
+    checkpoint_format(folder)
+    overrides = {"max_batch_size": 1}
+    if args.max_seq_len is not None:
+        overrides["max_seq_len"] = args.max_seq_len
+    cfg = read_config(folder, overrides)
+    sampling = Sampling(args.temperature, args.top_p, args.seed)
+    tokenizer = load_tokenizer(folder)
+    prompt = _prompt_ids(args, tokenizer)
+    if len(prompt) > cfg.max_seq_len:
+        raise InputError(f"the prompt is {len(prompt)} tokens but the cache holds max_seq_len={cfg.max_seq_len}; "
+                         "shorten the prompt or pass a larger --max-seq-len")
+    cfg, model, report = load(folder, shardings=_mesh_shardings(args.devices), progress=not args.quiet,
+                              config_overrides=overrides)
+    if not args.quiet:
+        print(report.summary(), file=sys.stderr)
+    gen = Generator(cfg, model, tokenizer, runtime=Runtime(mode="fast", impl=args.impl))
+    stream = TextStream(tokenizer, skip_ids=[tokenizer.eos_id])
+
+    def show(tok: int) -> None:
+        if not args.json:
+            sys.stdout.write(stream.push(tok))
+            sys.stdout.flush()
+
+    result = gen.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, on_token=show)
+    if args.json:
+        text = tokenizer.decode([t for t in result.tokens if t != tokenizer.eos_id])
+        print(json.dumps({"prompt_tokens": result.prompt_tokens, "completion_tokens": len(result.tokens),
+                          "tokens": result.tokens, "text": text, "finish_reason": result.finish_reason}))
+    else:
+        sys.stdout.write("\n")
+        if result.finish_reason == "cache_full":
+            print(f"stopped: the cache is full (max_seq_len={cfg.max_seq_len})", file=sys.stderr)
+    return 0
+
+
+def _cmd_generate(args) -> int:
+    from dsv41_jax.checkpoint import CheckpointError
+    from dsv41_jax.config import ConfigError
+    from dsv41_jax.weights import WeightError
+
+    try:
+        return _run(args)
+    except (InputError, CheckpointError, ConfigError, WeightError, FileNotFoundError) as e:
+        print(f"dsv41 generate: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # sampling parameters, tokenizer/config mismatch, token ids
+        print(f"dsv41 generate: {e}", file=sys.stderr)
+        return 2
+
+
+def _positive(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def register(subparsers) -> None:
+    s = subparsers.add_parser("generate", help="generate a reply from a checkpoint (streams to stdout)",
+                              description="Chat-encode a prompt, run the checkpoint and stream the reply. Bad inputs exit with code 2.")
+    s.add_argument("--checkpoint", required=True, metavar="DIR", help="HF or orbax checkpoint folder with tokenizer.json")
+    src = s.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", metavar="TEXT", help="one user message")
+    src.add_argument("--messages", metavar="FILE", help="JSON list of chat messages (or {\"messages\": [...], \"tools\": [...]})")
+    s.add_argument("--effort", metavar="low|high|max|N", help="reasoning effort for thinking mode: a name (low/high/max = 50/75/100) or 1-100")
+    s.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=False,
+                   help="thinking mode (<think>) or chat mode (</think>, the default)")
+    s.add_argument("--max-new-tokens", type=_positive, default=256)
+    s.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0, the recommended setting)")
+    s.add_argument("--top-p", type=float, default=0.95, help="nucleus mass (default 0.95)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--max-seq-len", type=_positive, default=None, help="cache length (default: the config's)")
+    s.add_argument("--devices", type=_positive, default=1,
+                   help="run on a replicated mesh over the first N devices (default 1: the first device)")
+    s.add_argument("--impl", choices=("xla", "pallas", "auto"), default="xla", help="attention/MoE implementation")
+    s.add_argument("--json", action="store_true", help="print one JSON object (tokens, text, finish_reason) instead of streaming")
+    s.add_argument("--quiet", action="store_true", help="no progress bar or load summary on stderr")
+    s.set_defaults(func=_cmd_generate)

@@ -1,0 +1,332 @@
+"""The serving engine: continuous batching over a fixed set of slots (SPEC §5).
+
+Each slot holds one sequence with its own position. Between decode steps the engine admits
+waiting requests into free slots (their prompts are prefilled alone, in chunks, and the
+one-row cache is written into the slot) and evicts finished ones. Prefill uses the CED split
+(Graph A over every prompt token, Graph B over the last `window + tail_slack`) unless
+`exact_prefill=True`. Decode runs the lean step (`layer_range.run_layers(lean=True)`).
+
+Every compiled step is a pure function of (params, inputs, cache) -> (outputs, cache); the host
+keeps only the slot table. Compiled shapes: prefill chunks of `prefill_chunk` tokens plus
+power-of-two remainders (so any prompt length reuses at most log2(prefill_chunk) + 1 chunk
+shapes), one Graph B shape, one decode shape per cache capacity bucket (`buckets`).
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsv41_jax.model import COMPILER_OPTIONS
+from dsv41_jax.runtime import Runtime
+from dsv41_jax.serving import prefix_cache
+from dsv41_jax.serving.buckets import capacity_for, capacity_of, empty_cache, resize_cache
+from dsv41_jax.serving.layer_range import head, run_layers
+from dsv41_jax.serving.sampling import SamplingParams, banned_mask, sample, slot_arrays
+from dsv41_jax.serving.split_prefill import (check_splittable, decoder_pass, encoder_pass, exact_prefill,
+                                             replay_window)
+
+
+@dataclass
+class Request:
+    """A prompt to continue. With `resume_from`, the prompt continues the tokens stored in that
+    prefix-cache file; with `save_to`, the sequence's global cache is stored when it finishes."""
+
+    prompt: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str | None = None
+    resume_from: str | None = None
+    save_to: str | None = None
+
+
+@dataclass
+class Result:
+    """What came out: generated tokens, why it stopped, and timings in seconds."""
+
+    request_id: str
+    tokens: list[int]
+    finish_reason: str  # "stop" (a stop token, included) or "length" (max_tokens)
+    prompt_tokens: int
+    cached_tokens: int  # tokens restored from a prefix cache
+    timing: dict
+
+
+@dataclass
+class _Slot:
+    request: Request
+    tokens: list[int]  # every token id of the sequence so far (cached + generated)
+    in_cache: int  # how many of them went through the model
+    generated: list[int]
+    times: dict
+
+
+def pieces(n: int, chunk: int) -> list[int]:
+    """Chunk sizes covering n tokens: whole chunks, then the remainder's powers of two."""
+    out = [chunk] * (n // chunk)
+    r = n % chunk
+    bit = 1 << max(r.bit_length() - 1, 0)
+    while r:
+        if r & bit:
+            out.append(bit)
+            r -= bit
+        bit >>= 1
+    return out
+
+
+class Engine:
+    """Continuous-batching generation over `slots` sequences. See the module doc."""
+
+    def __init__(self, model, *, slots: int = 4, max_seq_len: int | None = None, min_capacity: int = 256,
+                 prefill_chunk: int = 512, exact_prefill: bool = False, tail_slack: int = 0,
+                 runtime: Runtime = Runtime(), banned_ids=(), engram=None, fingerprint: str | None = None):
+        cfg = model.cfg
+        self.cfg, self.runtime = cfg, runtime
+        self.graphdef, self.params = nnx.split(model)
+        self.slots = slots
+        self.max_seq_len = max_seq_len or cfg.max_seq_len
+        self.min_capacity = min_capacity
+        self.prefill_chunk = prefill_chunk
+        self.exact = exact_prefill
+        if not exact_prefill:
+            check_splittable(cfg)
+        self.tail = cfg.window_size + tail_slack
+        if cfg.engram_layer_ids and engram is None:
+            raise ValueError("this config has Engram layers: pass engram=(layout, token_map) "
+                             "(dsv41_jax.engram_hash.EngramLayout and the token map)")
+        self.engram = engram
+        self.banned = jnp.asarray(banned_mask(cfg.vocab_size, banned_ids))
+        self.fingerprint = fingerprint or prefix_cache.model_fingerprint(self.params)
+        self.capacity = capacity_for(cfg, 1, min_capacity, self.max_seq_len)
+        self.cache = empty_cache(cfg, slots, self.capacity)
+        self.table: list[_Slot | None] = [None] * slots
+        self.waiting: list[tuple[Request, dict]] = []
+        self.done: dict[str, Result] = {}
+        self._ids = itertools.count()
+        self._build_steps()
+
+    # ------------------------------------------------------------------ compiled steps
+    def _build_steps(self):
+        gd, rt, tail = self.graphdef, self.runtime, self.tail
+        jit = functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
+
+        @functools.partial(jit, donate_argnums=(2, 3, 4))
+        def encoder(params, tokens, cache, enc_h, enc_pre, ids):
+            model = nnx.merge(gd, params)
+            h, pre, cache = encoder_pass(model, tokens, cache, runtime=rt, engram_ids=ids)
+            keep = lambda buf, new: jnp.concatenate([buf, new], 1)[:, -tail:]
+            return cache, keep(enc_h, h), keep(enc_pre, pre)
+
+        @functools.partial(jit, donate_argnums=(3,))
+        def decoder(params, enc_h, enc_pre, cache, floor, ids):
+            model = nnx.merge(gd, params)
+            start = cache["length"] - tail
+            logits, cache, _ = decoder_pass(model, enc_h, enc_pre, cache, start=start, floor=floor, runtime=rt,
+                                            engram_ids=ids)
+            return logits[:, -1], cache
+
+        @functools.partial(jit, donate_argnums=(2,))
+        def full(params, tokens, cache, ids):
+            logits, cache, _ = exact_prefill(nnx.merge(gd, params), tokens, cache, runtime=rt, engram_ids=ids)
+            return logits[:, -1], cache
+
+        @functools.partial(jit, donate_argnums=(2,))
+        def replay(params, tokens, cache, ids):
+            logits, cache = replay_window(nnx.merge(gd, params), tokens, cache, runtime=rt, engram_ids=ids)
+            return logits[:, -1], cache
+
+        @functools.partial(jit, donate_argnums=(2,))
+        def decode(params, tokens, cache, active, ids):
+            model = nnx.merge(gd, params)
+            start = cache["length"]
+            from dsv41_jax.serving.layer_range import embed
+            h, pre = embed(model, tokens)
+            h, pre, cache, _ = run_layers(model, h, pre, cache, start=start, layers=range(model.cfg.n_layers),
+                                          runtime=rt, engram_ids=ids, lean=True)
+            cache["length"] = jnp.where(active, start + 1, start)
+            return head(model, h, pre, rt.mode)[:, -1], cache
+
+        @functools.partial(jax.jit, donate_argnums=(0,))
+        def insert(cache, row, slot):
+            return jax.tree.map(lambda a, r: jax.lax.dynamic_update_index_in_dim(a, r[0].astype(a.dtype), slot, 0),
+                                cache, row)
+
+        self._encoder, self._decoder, self._full, self._replay = encoder, decoder, full, replay
+        self._decode, self._insert = decode, insert
+
+    # ------------------------------------------------------------------ host helpers
+    def _engram_ids(self, history: list[int], new: list[int]):
+        if self.engram is None:
+            return None
+        from dsv41_jax.engram_hash import hash_ids
+
+        layout, token_map = self.engram
+        depth = layout.max_ngram_size - 1
+        hist = np.asarray(history[-depth:], np.int64)[None] if history else None
+        ids = hash_ids(layout, token_map, np.asarray(new, np.int64)[None], hist)
+        return jnp.asarray(ids.astype(np.int32))
+
+    def _batch_ids(self, rows: list[tuple[list[int], int]]):
+        if self.engram is None:
+            return None
+        return jnp.concatenate([self._engram_ids(hist, [tok]) for hist, tok in rows], 0)
+
+    def _grow(self, needed: int):
+        if needed <= self.capacity:
+            return
+        cap = capacity_for(self.cfg, needed, self.min_capacity, self.max_seq_len)
+        self.cache = resize_cache(self.cfg, self.cache, cap)
+        self.capacity = cap
+
+    def _check(self, req: Request, cached: int):
+        cfg = self.cfg
+        prompt = np.asarray(req.prompt, np.int64)
+        if prompt.ndim != 1:
+            raise ValueError(f"prompt must be a flat list of token ids, got shape {prompt.shape}")
+        if prompt.size and (prompt.min() < 0 or prompt.max() >= cfg.vocab_size):
+            bad = int(prompt.min() if prompt.min() < 0 else prompt.max())
+            raise ValueError(f"token id {bad} is out of range for vocab_size {cfg.vocab_size}")
+        if cached + prompt.size == 0:
+            raise ValueError("empty prompt: give at least one token (e.g. BOS)")
+        total = cached + prompt.size + req.sampling.max_tokens
+        if total > self.max_seq_len:
+            raise ValueError(f"request needs {total} positions (cached {cached} + prompt {prompt.size} + max_tokens "
+                             f"{req.sampling.max_tokens}) but the engine's max_seq_len is {self.max_seq_len}")
+
+    # ------------------------------------------------------------------ public API
+    def submit(self, req: Request) -> str:
+        """Queue a request; returns its id. Bad input is refused here, before any compute."""
+        cached = 0
+        if req.resume_from is not None:
+            cached = prefix_cache.read_header(req.resume_from)["n_tokens"]
+        self._check(req, cached)
+        rid = req.request_id or f"req{next(self._ids)}"
+        req.request_id = rid
+        self.waiting.append((req, {"submitted": time.perf_counter()}))
+        return rid
+
+    def prefill(self, req: Request) -> tuple[jax.Array, dict, list[int], int]:
+        """Prefill one request alone: (last-position logits [1,V], one-row cache, all tokens, cached)."""
+        cfg, W = self.cfg, self.cfg.window_size
+        tokens: list[int] = []
+        cached = 0
+        logits = None
+        if req.resume_from is not None:
+            cache, stored = prefix_cache.load_prefix(req.resume_from, cfg, capacity=self.capacity,
+                                                     fingerprint=self.fingerprint)
+            tokens = [int(t) for t in stored]
+            cached = len(tokens)
+            n = min(W, cached)
+            logits, cache = self._replay(self.params, jnp.asarray([tokens[-n:]], jnp.int32), cache,
+                                         self._engram_ids(tokens[:-n], tokens[-n:]))
+        else:
+            cache = empty_cache(cfg, 1, self.capacity)
+        new = [int(t) for t in req.prompt]
+        if new:
+            if self.exact or len(new) <= self.tail:
+                done = 0
+                for size in pieces(len(new), self.prefill_chunk):
+                    chunk = new[done:done + size]
+                    logits, cache = self._full(self.params, jnp.asarray([chunk], jnp.int32), cache,
+                                               self._engram_ids(tokens + new[:done], chunk))
+                    done += size
+            else:
+                enc_h = jnp.zeros((1, self.tail, cfg.hc_mult, cfg.dim), jnp.bfloat16)
+                enc_pre = jnp.zeros((1, self.tail, cfg.hc_mult), jnp.float32)
+                done = 0
+                for size in pieces(len(new), self.prefill_chunk):
+                    chunk = new[done:done + size]
+                    cache, enc_h, enc_pre = self._encoder(self.params, jnp.asarray([chunk], jnp.int32), cache, enc_h,
+                                                          enc_pre, self._engram_ids(tokens + new[:done], chunk))
+                    done += size
+                end = cached + len(new)
+                floor = jnp.full((1,), end - self.tail, jnp.int32)
+                tail_tokens = new[-self.tail:]
+                logits, cache = self._decoder(self.params, enc_h, enc_pre, cache, floor,
+                                              self._engram_ids(tokens + new[:-self.tail], tail_tokens))
+        return logits, cache, tokens + new, cached
+
+    def _admit(self):
+        while self.waiting and None in self.table:
+            req, times = self.waiting.pop(0)
+            slot = self.table.index(None)
+            times["admitted"] = time.perf_counter()
+            cached = prefix_cache.read_header(req.resume_from)["n_tokens"] if req.resume_from else 0
+            self._grow(cached + len(req.prompt) + req.sampling.max_tokens)
+            logits, row, tokens, cached = self.prefill(req)
+            sp = req.sampling
+            a = slot_arrays([sp])
+            first = int(sample(logits, a["temperature"], a["top_p"], a["top_k"], a["seed"],
+                               jnp.zeros((1,), jnp.int32), self.banned)[0])
+            times["first_token"] = time.perf_counter()
+            self.cache = self._insert(self.cache, row, slot)
+            st = _Slot(req, tokens + [first], len(tokens), [first], times)
+            st.prompt_tokens, st.cached_tokens = len(req.prompt), cached
+            self.table[slot] = st
+            self._maybe_finish(slot)
+
+    def _maybe_finish(self, slot: int):
+        st = self.table[slot]
+        sp = st.request.sampling
+        last = st.generated[-1]
+        reason = "stop" if last in sp.stop_tokens else ("length" if len(st.generated) >= sp.max_tokens else None)
+        if reason is None:
+            return
+        t = st.times
+        t["finished"] = time.perf_counter()
+        n_dec = len(st.generated) - 1
+        timing = {"queue_s": t["admitted"] - t["submitted"], "prefill_s": t["first_token"] - t["admitted"],
+                  "time_to_first_token_s": t["first_token"] - t["submitted"],
+                  "decode_s": t["finished"] - t["first_token"], "total_s": t["finished"] - t["submitted"],
+                  "decode_tokens_per_s": n_dec / max(t["finished"] - t["first_token"], 1e-9) if n_dec else None,
+                  "prompt_tokens_per_s": st.prompt_tokens / max(t["first_token"] - t["admitted"], 1e-9)}
+        if st.request.save_to is not None:
+            self.save_slot(slot, st.request.save_to)
+        self.done[st.request.request_id] = Result(st.request.request_id, list(st.generated), reason,
+                                                  st.prompt_tokens, st.cached_tokens, timing)
+        self.table[slot] = None
+
+    def save_slot(self, slot: int, path) -> dict:
+        """Store a slot's global cache and the tokens that went through the model (not the last
+        sampled one). The next turn's prompt should start with that token."""
+        st = self.table[slot]
+        row = jax.tree.map(lambda a: a[slot:slot + 1], self.cache)
+        return prefix_cache.save_prefix(path, self.cfg, row, st.tokens[:st.in_cache], fingerprint=self.fingerprint)
+
+    def step(self) -> list[Result]:
+        """Admit what fits, run one decode step over the active slots, evict finished. Returns
+        the requests that finished during this call."""
+        before = set(self.done)
+        self._admit()
+        active = [st is not None for st in self.table]
+        if any(active):
+            last = [st.tokens[-1] if st else 0 for st in self.table]
+            ids = self._batch_ids([(st.tokens[:-1], st.tokens[-1]) if st else ([], 0) for st in self.table])
+            logits, self.cache = self._decode(self.params, jnp.asarray(last, jnp.int32)[:, None], self.cache,
+                                              jnp.asarray(active), ids)
+            a = slot_arrays([st.request.sampling if st else None for st in self.table])
+            drawn = jnp.asarray([len(st.generated) if st else 0 for st in self.table], jnp.int32)
+            nxt = np.asarray(sample(logits, a["temperature"], a["top_p"], a["top_k"], a["seed"], drawn, self.banned))
+            for i, st in enumerate(self.table):
+                if st is None:
+                    continue
+                st.in_cache += 1
+                st.generated.append(int(nxt[i]))
+                st.tokens.append(int(nxt[i]))
+                self._maybe_finish(i)
+        return [self.done[k] for k in self.done if k not in before]
+
+    def idle(self) -> bool:
+        return not self.waiting and all(st is None for st in self.table)
+
+    def run(self, requests: list[Request]) -> list[Result]:
+        """Serve a list of requests to completion; results in request order."""
+        ids = [self.submit(r) for r in requests]
+        while not self.idle():
+            self.step()
+        return [self.done.pop(i) for i in ids]

@@ -1,0 +1,220 @@
+"""Persistent prefix cache: one sequence's global cache on disk (SPEC §5 "Persistent storage").
+
+Only the global parts are stored: each KV source's compressed entries and index keys (the
+packed 288 B / 68 B rows, exactly as cached), its compressor's partial group, and the token
+ids. The window rings are disposable; after a restore they are rebuilt by replaying the last
+window of tokens (`split_prefill.replay_window`).
+
+File layout (little endian):
+    magic b"DSV41PFX" | u32 format version | u64 header length | header (UTF-8 JSON)
+    | SHA-256 of the header (32 B) | payload (the arrays, back to back)
+The header names the config (every architecture field), an optional model fingerprint, and
+each array's dtype, shape, offset, size and SHA-256. Writes go to a temporary file in the same
+folder that is renamed over the target, so a reader never sees half a file. A file that is
+truncated, corrupt, or written for another config or model is refused with the reason.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import struct
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv41_jax import kv_layout
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.serving.buckets import capacity_for, empty_cache
+
+MAGIC = b"DSV41PFX"
+VERSION = 1
+_RUNTIME_FIELDS = ("max_seq_len", "max_batch_size", "extra")
+_PREFIX = struct.Struct("<8sIQ")
+
+
+class PrefixCacheError(ValueError):
+    """A prefix-cache file that cannot be used with this model."""
+
+
+def config_fields(cfg: ModelConfig) -> dict:
+    """The architecture fields a stored cache depends on (runtime limits excluded)."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        if f.name in _RUNTIME_FIELDS:
+            continue
+        v = getattr(cfg, f.name)
+        out[f.name] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def model_fingerprint(params, max_elements: int = 1 << 14) -> str:
+    """A cheap identity of a set of weights: every parameter's path, shape and dtype, plus the
+    bytes of the small ones (norm gains, sinks, gate biases), which differ between checkpoints."""
+    h = hashlib.sha256()
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        shape, dtype = tuple(leaf.shape), str(leaf.dtype)
+        h.update(f"{jax.tree_util.keystr(path)}|{shape}|{dtype};".encode())
+        if int(np.prod(shape)) <= max_elements and not isinstance(leaf, jax.ShapeDtypeStruct):
+            h.update(np.asarray(jax.device_get(leaf)).tobytes())
+    return h.hexdigest()
+
+
+def _global_arrays(cfg: ModelConfig, cache: dict, row: int, n: int) -> dict[str, np.ndarray]:
+    """The persistent parts of one cache row, cut to the n cached positions."""
+    out = {}
+    for s in cfg.kv_source_layers:
+        key, m = f"layer{s}", cfg.compress_ratios[s]
+        g = n // m
+        for part, container in (("compressed", cache["compressed"].get(key)), ("index_keys", cache["index_keys"].get(key))):
+            if container is None:
+                continue
+            for name, a in zip(container._fields, container):
+                out[f"{part}.{key}.{name}"] = np.asarray(jax.device_get(a[row, :g]))
+        if key in cache["compressor"]:
+            for name, a in cache["compressor"][key].items():
+                out[f"compressor.{key}.{name}"] = np.asarray(jax.device_get(a[row]))
+    return out
+
+
+def save_prefix(path, cfg: ModelConfig, cache: dict, tokens, *, row: int = 0, fingerprint: str | None = None) -> dict:
+    """Write row `row` of `cache` (holding exactly `tokens`) to `path`, atomically. Returns the header."""
+    path = pathlib.Path(path)
+    tokens = np.asarray(tokens, np.int32).reshape(-1)
+    n = int(jax.device_get(cache["length"][row]))
+    if n != tokens.size:
+        raise PrefixCacheError(f"the cache row holds {n} positions but {tokens.size} token ids were given; "
+                               "pass exactly the tokens that went through the model")
+    arrays = {"tokens": tokens, **_global_arrays(cfg, cache, row, n)}
+    entries, blobs, offset = [], [], 0
+    for name, a in arrays.items():
+        data = np.ascontiguousarray(a).tobytes()
+        entries.append({"name": name, "dtype": str(a.dtype), "shape": list(a.shape), "offset": offset,
+                        "nbytes": len(data), "sha256": _sha(data)})
+        blobs.append(data)
+        offset += len(data)
+    header = {"format": "dsv41-prefix-cache", "version": VERSION, "config": config_fields(cfg),
+              "model_fingerprint": fingerprint, "n_tokens": n,
+              "published": int(jax.device_get(cache["published"][row])), "payload_bytes": offset, "arrays": entries}
+    hb = json.dumps(header, sort_keys=True).encode()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(_PREFIX.pack(MAGIC, VERSION, len(hb)))
+            f.write(hb)
+            f.write(hashlib.sha256(hb).digest())
+            for data in blobs:
+                f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        pathlib.Path(tmp).unlink(missing_ok=True)
+        raise
+    try:  # make the rename itself durable where the OS allows it
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
+    return header
+
+
+def _read(path: pathlib.Path) -> tuple[dict, bytes]:
+    if not path.is_file():
+        raise PrefixCacheError(f"prefix cache {path} does not exist")
+    raw = path.read_bytes()
+    if len(raw) < _PREFIX.size:
+        raise PrefixCacheError(f"prefix cache {path} is truncated: {len(raw)} bytes, shorter than the file prefix")
+    magic, version, hlen = _PREFIX.unpack_from(raw)
+    if magic != MAGIC:
+        raise PrefixCacheError(f"{path} is not a dsv41 prefix cache (magic {magic!r}, expected {MAGIC!r})")
+    if version != VERSION:
+        raise PrefixCacheError(f"prefix cache {path} has format version {version}; this build reads version {VERSION}")
+    hend = _PREFIX.size + hlen
+    if len(raw) < hend + 32:
+        raise PrefixCacheError(f"prefix cache {path} is truncated inside its header ({len(raw)} bytes)")
+    hb = raw[_PREFIX.size:hend]
+    if hashlib.sha256(hb).digest() != raw[hend:hend + 32]:
+        raise PrefixCacheError(f"prefix cache {path} is corrupt: the header checksum does not match")
+    header = json.loads(hb)
+    payload = raw[hend + 32:]
+    if len(payload) != header["payload_bytes"]:
+        raise PrefixCacheError(f"prefix cache {path} is truncated or padded: payload has {len(payload)} bytes, "
+                               f"the header says {header['payload_bytes']}")
+    return header, payload
+
+
+def read_header(path) -> dict:
+    """The header of a prefix-cache file (validated framing, arrays not checked)."""
+    return _read(pathlib.Path(path))[0]
+
+
+def _check_identity(path, header: dict, cfg: ModelConfig, fingerprint: str | None) -> None:
+    want = config_fields(cfg)
+    got = header["config"]
+    diff = [f"{k} (file {got.get(k)!r}, model {want.get(k)!r})" for k in sorted(set(want) | set(got)) if got.get(k) != want.get(k)]
+    if diff:
+        raise PrefixCacheError(f"prefix cache {path} was written for another model config; differing fields: "
+                               + "; ".join(diff[:8]) + (" ..." if len(diff) > 8 else ""))
+    stored = header.get("model_fingerprint")
+    if fingerprint is not None and stored is not None and stored != fingerprint:
+        raise PrefixCacheError(f"prefix cache {path} was written by other weights (fingerprint {stored[:16]}..., "
+                               f"this model {fingerprint[:16]}...)")
+
+
+def load_prefix(path, cfg: ModelConfig, *, capacity: int | None = None, fingerprint: str | None = None,
+                min_capacity: int = 256):
+    """Read a prefix cache into a fresh one-row cache. Returns (cache, tokens int32 [N]).
+
+    The window rings are empty: rebuild them with `replay_window` on the last window of tokens.
+    """
+    path = pathlib.Path(path)
+    header, payload = _read(path)
+    _check_identity(path, header, cfg, fingerprint)
+    n = int(header["n_tokens"])
+    capacity = capacity or capacity_for(cfg, n, min_capacity, maximum=max(n, cfg.max_seq_len))
+    if n > capacity:
+        raise PrefixCacheError(f"prefix cache {path} holds {n} tokens, more than the capacity {capacity}")
+    arrays = {}
+    for e in header["arrays"]:
+        lo, hi = e["offset"], e["offset"] + e["nbytes"]
+        if hi > len(payload):
+            raise PrefixCacheError(f"prefix cache {path} is truncated: array {e['name']} ends at {hi}, payload has {len(payload)} bytes")
+        data = payload[lo:hi]
+        if _sha(data) != e["sha256"]:
+            raise PrefixCacheError(f"prefix cache {path} is corrupt: array {e['name']} fails its checksum")
+        arrays[e["name"]] = np.frombuffer(data, dtype=jnp.dtype(e["dtype"])).reshape(e["shape"])
+    cache = empty_cache(cfg, 1, capacity)
+    expect = _global_arrays(cfg, cache, 0, n)
+    missing = sorted(set(expect) - set(arrays))
+    if missing or "tokens" not in arrays:
+        raise PrefixCacheError(f"prefix cache {path} lacks arrays {missing or ['tokens']}")
+    for name, ref in expect.items():
+        if arrays[name].shape != ref.shape or arrays[name].dtype != ref.dtype:
+            raise PrefixCacheError(f"prefix cache {path}: array {name} is {arrays[name].dtype}{list(arrays[name].shape)}, "
+                                   f"expected {ref.dtype}{list(ref.shape)} for {n} tokens")
+    tokens = arrays["tokens"]
+    if tokens.shape != (n,):
+        raise PrefixCacheError(f"prefix cache {path}: tokens have shape {tokens.shape}, expected ({n},)")
+    for part in ("compressed", "index_keys"):
+        for key, container in cache[part].items():
+            g = n // cfg.compress_ratios[int(key[5:])]
+            cache[part][key] = type(container)(*(a.at[0, :g].set(jnp.asarray(arrays[f"{part}.{key}.{f}"]))
+                                                 for f, a in zip(container._fields, container)))
+    for key, state in cache["compressor"].items():
+        cache["compressor"][key] = {k: jnp.asarray(arrays[f"compressor.{key}.{k}"])[None] for k in state}
+    cache["length"] = jnp.full((1,), n, jnp.int32)
+    cache["published"] = jnp.full((1,), header["published"], jnp.int32)
+    return cache, tokens.copy()

@@ -1,0 +1,152 @@
+"""CED split prefill, exact prefill and encoder replay (SPEC §5), as pure functions of the cache.
+
+- Graph A (`encoder_pass`): the encoder layers over every prompt token, then the first decoder
+  layer's pre-mix collapse, attn_norm, compressor and index-key projection (`project_ced`). The
+  global cache of that layer comes out exact.
+- Graph B (`decoder_pass`): the decoder layers over the tail only (the last `tail` tokens,
+  window + speculative slack), with window attention truncated to the tail by `floor`.
+- `exact_prefill`: every layer over every token, which is `model.forward`'s math.
+- `replay_window`: after a prefix-cache restore, every layer over the last cached tokens with
+  the global caches read-only, to rebuild the window rings.
+
+All functions take and return the cache; nothing is mutated. `make_*` wrap them in `jax.jit`
+with the model's compiler options.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsv41_jax.model import COMPILER_OPTIONS
+from dsv41_jax.runtime import Runtime
+from dsv41_jax.serving.layer_range import embed, head, project_ced, run_layers
+
+
+def check_splittable(cfg) -> None:
+    """Graph B never writes global caches, so no KV source may follow the first decoder layer."""
+    d = cfg.decoder_start
+    if d >= cfg.n_layers:
+        raise ValueError("split prefill needs a ratio-1 KV source (the CED projection); this config has none "
+                         "(decoder_start == n_layers): use exact_prefill=True")
+    later = [s for s in cfg.kv_source_layers if s > d]
+    if later:
+        raise ValueError(f"split prefill: KV source layers {later} come after the first decoder layer {d}; their "
+                         "global caches would only see the tail. Use exact_prefill=True for this config")
+
+
+def _slice_ids(engram_ids, lo: int, hi: int):
+    return None if engram_ids is None else engram_ids[:, lo:hi]
+
+
+def encoder_pass(model, tokens: jax.Array, cache: dict, *, runtime: Runtime = Runtime(), engram_ids=None):
+    """Graph A over one chunk continuing from cache["length"]: returns (h, pre, cache), the encoder
+    output [B,T,hc,d] / pre-mix [B,T,hc] and the cache with its length advanced by T."""
+    cfg = model.cfg
+    start = cache["length"]
+    h, pre = embed(model, tokens)
+    h, pre, cache, _ = run_layers(model, h, pre, cache, start=start, layers=range(cfg.decoder_start),
+                                  runtime=runtime, engram_ids=engram_ids)
+    cache = project_ced(model, h, pre, start, cache, runtime)
+    cache["length"] = start + tokens.shape[1]
+    return h, pre, cache
+
+
+def decoder_pass(model, h: jax.Array, pre: jax.Array, cache: dict, *, start: jax.Array, floor: jax.Array,
+                 runtime: Runtime = Runtime(), engram_ids=None, collect_topk: bool = False):
+    """Graph B over one piece of the tail (positions start[b]..): returns (logits [B,T,V], cache, aux).
+    Window slots below floor[b] are empty; the global caches are only read."""
+    cfg = model.cfg
+    h, pre, cache, aux = run_layers(model, h, pre, cache, start=start, layers=range(cfg.decoder_start, cfg.n_layers),
+                                    runtime=runtime, engram_ids=engram_ids, floor=floor, write_globals=False,
+                                    collect_topk=collect_topk)
+    return head(model, h, pre, runtime.mode), cache, aux
+
+
+def tail_floor(start: jax.Array, n_new: int, tail: int) -> jax.Array:
+    """First position Graph B's window may see: the tail start when the chunk is longer than the
+    tail, else 0 (the decoder rings already hold everything before the chunk)."""
+    if n_new > tail:
+        return start + (n_new - tail)
+    return jnp.zeros_like(start)
+
+
+def split_prefill(model, tokens: jax.Array, cache: dict, *, tail: int | None = None, runtime: Runtime = Runtime(),
+                  engram_ids=None, collect_topk: bool = False):
+    """Graph A over all of `tokens`, Graph B over the last min(T, tail) of them.
+
+    tail defaults to the window. Returns (logits of the tail positions [B, min(T, tail), V], cache, aux).
+    With T <= tail the result is exact_prefill's, bit for bit.
+    """
+    cfg = model.cfg
+    check_splittable(cfg)
+    tail = cfg.window_size if tail is None else tail
+    if tail < cfg.window_size:
+        raise ValueError(f"tail={tail} is shorter than the window ({cfg.window_size}); the last token's window "
+                         "would be truncated")
+    B, T = tokens.shape
+    start = cache["length"]
+    h, pre, cache = encoder_pass(model, tokens, cache, runtime=runtime, engram_ids=engram_ids)
+    n_t = min(T, tail)
+    floor = tail_floor(start, T, tail)
+    logits, cache, aux = decoder_pass(model, h[:, T - n_t:], pre[:, T - n_t:], cache, start=start + (T - n_t),
+                                      floor=floor, runtime=runtime, engram_ids=_slice_ids(engram_ids, T - n_t, T),
+                                      collect_topk=collect_topk)
+    return logits, cache, aux
+
+
+def exact_prefill(model, tokens: jax.Array, cache: dict, *, runtime: Runtime = Runtime(), engram_ids=None,
+                  collect_topk: bool = False, lean: bool = False):
+    """Every layer over every token (model.forward's math): (logits [B,T,V], cache, aux)."""
+    cfg = model.cfg
+    start = cache["length"]
+    h, pre = embed(model, tokens)
+    h, pre, cache, aux = run_layers(model, h, pre, cache, start=start, layers=range(cfg.n_layers), runtime=runtime,
+                                    engram_ids=engram_ids, collect_topk=collect_topk, lean=lean)
+    cache["length"] = start + tokens.shape[1]
+    return head(model, h, pre, runtime.mode), cache, aux
+
+
+def replay_window(model, tokens: jax.Array, cache: dict, *, runtime: Runtime = Runtime(), engram_ids=None):
+    """Encoder replay (SPEC §5 "Prefix-cache hit"): rerun the last T cached tokens (positions
+    length-T ..) through every layer, window truncated to them, global caches read-only.
+    Returns (logits [B,T,V], cache) with the window rings rebuilt and the length unchanged."""
+    cfg = model.cfg
+    T = tokens.shape[1]
+    start = cache["length"] - T  # callers check that the cache holds T positions (host side)
+    h, pre = embed(model, tokens)
+    h, pre, cache, _ = run_layers(model, h, pre, cache, start=start, layers=range(cfg.n_layers), runtime=runtime,
+                                  engram_ids=engram_ids, floor=start, write_globals=False)
+    return head(model, h, pre, runtime.mode), cache
+
+
+def drop_window(cache: dict) -> dict:
+    """The cache with every window ring zeroed: what a restored prefix cache starts from."""
+    out = dict(cache)
+    out["window"] = [jax.tree.map(jnp.zeros_like, w) for w in cache["window"]]
+    return out
+
+
+def _jit(fn, graphdef, **static):
+    @functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
+    def run(params, *args, **kwargs):
+        return fn(nnx.merge(graphdef, params), *args, **static, **kwargs)
+
+    return run
+
+
+def make_split_prefill(graphdef, runtime: Runtime = Runtime(), tail: int | None = None, collect_topk: bool = False):
+    """jit (params, tokens, cache, engram_ids=None) -> split_prefill(...)."""
+    return _jit(split_prefill, graphdef, runtime=runtime, tail=tail, collect_topk=collect_topk)
+
+
+def make_exact_prefill(graphdef, runtime: Runtime = Runtime(), collect_topk: bool = False, lean: bool = False):
+    """jit (params, tokens, cache, engram_ids=None) -> exact_prefill(...)."""
+    return _jit(exact_prefill, graphdef, runtime=runtime, collect_topk=collect_topk, lean=lean)
+
+
+def make_replay(graphdef, runtime: Runtime = Runtime()):
+    """jit (params, tokens, cache, engram_ids=None) -> replay_window(...)."""
+    return _jit(replay_window, graphdef, runtime=runtime)

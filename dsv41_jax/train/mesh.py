@@ -1,0 +1,112 @@
+"""Device meshes and shardings for training.
+
+Meshes are named by a spec such as "data=2,tensor=4" (axes data / expert / tensor). When the
+project's `sharding` package is importable its mesh builder and "training" rule table are used
+(FSDP over data, experts over expert, heads over tensor); otherwise, and for any parameter the
+rules do not name (e.g. LoRA adapters), a shape rule splits the largest dimension divisible
+by the tensor axis. Optimizer moments take their parameter's sharding (matched by key and
+shape), so the whole state can be laid out for any mesh, which is how a checkpoint is
+restored onto a different mesh. The batch is split over data (and expert).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from dsv41_jax.train.params import key_path
+
+AXES = ("data", "expert", "tensor")
+
+
+def _parse(spec: str | None, n: int) -> dict[str, int]:
+    if not spec:
+        return {"data": n}
+    shape = {}
+    for part in spec.replace(":", "=").split(","):
+        name, _, size = part.strip().partition("=")
+        if name not in AXES or not size.strip().lstrip("-").isdigit():
+            raise ValueError(f"mesh spec {spec!r}: {part!r} is not 'axis=size' with axis in {AXES}")
+        shape[name] = int(size)
+    if list(shape.values()).count(-1) == 1:
+        fixed = math.prod(v for v in shape.values() if v != -1)
+        shape = {k: (n // fixed if v == -1 else v) for k, v in shape.items()}
+    if math.prod(shape.values()) != n:
+        raise ValueError(f"mesh {shape} needs {math.prod(shape.values())} devices but {n} are available; "
+                         f"give sizes that multiply to {n} (or -1 for one axis)")
+    return shape
+
+
+def make_mesh(spec: str | None = None, devices=None) -> Mesh:
+    """A mesh over `devices` (default all): spec "data=2,tensor=4", "data=-1", or None (all data)."""
+    devices = list(jax.devices() if devices is None else devices)
+    shape = _parse(spec, len(devices))
+    try:
+        from sharding.mesh import make_mesh as project_mesh
+    except ImportError:
+        return Mesh(np.asarray(devices).reshape(tuple(shape.values())), tuple(shape))
+    return project_mesh(",".join(f"{k}={v}" for k, v in shape.items()), devices)
+
+
+def _sizes(mesh: Mesh) -> dict[str, int]:
+    return dict(zip(mesh.axis_names, mesh.devices.shape))
+
+
+def _shape_rule(mesh: Mesh, shape) -> P:
+    t = _sizes(mesh).get("tensor", 1)
+    spec = [None] * len(shape)
+    if t > 1:
+        for i in sorted(range(len(shape)), key=lambda i: -shape[i]):
+            if shape[i] % t == 0:
+                spec[i] = "tensor"
+                break
+    return P(*spec)
+
+
+def param_spec(mesh: Mesh, key: str, shape) -> P:
+    """PartitionSpec of one parameter (master key) on `mesh`."""
+    try:
+        from sharding import rules
+    except ImportError:
+        return _shape_rule(mesh, shape)
+    try:
+        logical = rules.param_logical_axes(key_path(key), len(shape))
+    except rules.ShardingRuleError:
+        return _shape_rule(mesh, shape)
+    return rules.resolve(logical, tuple(shape), rules.get_rules("training"), _sizes(mesh)).spec
+
+
+def state_shardings(mesh: Mesh, state, param_shapes: dict):
+    """NamedShardings for a train-state tree: a leaf under a dict key naming a parameter (and of
+    that parameter's shape) is laid out like the parameter; everything else is replicated."""
+    def one(path, leaf):
+        shape = tuple(leaf.shape)
+        for entry in reversed(path):
+            k = getattr(entry, "key", None)
+            if isinstance(k, str) and k in param_shapes and tuple(param_shapes[k]) == shape:
+                return NamedSharding(mesh, param_spec(mesh, k, shape))
+        return NamedSharding(mesh, P())
+
+    return jax.tree_util.tree_map_with_path(one, state)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    axes = tuple(a for a in ("data", "expert") if _sizes(mesh).get(a, 1) > 1)
+    return NamedSharding(mesh, P(axes if len(axes) > 1 else (axes[0] if axes else None)))
+
+
+def check_batch(mesh: Mesh, batch_size: int) -> None:
+    n = math.prod(_sizes(mesh).get(a, 1) for a in ("data", "expert"))
+    if batch_size % n:
+        raise ValueError(f"batch size {batch_size} does not split over the mesh's data axes ({n} ways); "
+                         f"use a multiple of {n}")
+
+
+def param_shapes_of(state: dict) -> dict:
+    """{key: shape} of every master / adapter / bias in a train state."""
+    out = {}
+    for group in ("master", "bias", "lora"):
+        out.update({k: tuple(v.shape) for k, v in state[group].items()})
+    return out

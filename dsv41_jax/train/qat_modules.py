@@ -1,0 +1,154 @@
+"""The training model: the served architecture on fp32 master weights, with QAT at every GEMM.
+
+The served modules compute on stored FP8/FP4 weights, which have no gradient. Training builds
+the same model from the dense (`dtype="bf16"`) config and swaps three module kinds for
+subclasses that reproduce the served numerics on dense weights:
+  * `QATLinear` for every Linear the checkpoint stores in FP8: its input is fake-quantized to
+    E4M3 with an E8M0 scale per 32 (as the served GEMM does), with a straight-through gradient;
+  * `QATExperts` for the routed experts (MXFP4 or FP8 on the checkpoint), likewise;
+  * `QATEngram` for the Engram table, held as fp32 rows and fake-quantized per looked-up row.
+The weights themselves are fake-quantized by `weight_quant.qat_view` before the forward, so
+the module code is the served code and the parameter paths are the served paths.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsv41_jax import quant
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.layers.basic import QLinear
+from dsv41_jax.layers.engram import Engram
+from dsv41_jax.layers.moe import Experts
+from dsv41_jax.train.params import FP4_WEIGHT, FP8_ROWS, FP8_WEIGHT, Format, flatten_state, path_key
+
+_BLOCK = 32
+
+
+def fake_act(x: jax.Array) -> jax.Array:
+    """FP8 activation round trip per 32 (straight-through), zero-padding K like the served GEMM."""
+    pad = -x.shape[-1] % _BLOCK
+    if not pad:
+        return quant.fake_fp8_act(x, _BLOCK)
+    xp = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+    return quant.fake_fp8_act(xp, _BLOCK)[..., : x.shape[-1]]
+
+
+def qat_matmul(x: jax.Array, w: jax.Array, act_quant: bool, out_dtype) -> jax.Array:
+    """y = Q8(x) @ w.T in bf16 with fp32 accumulation: the served FP8/FP4 GEMM's fast path
+    (gemm.linear) on a weight that already holds its storage values."""
+    xq = fake_act(x) if act_quant else x
+    y = jnp.einsum("...k,nk->...n", xq.astype(jnp.bfloat16), w.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+    return y.astype(out_dtype)
+
+
+class QATLinear(QLinear):
+    """A served-FP8 Linear on a dense weight (why: see the module docstring)."""
+
+    def __init__(self, src: QLinear, act_quant: bool):
+        self.in_features, self.out_features, self.kind = src.in_features, src.out_features, "dense"
+        self.weight, self.scale = src.weight, None
+        self.act_quant = act_quant
+
+    def __call__(self, x, mode: str = "fast", out_dtype=None):
+        if mode != "fast":
+            raise ValueError(f"QATLinear runs the fast numerics only, got mode={mode!r}")
+        return qat_matmul(x, self.weight[...], self.act_quant, out_dtype or x.dtype)
+
+
+class QATExperts(Experts):
+    """Routed experts on dense stacked weights, with the served activation quantization."""
+
+    def __init__(self, src: Experts, act_quant: bool):
+        self.limit = src.limit
+        self.w1, self.w2, self.w3 = src.w1, src.w2, src.w3
+        self.w1_scale = self.w2_scale = self.w3_scale = None
+        # the parent's grouped path fake-quantizes activations iff kind != "dense"
+        self.kind = "qat" if act_quant else "dense"
+
+    def _lin(self, x, w, s, mode):
+        return qat_matmul(x, w, self.kind != "dense", x.dtype)
+
+    def dense_weights(self):
+        return self.w1[...].astype(jnp.bfloat16), self.w2[...].astype(jnp.bfloat16), self.w3[...].astype(jnp.bfloat16)
+
+
+class QATEngram(Engram):
+    """Engram with an fp32 master table; looked-up rows take the served FP8 per-32 round trip."""
+
+    def __init__(self, src: Engram, table: jax.Array, quant_rows: bool):
+        self.hc, self.dim, self.eps, self.head_dim = src.hc, src.dim, src.eps, src.head_dim
+        self.embed = nnx.Param(table)
+        self.embed_scale = None
+        self.wkv, self.q_weight, self.k_weight = src.wkv, src.q_weight, src.k_weight
+        self.quant_rows = quant_rows
+
+    def lookup(self, ids: jax.Array) -> jax.Array:
+        rows = self.embed[...][ids]
+        if self.quant_rows:
+            rows = quant.fake_fp8_act(rows, 32)
+        return rows.astype(jnp.bfloat16).reshape(*ids.shape[:-1], -1)
+
+
+def dense_config(cfg: ModelConfig) -> ModelConfig:
+    """The same architecture with plain (unquantized) weights: the training model's skeleton."""
+    return cfg.replace(dtype="bf16", expert_dtype=None)
+
+
+def _set_child(model, path, new):
+    parent = model
+    for p in path[:-1]:
+        parent = parent[p] if isinstance(p, int) else getattr(parent, p)
+    if isinstance(path[-1], int):
+        parent[path[-1]] = new
+    else:
+        setattr(parent, path[-1], new)
+
+
+def to_training_model(model, formats: dict[str, Format], *, act_quant: bool = True, quant_engram_rows: bool = True):
+    """Swap the modules of a dense-config Transformer for their QAT subclasses (in place).
+
+    `formats` (from `params.serving_formats` of the checkpoint config) says which Linears are
+    FP8 when served. Returns the model; every float parameter becomes an fp32 master.
+    """
+    for path, m in list(nnx.iter_modules(model)):
+        if isinstance(m, Engram) and not isinstance(m, QATEngram):
+            table = quant.dequant_fp8_act(m.embed[...], m.embed_scale[...], 32)
+            if formats.get(path_key(path + ("embed",)), Format(FP8_ROWS)).kind != FP8_ROWS:
+                raise ValueError(f"{path_key(path)}: the serving Engram table is not FP8 rows")
+            _set_child(model, path, QATEngram(m, table, quant_engram_rows))
+        elif isinstance(m, Experts) and not isinstance(m, QATExperts):
+            served = formats[path_key(path + ("w1",))].kind
+            _set_child(model, path, QATExperts(m, act_quant and served in (FP8_WEIGHT, FP4_WEIGHT)))
+    for path, m in list(nnx.iter_modules(model)):
+        if type(m) is QLinear and formats[path_key(path + ("weight",))].kind in (FP8_WEIGHT, FP4_WEIGHT):
+            _set_child(model, path, QATLinear(m, act_quant))
+    for _, var in nnx.to_flat_state(nnx.state(model)):
+        value = var.get_value()
+        if jnp.issubdtype(value.dtype, jnp.floating) and value.dtype != jnp.float32:
+            var.set_value(value.astype(jnp.float32))
+    return model
+
+
+def build_training_model(cfg: ModelConfig, formats: dict[str, Format], *, seed: int = 0, act_quant: bool = True,
+                         quant_engram_rows: bool = True, abstract: bool = False):
+    """(graphdef, flat fp32 masters) of a freshly initialised training model.
+
+    The whole initialisation runs as one compiled program (eager init compiles once per
+    parameter shape, which dominates start-up on CPU). abstract=True returns shapes only.
+    """
+    from dsv41_jax.model import Transformer
+
+    holder = {}
+
+    def init():
+        m = to_training_model(Transformer(dense_config(cfg), rngs=seed), formats, act_quant=act_quant,
+                              quant_engram_rows=quant_engram_rows)
+        holder["graphdef"], state = nnx.split(m)
+        return flatten_state(state)
+
+    shapes = jax.eval_shape(init)
+    if abstract:
+        return holder["graphdef"], shapes
+    return holder["graphdef"], jax.jit(init)()

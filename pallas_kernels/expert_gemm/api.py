@@ -1,0 +1,106 @@
+"""`grouped_fp4_gemm`, `fp8_block_gemm` and the routed-expert FFN built on them, with the impl switch.
+
+No custom VJP: the weights are packed MXFP4 / FP8 storage (not differentiable here), and QAT
+trains through the model's jnp path (dsv41_jax.gemm) instead.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.common.backend import resolve
+from pallas_kernels.expert_gemm.reference import fp8_block_gemm_reference, grouped_fp4_gemm_reference
+
+__all__ = ["grouped_fp4_gemm", "fp8_block_gemm", "expert_gemm_moe"]
+
+
+def _activation_shape(x) -> tuple[int, int]:
+    if isinstance(x, (tuple, list)):
+        q, s = x
+        if q.ndim != 2 or s.shape != (q.shape[0], q.shape[1] // 32):
+            raise ValueError(f"activation (e4m3, e8m0) must be [M, K] and [M, K/32], got {q.shape} and {s.shape}")
+        return q.shape
+    if x.ndim != 2:
+        raise ValueError(f"activation must be [M, K], got shape {x.shape}")
+    return x.shape
+
+
+def grouped_fp4_gemm(
+    x_sorted, group_sizes: jax.Array, w_packed: jax.Array, w_scale: jax.Array, *,
+    impl: str = "auto", interpret: bool | None = None, platform: str | None = None,
+) -> jax.Array:
+    """Ragged MXFP4 x FP8 GEMM: y[m] = FP8(x[m]) @ dequant(W[g(m)])^T as f32 [M, N].
+
+    x_sorted: bf16/f32 [M, K] rows sorted by expert (quantized here to E4M3 with an E8M0 scale per
+    32, as the reference's linear() does), or an already quantized (e4m3 [M, K], e8m0 [M, K/32])
+    pair. group_sizes int32 [E]: rows per expert, in order; rows past their sum give 0.
+    w_packed uint8 [E, N, K/2] (E2M1 pairs, even element in the low nibble), w_scale uint8 E8M0
+    [E, N, K/32]. Accumulation is f32; the weights are dequantized inside the kernel.
+    """
+    M, K = _activation_shape(x_sorted)
+    if w_packed.ndim != 3 or w_packed.shape[2] * 2 != K:
+        raise ValueError(f"grouped_fp4_gemm: w_packed must be [E, N, K/2 = {K // 2}], got {w_packed.shape}")
+    E, N, _ = w_packed.shape
+    if K % 32:
+        raise ValueError(f"grouped_fp4_gemm: K = {K} must be a multiple of 32")
+    if w_scale.shape != (E, N, K // 32):
+        raise ValueError(f"grouped_fp4_gemm: w_scale must be [{E}, {N}, {K // 32}], got {w_scale.shape}")
+    if group_sizes.shape != (E,):
+        raise ValueError(f"grouped_fp4_gemm: group_sizes must be [E = {E}], got {group_sizes.shape}")
+    choice = resolve(impl, interpret, platform)
+    if choice.kind == "xla":
+        return grouped_fp4_gemm_reference(x_sorted, group_sizes, w_packed, w_scale)
+    if choice.kind == "tpu":
+        from pallas_kernels.expert_gemm.tpu import grouped_fp4_gemm_tpu as kernel
+    else:
+        from pallas_kernels.expert_gemm.gpu import grouped_fp4_gemm_gpu as kernel
+    return kernel(x_sorted, group_sizes, w_packed, w_scale, interpret=choice.interpret)
+
+
+def fp8_block_gemm(
+    x, w_e4m3: jax.Array, w_scale: jax.Array, *,
+    impl: str = "auto", interpret: bool | None = None, platform: str | None = None,
+) -> jax.Array:
+    """Dense FP8 GEMM: FP8(x) @ dequant(W)^T as f32 [M, N].
+
+    x: bf16/f32 [M, K] (quantized here, E4M3 + E8M0 per 32) or an (e4m3, e8m0) pair; w_e4m3
+    float8_e4m3fn [N, K]; w_scale uint8 E8M0 [ceil(N/32), ceil(K/32)], one per 32x32 tile
+    (partial edge tiles allowed). f32 accumulation.
+    """
+    M, K = _activation_shape(x)
+    if w_e4m3.ndim != 2 or w_e4m3.shape[1] != K or w_e4m3.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"fp8_block_gemm: w_e4m3 must be float8_e4m3fn [N, K = {K}], got {w_e4m3.dtype} {w_e4m3.shape}")
+    N = w_e4m3.shape[0]
+    if w_scale.shape != (-(-N // 32), -(-K // 32)):
+        raise ValueError(f"fp8_block_gemm: w_scale must be [{-(-N // 32)}, {-(-K // 32)}], got {w_scale.shape}")
+    choice = resolve(impl, interpret, platform)
+    if choice.kind == "xla":
+        return fp8_block_gemm_reference(x, w_e4m3, w_scale)
+    if choice.kind == "tpu":
+        from pallas_kernels.expert_gemm.tpu import fp8_block_gemm_tpu as kernel
+    else:
+        from pallas_kernels.expert_gemm.gpu import fp8_block_gemm_gpu as kernel
+    return kernel(x, w_e4m3, w_scale, interpret=choice.interpret)
+
+
+def expert_gemm_moe(experts, rows, expert_ids, weights, *, impl="pallas", interpret=None, platform=None):
+    """Routed-expert FFN for rows (token, slot) with the grouped FP4 GEMM: [n, d] -> [n, d] in rows.dtype.
+
+    `experts` is the model's `dsv41_jax.layers.moe.Experts` (fp4 kind); expert_ids / weights [n]
+    give each row's expert and routing weight. Same math as `Experts.grouped`: sort rows by
+    expert, W1 and W3, clamped SwiGLU times the weight, W2, unsort.
+    """
+    from dsv41_jax.layers.moe import swiglu
+
+    if experts.kind != "fp4":
+        raise ValueError(f"expert_gemm_moe: needs MXFP4 experts, got kind {experts.kind!r}")
+    E = experts.w1.shape[0]
+    order = jnp.argsort(expert_ids, stable=True)
+    xs, ws = rows[order], weights[order]
+    sizes = jnp.bincount(expert_ids, length=E).astype(jnp.int32)
+    kw = dict(impl=impl, interpret=interpret, platform=platform)
+    up1 = grouped_fp4_gemm(xs, sizes, experts.w1[...], experts.w1_scale[...], **kw).astype(rows.dtype)
+    up3 = grouped_fp4_gemm(xs, sizes, experts.w3[...], experts.w3_scale[...], **kw).astype(rows.dtype)
+    h = (ws[:, None] * swiglu(up1, up3, experts.limit)).astype(rows.dtype)
+    out = grouped_fp4_gemm(h, sizes, experts.w2[...], experts.w2_scale[...], **kw).astype(rows.dtype)
+    return jnp.zeros_like(out).at[order].set(out)

@@ -1,0 +1,183 @@
+"""Expert GEMM kernels (interpret mode) against the jnp reference, a float64 oracle and the golden vectors."""
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from dsv41_jax import quant
+from pallas_kernels import fp8_block_gemm, grouped_fp4_gemm
+from pallas_kernels.expert_gemm.reference import fp8_block_gemm_reference, grouped_fp4_gemm_reference
+
+PLATFORMS = ["tpu", "gpu"]
+_grouped = jax.jit(grouped_fp4_gemm, static_argnames=("impl", "interpret", "platform"))
+_fp8 = jax.jit(fp8_block_gemm, static_argnames=("impl", "interpret", "platform"))
+
+
+def _e8m0(s):
+    return np.asarray(s, np.uint8).view(ml_dtypes.float8_e8m0fnu).astype(np.float64)
+
+
+def _fp4_f64(packed, scale):
+    packed = np.asarray(packed)
+    codes = np.stack([packed & 0xF, packed >> 4], -1).reshape(*packed.shape[:-1], -1).astype(np.uint8)
+    return codes.view(ml_dtypes.float4_e2m1fn).astype(np.float64) * np.repeat(_e8m0(scale), 32, axis=-1)
+
+
+def _act_f64(x):
+    q, s = quant.quant_fp8_act(jnp.asarray(x, jnp.float32), 32)
+    return np.asarray(q).astype(np.float64) * np.repeat(_e8m0(s), 32, axis=-1)
+
+
+def _assert_close(out, ref, rtol=1e-5):
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert out.shape == ref.shape
+    scale = np.maximum(np.abs(ref).max(axis=-1, keepdims=True), 1e-30)  # per row: magnitudes differ by 1e36
+    err = np.abs(out - ref)
+    assert np.all(err <= rtol * scale), f"worst relative error {np.max(err / scale):.3g}"
+
+
+def _grouped_inputs(rng, sizes, M, N, K, *, magnitudes=(1.0,)):
+    E = len(sizes)
+    mags = np.resize(np.asarray(magnitudes, np.float64), E)
+    w = jnp.asarray(rng.standard_normal((E, N, K)) * mags[:, None, None], jnp.float32)
+    wp, ws = jax.vmap(quant.quant_fp4_weight)(w)
+    x = jnp.asarray(rng.standard_normal((M, K)) * np.resize(np.asarray(magnitudes), M)[:, None], jnp.bfloat16)
+    return x, jnp.asarray(sizes, jnp.int32), wp, ws
+
+
+def _grouped_oracle(x, sizes, wp, ws):
+    xd = _act_f64(x)
+    w = _fp4_f64(wp, ws)
+    out = np.zeros((xd.shape[0], w.shape[1]))
+    start = 0
+    for g, n in enumerate(np.asarray(sizes)):
+        out[start:start + n] = xd[start:start + n] @ w[g].T
+        start += n
+    return out
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_grouped_ragged(platform):
+    """Empty experts, an expert spanning row tiles, and rows past sum(sizes) (must be 0)."""
+    rng = np.random.default_rng(1)
+    sizes = [5, 0, 23, 0, 0, 1, 4]  # 33 of 37 rows; tiles of 16 rows split experts 2 and 6
+    x, gs, wp, ws = _grouped_inputs(rng, sizes, 37, 64, 128)
+    out = _grouped(x, gs, wp, ws, impl="pallas", interpret=True, platform=platform)
+    _assert_close(out, _grouped_oracle(x, gs, wp, ws))
+    _assert_close(out, grouped_fp4_gemm_reference(x, gs, wp, ws))
+    assert np.all(np.asarray(out)[33:] == 0.0)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_grouped_extreme_scales_and_one_expert(platform):
+    """Weight scales from 2^-60 to 2^60 across experts; all rows in one expert; empty last expert."""
+    rng = np.random.default_rng(2)
+    sizes = [0, 0, 37, 0, 0, 0, 0]
+    x, gs, wp, ws = _grouped_inputs(rng, sizes, 37, 64, 128, magnitudes=[1e-18, 1.0, 1e18, 3.0])
+    out = _grouped(x, gs, wp, ws, impl="pallas", interpret=True, platform=platform)
+    _assert_close(out, _grouped_oracle(x, gs, wp, ws))
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_grouped_pre_quantized_activation(platform):
+    rng = np.random.default_rng(3)
+    x, gs, wp, ws = _grouped_inputs(rng, [9, 0, 11], 20, 64, 128)
+    q, s = quant.quant_fp8_act(x.astype(jnp.float32), 32)
+    out = grouped_fp4_gemm((q, s), gs, wp, ws, impl="pallas", interpret=True, platform=platform)
+    _assert_close(out, _grouped_oracle(x, gs, wp, ws))
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_fp8_block_gemm_partial_tiles(platform):
+    """N = 80 and K = 96: the last scale row covers a partial 32-row tile."""
+    rng = np.random.default_rng(4)
+    w8, s8 = quant.quant_fp8_weight(jnp.asarray(rng.standard_normal((80, 96)) * 1e3, jnp.float32))
+    x = jnp.asarray(rng.standard_normal((7, 96)), jnp.bfloat16)
+    out = _fp8(x, w8, s8, impl="pallas", interpret=True, platform=platform)
+    wd = np.asarray(w8).astype(np.float64) * np.repeat(np.repeat(_e8m0(s8), 32, 0), 32, 1)[:80, :96]
+    _assert_close(out, _act_f64(x) @ wd.T)
+    _assert_close(out, fp8_block_gemm_reference(x, w8, s8))
+
+
+def _golden_vectors(golden_root):
+    """The shared loader lives in the repo's tests/ folder (not a package)."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+    from kernel_vectors import kernel_vectors
+
+    return kernel_vectors(golden_root)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_golden_gemm_vectors(golden_root, platform):
+    """The oracle's FP4 and FP8 GEMM vectors (exact block dots summed in f32) to f32 accumulation error."""
+    v = _golden_vectors(golden_root)
+    a_q = jnp.asarray(v["fp4_gemm.a_q_e4m3"].view(ml_dtypes.float8_e4m3fn))
+    a_s = jnp.asarray(v["fp4_gemm.a_scale_e8m0"])
+    wp, ws = jnp.asarray(v["fp4_gemm.b_packed_e2m1"])[None], jnp.asarray(v["fp4_gemm.b_scale_e8m0"])[None]
+    out = grouped_fp4_gemm((a_q, a_s), jnp.asarray([a_q.shape[0]], jnp.int32), wp, ws,
+                           impl="pallas", interpret=True, platform=platform)
+    _assert_close(out, v["fp4_gemm.out_f32"], 1e-5)
+    a_q = jnp.asarray(v["fp8_gemm.a_q_e4m3"].view(ml_dtypes.float8_e4m3fn))
+    a_s = jnp.asarray(v["fp8_gemm.a_scale_e8m0"])
+    w = jnp.asarray(v["fp8_gemm.b_e4m3"].view(ml_dtypes.float8_e4m3fn))
+    out = fp8_block_gemm((a_q, a_s), w, jnp.asarray(v["fp8_gemm.b_scale_e8m0"]), impl="pallas", interpret=True,
+                         platform=platform)
+    _assert_close(out, v["fp8_gemm.out_f32"], 1e-5)
+
+
+def test_bad_inputs_are_reported():
+    rng = np.random.default_rng(5)
+    x, gs, wp, ws = _grouped_inputs(rng, [3, 4], 7, 32, 64)
+    with pytest.raises(ValueError, match="group_sizes must be"):
+        grouped_fp4_gemm(x, gs[:1], wp, ws)
+    with pytest.raises(ValueError, match="w_scale must be"):
+        grouped_fp4_gemm(x, gs, wp, ws[..., :1])
+    with pytest.raises(ValueError, match="w_e4m3 must be"):
+        fp8_block_gemm(x, wp[0], ws[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("seed", range(4))
+def test_grouped_random_sweep(platform, seed):
+    rng = np.random.default_rng(100 + seed)
+    E = int(rng.integers(1, 12))
+    M = int(rng.integers(1, 150))
+    sizes = rng.multinomial(int(rng.integers(0, M + 1)), np.ones(E) / E)
+    x, gs, wp, ws = _grouped_inputs(rng, sizes.tolist(), M, 64 * int(rng.integers(1, 3)), 128)
+    out = grouped_fp4_gemm(x, gs, wp, ws, impl="pallas", interpret=True, platform=platform)
+    _assert_close(out, _grouped_oracle(x, gs, wp, ws))
+
+
+def test_expert_gemm_moe_matches_per_row_linear():
+    """The routed-expert FFN helper the model calls, against per-row dsv41_jax.gemm.linear calls."""
+    from types import SimpleNamespace
+
+    from dsv41_jax import gemm
+    from dsv41_jax.layers.moe import swiglu
+    from pallas_kernels import expert_gemm_moe
+
+    rng = np.random.default_rng(9)
+    E, d, f, n = 4, 64, 32, 11
+
+    def weight(out, inp):
+        return jax.vmap(quant.quant_fp4_weight)(jnp.asarray(rng.standard_normal((E, out, inp)) / np.sqrt(inp), jnp.float32))
+
+    (w1, s1), (w2, s2), (w3, s3) = weight(f, d), weight(d, f), weight(f, d)
+    experts = SimpleNamespace(kind="fp4", limit=10.0, w1=w1, w1_scale=s1, w2=w2, w2_scale=s2, w3=w3, w3_scale=s3)
+    rows = jnp.asarray(rng.standard_normal((n, d)), jnp.bfloat16)
+    ids = jnp.asarray(rng.integers(0, E - 1, n), jnp.int32)  # the last expert gets no rows
+    wts = jnp.asarray(rng.random(n), jnp.float32)
+    out = expert_gemm_moe(experts, rows, ids, wts, impl="pallas", interpret=True, platform="gpu")
+    for i in range(n):
+        e = int(ids[i])
+        lin = lambda x, w, s: gemm.linear(x, w[e], s[e], kind="fp4").astype(jnp.bfloat16)  # noqa: E731
+        h = (wts[i] * swiglu(lin(rows[i:i + 1], w1, s1), lin(rows[i:i + 1], w3, s3), 10.0)).astype(jnp.bfloat16)
+        expect = np.asarray(lin(h, w2, s2), np.float64)[0]
+        got = np.asarray(out[i], np.float64)
+        assert np.abs(got - expect).max() <= 2e-2 * np.abs(expect).max(), f"row {i}"

@@ -1,0 +1,229 @@
+"""Expert-parallel MoE: routed experts split over a mesh axis, tokens sent to them and back.
+
+The gate, the slot order and the final sum are the unsharded `MoE`'s own (dsv41_jax/layers/moe.py),
+run under GSPMD; only the routed-expert step runs inside `shard_map`:
+
+1. token rows are split over *every* mesh axis (no device repeats another's expert work);
+2. each (row, slot) pair goes to the device that owns its expert (`expert // experts_per_device`
+   along the expert axis) with an all-to-all, and comes back the same way;
+3. the owner runs the experts' math (`Experts.per_row` or `Experts.grouped`, on its local slice).
+
+Two exchanges:
+- "dense": `all_to_all` of fixed-capacity buffers. The capacity is the worst case
+  (every pair of a device goes to one owner: rows x min(k, experts per device)), so no
+  token is ever dropped; it moves padding, which is fine for decode-sized batches and is
+  the only choice on CPU (XLA:CPU has no ragged all-to-all).
+- "ragged": `jax.lax.ragged_all_to_all` moves only the real pairs (TPU/GPU). Its offset
+  bookkeeping is tested on CPU through `_emulated_ragged_all_to_all`, a slow stand-in built
+  from all_gather.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec as P
+
+from dsv41_jax.layers.moe import MoE
+from sharding.compat import has_ragged_all_to_all, shard_map
+
+DISPATCH = ("auto", "dense", "ragged", "ragged-emulated")
+
+
+def _axis_size(mesh: Mesh, axis: str) -> int:
+    return dict(zip(mesh.axis_names, mesh.devices.shape)).get(axis, 1)
+
+
+def route(moe: MoE, flat: jax.Array, mode: str, forced=None):
+    """The unsharded gate and slot order: (scores, weights, experts, e_sorted, w_sorted)."""
+    scores = moe.gate.scores(flat, mode)
+    weights, experts = moe.gate.route(scores, forced)
+    # slots in ascending expert order: the order in which MoE (and the reference) sums them
+    slot_order = jnp.argsort(experts, axis=-1)
+    return (scores, weights, experts, jnp.take_along_axis(experts, slot_order, -1),
+            jnp.take_along_axis(weights, slot_order, -1))
+
+
+def expert_parallel_moe(moe: MoE, x: jax.Array, mesh: Mesh, *, mode: str = "fast", forced=None,
+                        expert_axis: str = "expert", dispatch: str = "auto"):
+    """Drop-in for `moe(x, mode, forced)`: (y [B,T,d] in x.dtype, info) with experts split over `expert_axis`."""
+    B, T, d = x.shape
+    flat = x.reshape(B * T, d)
+    scores, weights, experts, e_sorted, w_sorted = route(moe, flat, mode, None if forced is None else forced.reshape(B * T, -1))
+    k = moe.topk
+    per_row = mode == "exact" or B * T * k <= moe.grouped_threshold
+    out = routed_outputs(moe.experts, flat, e_sorted, w_sorted, mesh, mode=mode, expert_axis=expert_axis,
+                         dispatch=dispatch, per_row=per_row).astype(jnp.float32)
+    y = jnp.zeros((B * T, d), jnp.float32)
+    for j in range(k):  # the unsharded MoE's fp32 summation order
+        y = y + out[:, j]
+    y = y + moe.shared_experts(flat, mode).astype(jnp.float32)
+    info = {"scores": scores.reshape(B, T, -1), "experts": experts.reshape(B, T, k), "weights": weights.reshape(B, T, k)}
+    return y.astype(x.dtype).reshape(B, T, d), info
+
+
+def routed_outputs(experts_module, rows: jax.Array, expert_ids: jax.Array, weights: jax.Array, mesh: Mesh, *,
+                   mode: str = "fast", expert_axis: str = "expert", dispatch: str = "auto", per_row: bool = True):
+    """Weighted outputs of each row's experts: rows [N, d], expert_ids/weights [N, k] -> [N, k, d].
+
+    An expert id < 0 marks an empty slot (output 0).
+    """
+    if dispatch not in DISPATCH:
+        raise ValueError(f"dispatch must be one of {DISPATCH}, got {dispatch!r}")
+    N, d = rows.shape
+    E = experts_module.w1.shape[0]
+    n_ep = _axis_size(mesh, expert_axis)
+    if E % n_ep:
+        raise ValueError(f"{E} routed experts cannot be split evenly over mesh axis {expert_axis!r} of size {n_ep}; "
+                         f"pick an expert axis size that divides {E}")
+    if dispatch == "auto":
+        dispatch = "ragged" if has_ragged_all_to_all() else "dense"
+    axes = tuple(mesh.axis_names)
+    n_shards = math.prod(mesh.devices.shape)
+    pad = -N % n_shards  # every device gets the same number of rows
+    if pad:
+        rows = jnp.pad(rows, ((0, pad), (0, 0)))
+        expert_ids = jnp.pad(expert_ids, ((0, pad), (0, 0)), constant_values=-1)
+        weights = jnp.pad(weights, ((0, pad), (0, 0)))
+    graphdef, state = nnx.split(experts_module)
+    ep = expert_axis if n_ep > 1 else None
+    body = functools.partial(_device_step, graphdef, ep=ep, n_ep=n_ep, mode=mode, dispatch=dispatch, per_row=per_row)
+    token_spec = P(axes)
+    step = shard_map(body, mesh=mesh, in_specs=(token_spec, token_spec, token_spec, P(ep)), out_specs=token_spec)
+    out = step(rows, expert_ids.astype(jnp.int32), weights.astype(jnp.float32), state)
+    return out[:N]
+
+
+def _local_experts(local, x, ids, w, mode, per_row):
+    """The experts' own math on this device's slice; ids < 0 are padding (output 0)."""
+    valid = ids >= 0
+    if per_row:
+        out = local.per_row(x, jnp.maximum(ids, 0), jnp.where(valid, w, 0.0), mode)
+    else:
+        # ids == n_local are left out of the group sizes, so ragged_dot gives them zeros
+        out = local.grouped(x, jnp.where(valid, ids, local.w1.shape[0]), w, mode)
+    return jnp.where(valid[:, None], out, jnp.zeros_like(out))
+
+
+def _device_step(graphdef, x, ids, w, state, *, ep, n_ep, mode, dispatch, per_row):
+    """One device: rows x [n, d] with their k expert ids/weights -> weighted expert outputs [n, k, d]."""
+    local = nnx.merge(graphdef, state)
+    n, k = ids.shape
+    if ep is None:  # every expert is here
+        out = _local_experts(local, jnp.repeat(x, k, axis=0), ids.reshape(-1), w.reshape(-1), mode, per_row)
+        return out.reshape(n, k, -1)
+    e_local = local.w1.shape[0]
+    pe, pw = ids.reshape(-1), w.reshape(-1)
+    valid = pe >= 0
+    dest = jnp.where(valid, pe // e_local, 0)
+    local_id = jnp.where(valid, pe - dest * e_local, -1)
+    row = jnp.arange(n * k) // k
+    if dispatch == "dense":
+        out = _dense_exchange(local, x, row, dest, local_id, pw, valid, ep=ep, n_ep=n_ep, cap=n * min(k, e_local),
+                              mode=mode, per_row=per_row)
+    else:
+        a2a = jax.lax.ragged_all_to_all if dispatch == "ragged" else _emulated_ragged_all_to_all
+        out = _ragged_exchange(local, x, row, dest, local_id, pw, valid, ep=ep, n_ep=n_ep, cap=n * min(k, e_local),
+                               mode=mode, per_row=per_row, a2a=a2a)
+    return out.reshape(n, k, -1)
+
+
+def _dense_exchange(local, x, row, dest, local_id, pw, valid, *, ep, n_ep, cap, mode, per_row):
+    """Fixed-capacity buffers [n_ep, cap, ...]: pair i sits at (dest_i, rank among pairs to dest_i)."""
+    m = row.shape[0]
+    onehot = (dest[:, None] == jnp.arange(n_ep)[None]) & valid[:, None]
+    pos = jnp.take_along_axis(jnp.cumsum(onehot, axis=0), dest[:, None], axis=1)[:, 0] - 1
+    pos = jnp.where(valid, pos, cap)  # out of range: dropped by the scatter
+    d = x.shape[-1]
+    send_x = jnp.zeros((n_ep, cap, d), x.dtype).at[dest, pos].set(x[row], mode="drop")
+    send_id = jnp.full((n_ep, cap), -1, jnp.int32).at[dest, pos].set(local_id, mode="drop")
+    send_w = jnp.zeros((n_ep, cap), jnp.float32).at[dest, pos].set(pw, mode="drop")
+    a2a = functools.partial(jax.lax.all_to_all, axis_name=ep, split_axis=0, concat_axis=0)
+    recv_x, recv_id, recv_w = a2a(send_x), a2a(send_id), a2a(send_w)
+    out = _local_experts(local, recv_x.reshape(n_ep * cap, d), recv_id.reshape(-1), recv_w.reshape(-1), mode, per_row)
+    back = a2a(out.reshape(n_ep, cap, d))
+    got = back[dest, jnp.minimum(pos, cap - 1)]
+    return jnp.where(valid[:, None], got, jnp.zeros_like(got)).reshape(m, d)
+
+
+def _ragged_exchange(local, x, row, dest, local_id, pw, valid, *, ep, n_ep, cap, mode, per_row, a2a):
+    """Pairs sorted by owner; only real pairs travel. Buffers are sized for the worst case."""
+    m, d = row.shape[0], x.shape[-1]
+    key = jnp.where(valid, dest, n_ep)  # invalid pairs last, never sent
+    order = jnp.argsort(key, stable=True)
+    send_sizes = jnp.bincount(key, length=n_ep).astype(jnp.int32)
+    in_off = (jnp.cumsum(send_sizes) - send_sizes).astype(jnp.int32)
+    small = functools.partial(jax.lax.all_to_all, axis_name=ep, split_axis=0, concat_axis=0)
+    recv_sizes = small(send_sizes[:, None])[:, 0]
+    recv_off = (jnp.cumsum(recv_sizes) - recv_sizes).astype(jnp.int32)
+    out_off = small(recv_off[:, None])[:, 0]  # where my chunk lands in each owner's buffer
+    src_off = small(in_off[:, None])[:, 0]  # where each source keeps the pairs it sent me
+    buf = n_ep * cap
+    xs = x[row[order]]
+    meta = jnp.stack([local_id[order], jax.lax.bitcast_convert_type(pw[order], jnp.int32)], axis=-1)
+    recv_x = a2a(xs, jnp.zeros((buf, d), x.dtype), in_off, send_sizes, out_off, recv_sizes, axis_name=ep)
+    recv_meta = a2a(meta, jnp.zeros((buf, 2), jnp.int32), in_off, send_sizes, out_off, recv_sizes, axis_name=ep)
+    filled = jnp.arange(buf) < jnp.sum(recv_sizes)
+    ids = jnp.where(filled, recv_meta[:, 0], -1)
+    wts = jax.lax.bitcast_convert_type(recv_meta[:, 1], jnp.float32)
+    out = _local_experts(local, recv_x, ids, wts, mode, per_row)
+    back = a2a(out, jnp.zeros((m, d), out.dtype), recv_off, recv_sizes, src_off, send_sizes, axis_name=ep)
+    got = jnp.zeros((m, d), out.dtype).at[order].set(back)
+    return jnp.where(valid[:, None], got, jnp.zeros_like(got))
+
+
+def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
+    """`ragged_all_to_all` semantics from all_gather (slow; lets CPU tests check the offsets).
+
+    Peer s sends rows [input_offsets_s[j], +send_sizes_s[j]) of its operand to peer j, which
+    stores them at [output_offsets_s[j], +send_sizes_s[j]) of its output.
+    """
+    me = jax.lax.axis_index(axis_name)
+    ops = jax.lax.all_gather(operand, axis_name)  # [n, m, ...]
+    in_off = jax.lax.all_gather(input_offsets, axis_name)[:, me]  # [n] offsets of what s sends me
+    size = jax.lax.all_gather(send_sizes, axis_name)[:, me]
+    out_off = jax.lax.all_gather(output_offsets, axis_name)[:, me]
+    r = jnp.arange(output.shape[0])
+    for s in range(ops.shape[0]):
+        inside = (r >= out_off[s]) & (r < out_off[s] + size[s])
+        src = jnp.clip(in_off[s] + r - out_off[s], 0, ops.shape[1] - 1)
+        rows = ops[s][src]
+        mask = inside.reshape((-1,) + (1,) * (output.ndim - 1))
+        output = jnp.where(mask, rows.astype(output.dtype), output)
+    del recv_sizes  # implied by the senders' sizes
+    return output
+
+
+# ------------------------------------------------------------------------------- model wiring
+class ExpertParallelMoE(nnx.Module):
+    """The same parameters as a `MoE` (gate, experts, shared_experts), run expert-parallel.
+
+    Parameter paths are unchanged, so a model using it shares its params pytree and
+    shardings with the plain model.
+    """
+
+    def __init__(self, moe: MoE, mesh: Mesh, expert_axis: str = "expert", dispatch: str = "auto"):
+        self.gate, self.experts, self.shared_experts = moe.gate, moe.experts, moe.shared_experts
+        self.topk, self.grouped_threshold = moe.topk, moe.grouped_threshold
+        self.mesh, self.expert_axis, self.dispatch = mesh, expert_axis, dispatch
+
+    def __call__(self, x, mode, forced=None, impl="xla"):
+        del impl  # the Pallas expert kernel is single-device; EP runs the experts' XLA math per device
+        return expert_parallel_moe(self, x, self.mesh, mode=mode, forced=forced, expert_axis=self.expert_axis,
+                                   dispatch=self.dispatch)
+
+
+def with_expert_parallel(model, mesh: Mesh, *, expert_axis: str = "expert", dispatch: str = "auto"):
+    """A copy of `model` (sharing its arrays) whose MoE layers run expert-parallel on `mesh`.
+
+    Works on abstract models (nnx.eval_shape) too. Use `nnx.split` on the result to get the
+    graphdef for `dsv41_jax.model.make_step`; the params pytree is the plain model's.
+    """
+    graphdef, state = nnx.split(model)
+    copy = nnx.merge(graphdef, state)
+    for block in copy.layers:
+        block.ffn = ExpertParallelMoE(block.ffn, mesh, expert_axis, dispatch)
+    return copy

@@ -1,0 +1,113 @@
+"""Model behaviour without the oracle: prefill == prefill + decode, causality, bad input."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dsv41_jax import kv_layout
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.model import Transformer, check_inputs, init_cache, make_step
+from dsv41_jax.runtime import Runtime
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    # every role: SWA, Full r2, Reuse, Reindex r2, Full r1 + pool source, Reindex r1 in the pool, Reuse;
+    # a small window and few candidates make the window ring, pool and top-k all bind at these lengths
+    cfg = ModelConfig.tiny(engram_layer_ids=(), window_size=4, index_topk=4, candidate_topk_blocks=2,
+                           candidate_block_size=4, max_seq_len=32, max_batch_size=2)
+    model = Transformer(cfg, rngs=1)
+    graphdef, params = nnx.split(model)
+    return cfg, graphdef, params
+
+
+def _run(step, params, cfg, tokens, chunks):
+    """Feed tokens [B, N] in the given chunk lengths; returns (logits [B,N,V], cache, per-chunk aux)."""
+    cache = init_cache(cfg, tokens.shape[0])
+    outs, auxes, s = [], [], 0
+    for n in chunks:
+        logits, cache, aux = step(params, jnp.asarray(tokens[:, s:s + n]), cache)
+        outs.append(np.asarray(logits))
+        auxes.append(aux)
+        s += n
+    return np.concatenate(outs, 1), cache, auxes
+
+
+def _rows_of(auxes, key, layer):
+    return np.concatenate([np.asarray(a[key][layer]) for a in auxes], 1)
+
+
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_prefill_equals_prefill_then_decode(tiny, mode):
+    cfg, graphdef, params = tiny
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.vocab_size, size=(2, 19))
+    ctx = jax.enable_x64(True) if mode == "exact" else jax.enable_x64(False)
+    with ctx:
+        step = make_step(graphdef, Runtime(mode=mode))
+        ref, ref_cache, ref_aux = _run(step, params, cfg, tokens, [19])
+        for k in (1, 6, 11):  # prefill k, then decode one token at a time (odd and even k: partial groups)
+            got, cache, aux = _run(step, params, cfg, tokens, [k] + [1] * (19 - k))
+            for r in cfg.roles:
+                np.testing.assert_array_equal(_rows_of(aux, "experts", r.layer), np.asarray(ref_aux[0]["experts"][r.layer]))
+                if r.ratio:
+                    np.testing.assert_array_equal(_rows_of(aux, "topk", r.layer), np.asarray(ref_aux[0]["topk"][r.layer]))
+            for name in ("compressed", "index_keys"):
+                for key in ref_cache[name]:
+                    for a, b in zip(cache[name][key], ref_cache[name][key]):
+                        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+            for a, b in zip(jax.tree.leaves(cache["window"]), jax.tree.leaves(ref_cache["window"])):
+                np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+            if mode == "exact":
+                # exact dots round once, independently of how many rows a GEMM has: bit-identical
+                np.testing.assert_array_equal(got, ref)
+            else:
+                # fp32 accumulation may differ by reduction order between GEMM shapes; logits are
+                # a 128-term fp32 dot of bf16 values after the final norm, so ~1e-5 relative
+                np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_causality(tiny):
+    cfg, graphdef, params = tiny
+    step = make_step(graphdef, Runtime())
+    rng = np.random.default_rng(1)
+    a = rng.integers(0, cfg.vocab_size, size=(1, 20))
+    b = a.copy()
+    t = 9
+    b[:, t + 1:] = rng.integers(0, cfg.vocab_size, size=(1, 20 - t - 1))
+    la, _, _ = _run(step, params, cfg, a, [20])
+    lb, _, _ = _run(step, params, cfg, b, [20])
+    np.testing.assert_array_equal(la[:, :t + 1], lb[:, :t + 1])
+    assert not np.array_equal(la[:, t + 1:], lb[:, t + 1:])
+
+
+def test_batch_rows_are_independent(tiny):
+    """Two different sequences in one batch give what each gives alone."""
+    cfg, graphdef, params = tiny
+    step = make_step(graphdef, Runtime())
+    rng = np.random.default_rng(2)
+    toks = rng.integers(0, cfg.vocab_size, size=(2, 12))
+    both, _, _ = _run(step, params, cfg, toks, [7, 1, 1, 1, 1, 1])
+    for i in range(2):
+        alone, _, _ = _run(step, params, cfg, np.concatenate([toks[i:i + 1], toks[i:i + 1]]), [7, 1, 1, 1, 1, 1])
+        np.testing.assert_allclose(both[i], alone[0], rtol=1e-5, atol=1e-5)
+
+
+def test_cache_entries_have_the_packed_byte_sizes(tiny):
+    cfg, _, _ = tiny
+    cache = init_cache(cfg, 1)
+    assert kv_layout.row_bytes(cache["window"][0]) == cfg.head_dim + cfg.head_dim // 32
+    for c in cache["compressed"].values():
+        assert kv_layout.row_bytes(c) == cfg.head_dim // 2 + cfg.head_dim // 16
+
+
+def test_bad_tokens_and_too_long_prompt(tiny):
+    cfg, _, _ = tiny
+    with pytest.raises(ValueError, match="token id 512 is out of range"):
+        check_inputs(cfg, np.array([[1, 512]]), np.zeros(1, int))
+    with pytest.raises(ValueError, match="token id -3"):
+        check_inputs(cfg, np.array([[-3, 1]]), np.zeros(1, int))
+    with pytest.raises(ValueError, match="max_seq_len=32"):
+        check_inputs(cfg, np.zeros((1, 30), int), np.array([5]))
+    check_inputs(cfg, np.zeros((1, 30), int), np.array([2]))
