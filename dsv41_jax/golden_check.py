@@ -27,14 +27,23 @@ from dsv41_jax import golden_data
 from dsv41_jax.model import init_cache, make_step
 from dsv41_jax.runtime import Runtime
 
-# Thresholds: the tightest value of each column of the "FP32 GEMM accumulation" row over the
-# three shared configs (golden/README.md, Tolerances); see tests/README.md.
-SHORT_ROWS = 16
-SHORT_MAX_ABS = 0.036  # L13 free, main_bf16
-FREE_ARGMAX = 0.91  # L97 free, main_fp8
-FORCED_ARGMAX = 0.96  # L97 forced, main_fp8 / engram_fp8
-FORCED_MEAN_ABS = 0.010  # L97 forced, main_bf16
+# Thresholds: golden/README.md "Tolerances", row "FP32 GEMM accumulation" (the smallest numerical
+# change it lists), per shared config; a config folder not in the table gets the tightest value of
+# each column. Nothing here was fitted to our results; tests/README.md gives the reasoning.
+SHORT_ROWS = 16  # "short" = the L13 column (<= 16 positions)
+FP32_ACCUMULATION_ROW = {
+    #              L13 free max, L97 free argmax, L97 forced: max, mean, argmax
+    "main_fp8": dict(short_max=0.078, free_argmax=0.91, forced_max=0.34, forced_mean=0.033, forced_argmax=0.96),
+    "engram_fp8": dict(short_max=0.30, free_argmax=0.98, forced_max=0.17, forced_mean=0.026, forced_argmax=0.96),
+    "main_bf16": dict(short_max=0.036, free_argmax=0.96, forced_max=0.066, forced_mean=0.010, forced_argmax=0.99),
+}
+TIGHTEST = {k: (max if k.endswith("argmax") else min)(row[k] for row in FP32_ACCUMULATION_ROW.values())
+            for k in FP32_ACCUMULATION_ROW["main_fp8"]}
 REPLAY_ULPS = 2
+
+
+def tolerances(config_name: str) -> dict:
+    return FP32_ACCUMULATION_ROW.get(config_name, TIGHTEST)
 
 
 @dataclasses.dataclass
@@ -150,25 +159,26 @@ def _bucket(n: int, limit: int) -> int:
     return n
 
 
-def _judge_free(name, ours, ref) -> Entry:
+def _judge_free(name, ours, ref, tol) -> Entry:
     mx, mean, agree = _logit_stats(ours, ref)
     if ref.shape[0] <= SHORT_ROWS:
-        ok = mx <= SHORT_MAX_ABS
-        why = f"short run: max |dlogit| {mx:.3g} <= {SHORT_MAX_ABS}"
+        ok = mx <= tol["short_max"]
+        why = f"short run: max |dlogit| {mx:.3g} <= {tol['short_max']}"
     else:
-        ok = agree >= FREE_ARGMAX
-        why = f"long free run: argmax agreement {agree:.3f} >= {FREE_ARGMAX} (max error reported, not judged)"
+        ok = agree >= tol["free_argmax"]
+        why = f"long free run: argmax {agree:.3f} >= {tol['free_argmax']} (max error reported, not judged)"
     return Entry(name, ok, mx, mean, agree, False, None, why)
 
 
-def _judge_forced(name, ours, ref, sets_equal) -> Entry:
+def _judge_forced(name, ours, ref, sets_equal, tol, forced=True) -> Entry:
     mx, mean, agree = _logit_stats(ours, ref)
     if ref.shape[0] <= SHORT_ROWS:
-        ok = sets_equal and mx <= SHORT_MAX_ABS
+        ok = sets_equal and mx <= tol["short_max"]
     else:
-        ok = sets_equal and agree >= FORCED_ARGMAX and mean <= FORCED_MEAN_ABS
-    return Entry(name, ok, mx, mean, agree, True, sets_equal,
-                 f"decisions {'equal' if sets_equal else 'DIFFER'}; argmax {agree:.3f}, mean |d| {mean:.3g}")
+        ok = sets_equal and agree >= tol["forced_argmax"] and mean <= tol["forced_mean"] and mx <= tol["forced_max"]
+    what = "decisions " + ("equal" if sets_equal else "DIFFER") if forced else "free, judged as forced"
+    return Entry(name, ok, mx, mean, agree, forced, sets_equal if forced else None,
+                 f"{what}; argmax {agree:.3f}, mean |d| {mean:.3g}, max |d| {mx:.3g}")
 
 
 def check_case(runner: CaseRunner, case: dict) -> list[Entry]:
@@ -177,15 +187,16 @@ def check_case(runner: CaseRunner, case: dict) -> list[Entry]:
     tokens = np.asarray(t.get("tokens", np.asarray(case["tokens"]))).astype(np.int64)
     sched = case["schedule"]
     base = f"{gc.name}/{case['name']}"
+    tol = tolerances(gc.name)
     entries = []
     if case["kind"] == "prefill":
         ref = t["logits"]
         n = sched[0]["n_tokens"]
         forced = [runner.forced_from(t, "select.", slice(0, n))]
         ours, _ = runner.run(tokens, sched, forced_calls=forced, impose=False)
-        entries.append(_judge_free(f"{base}[free]", ours, ref))
+        entries.append(_judge_free(f"{base}[free]", ours, ref, tol))
         ours, res = runner.run(tokens, sched, forced_calls=forced)
-        entries.append(_judge_forced(f"{base}[forced]", ours, ref, res["agree"]))
+        entries.append(_judge_forced(f"{base}[forced]", ours, ref, res["agree"], tol))
         return entries
     P = sched[0]["n_tokens"]
     for variant, quirk, key, prefix in (("published", True, "decode_logits", "select.decode."),
@@ -197,13 +208,12 @@ def check_case(runner: CaseRunner, case: dict) -> list[Entry]:
         for i in range(1, len(sched)):
             forced.append(runner.forced_from(t, prefix, slice(i - 1, i)))
         ours, _ = runner.run(tokens, sched, quirk=quirk, forced_calls=forced, impose=False)
-        e = _judge_free(f"{base}[{variant}]", ours, ref)
         if variant == "corrected":  # the oracle's corrected decode equals its prefill bit for bit: judge tightly
-            mx = e.max_abs_err
-            e.passed, e.detail = mx <= SHORT_MAX_ABS or False, f"corrected decode: max |dlogit| {mx:.3g} <= {SHORT_MAX_ABS}"
-        entries.append(e)
+            entries.append(_judge_forced(f"{base}[{variant}]", ours, ref, True, tol, forced=False))
+        else:
+            entries.append(_judge_free(f"{base}[{variant}]", ours, ref, tol))
         ours, res = runner.run(tokens, sched, quirk=quirk, forced_calls=forced)
-        entries.append(_judge_forced(f"{base}[{variant}-forced]", ours, ref, res["agree"]))
+        entries.append(_judge_forced(f"{base}[{variant}-forced]", ours, ref, res["agree"], tol))
     return entries
 
 

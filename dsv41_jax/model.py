@@ -196,7 +196,7 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
         if collect:
             trace[f"layer{l}.block_input"], trace[f"layer{l}.pre_mix_in"] = h, pre
         a_pre, a_post, a_comb = block.hc_attn.mixes(h, mode)
-        x = block.attn_norm(collapse(h, pre))
+        x = block.attn_norm(collapse(h, pre), mode)
         attn = block.attn
         freqs = layer_frequencies(cfg, role.ratio)
         cos, sin = cos_sin(positions, freqs)
@@ -264,7 +264,7 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
                           f"layer{l}.hc_attn_pre": a_pre, f"layer{l}.hc_attn_post": a_post, f"layer{l}.hc_attn_comb": a_comb})
 
         f_pre, f_post, f_comb = block.hc_ffn.mixes(h, mode)
-        x = block.ffn_norm(collapse(h, a_pre))
+        x = block.ffn_norm(collapse(h, a_pre), mode)
         forced_e = None if forced is None else forced.get("experts", {}).get(l)
         y, info = block.ffn(x, mode, forced=forced_e, impl=_impl(runtime),
                             impose=True if forced is None else forced.get("impose", True))
@@ -283,7 +283,7 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
     final = collapse(h, pre)
     if collect:
         trace["final_hidden"] = final
-    x = model.norm(final)
+    x = model.norm(final, mode)
     logits = matmul(x.astype(jnp.float32), model.head[...].astype(jnp.float32), "btd,vd->btv", jnp.float32, mode)
     return logits, new_cache, aux
 

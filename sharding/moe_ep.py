@@ -37,10 +37,13 @@ def _axis_size(mesh: Mesh, axis: str) -> int:
     return dict(zip(mesh.axis_names, mesh.devices.shape)).get(axis, 1)
 
 
-def route(moe: MoE, flat: jax.Array, mode: str, forced=None):
-    """The unsharded gate and slot order: (scores, weights, experts, e_sorted, w_sorted)."""
+def route(moe: MoE, flat: jax.Array, mode: str, forced=None, **route_kwargs):
+    """The unsharded gate and slot order: (scores, weights, experts, e_sorted, w_sorted).
+
+    route_kwargs pass through to `Gate.route` (e.g. `impose`, the traced switch for forced ids).
+    """
     scores = moe.gate.scores(flat, mode)
-    weights, experts = moe.gate.route(scores, forced)
+    weights, experts = moe.gate.route(scores, forced, **route_kwargs)
     # slots in ascending expert order: the order in which MoE (and the reference) sums them
     slot_order = jnp.argsort(experts, axis=-1)
     return (scores, weights, experts, jnp.take_along_axis(experts, slot_order, -1),
@@ -48,11 +51,12 @@ def route(moe: MoE, flat: jax.Array, mode: str, forced=None):
 
 
 def expert_parallel_moe(moe: MoE, x: jax.Array, mesh: Mesh, *, mode: str = "fast", forced=None,
-                        expert_axis: str = "expert", dispatch: str = "auto"):
+                        expert_axis: str = "expert", dispatch: str = "auto", **route_kwargs):
     """Drop-in for `moe(x, mode, forced)`: (y [B,T,d] in x.dtype, info) with experts split over `expert_axis`."""
     B, T, d = x.shape
     flat = x.reshape(B * T, d)
-    scores, weights, experts, e_sorted, w_sorted = route(moe, flat, mode, None if forced is None else forced.reshape(B * T, -1))
+    forced = None if forced is None else forced.reshape(B * T, -1)
+    scores, weights, experts, e_sorted, w_sorted = route(moe, flat, mode, forced, **route_kwargs)
     k = moe.topk
     per_row = mode == "exact" or B * T * k <= moe.grouped_threshold
     out = routed_outputs(moe.experts, flat, e_sorted, w_sorted, mesh, mode=mode, expert_axis=expert_axis,
@@ -210,10 +214,10 @@ class ExpertParallelMoE(nnx.Module):
         self.topk, self.grouped_threshold = moe.topk, moe.grouped_threshold
         self.mesh, self.expert_axis, self.dispatch = mesh, expert_axis, dispatch
 
-    def __call__(self, x, mode, forced=None, impl="xla"):
+    def __call__(self, x, mode, forced=None, impl="xla", **route_kwargs):
         del impl  # the Pallas expert kernel is single-device; EP runs the experts' XLA math per device
         return expert_parallel_moe(self, x, self.mesh, mode=mode, forced=forced, expert_axis=self.expert_axis,
-                                   dispatch=self.dispatch)
+                                   dispatch=self.dispatch, **route_kwargs)
 
 
 def with_expert_parallel(model, mesh: Mesh, *, expert_axis: str = "expert", dispatch: str = "auto"):

@@ -27,7 +27,7 @@ from dsv41_jax.checkpoint.safetensors_file import normalize_index
 ShardingFn = Callable[[tuple, tuple, np.dtype], Sharding]
 ShardingSpec = Union[None, Sharding, ShardingFn]
 Reader = Callable[[tuple], np.ndarray]
-CHUNK_BYTES = 64 << 20
+CHUNK_BYTES = 16 << 20
 
 
 def first_device(path: tuple, shape: tuple, dtype) -> Sharding:

@@ -32,7 +32,7 @@ DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
     "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2), "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
 }
-CHUNK_BYTES = 64 << 20  # bound on the scratch buffer of a partial (column-sliced) read
+CHUNK_BYTES = 16 << 20  # bound on the scratch buffer of a partial (column-sliced) read
 _MAX_HEADER = 100 << 20  # a larger header means the file is not safetensors
 
 

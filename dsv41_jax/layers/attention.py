@@ -39,13 +39,13 @@ class Attention(nnx.Module):
     def queries(self, x, cos, sin, mode):
         """(qr, q): the normed low-rank latent (also the indexer's input) and RoPE'd heads [B,T,H,D]."""
         B, T, _ = x.shape
-        qr = self.q_norm(self.wq_a(x, mode))
+        qr = self.q_norm(self.wq_a(x, mode), mode)
         q = self.wq_b(qr, mode).reshape(B, T, self.n_heads, self.head_dim)
         return qr, apply_rope(q, cos, sin, self.rope_dim)
 
     def window_kv(self, x, cos, sin, mode):
         """This chunk's window K (= V): RMSNorm(W_kv x), RoPE, FP8 over all dims. bf16 values."""
-        kv = self.kv_norm(self.wkv(x, mode))
+        kv = self.kv_norm(self.wkv(x, mode), mode)
         return apply_rope(kv, cos, sin, self.rope_dim)
 
     def output(self, o, cos, sin, mode):

@@ -28,10 +28,19 @@ def matmul(x: jax.Array, w: jax.Array, spec: str, out_dtype, mode: str) -> jax.A
     return y.astype(out_dtype)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def mean_square(x: jax.Array, mode: str = "fast") -> jax.Array:
+    """mean(x^2) over the last axis in fp32; exact mode sums in float64 and rounds once, which
+    matches torch's (accurate, cascaded) fp32 reduction far more often than an fp32 tree sum."""
+    if mode == "exact":
+        x64 = x.astype(jnp.float64)
+        return (jnp.sum(x64 * x64, -1, keepdims=True) / x.shape[-1]).astype(jnp.float32)
+    return jnp.mean(jnp.square(x.astype(jnp.float32)), axis=-1, keepdims=True)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, mode: str = "fast") -> jax.Array:
     """RMSNorm computed in fp32, returned in the input dtype (reference RMSNorm)."""
     xf = x.astype(jnp.float32)
-    var = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
+    var = mean_square(xf, mode)
     y = xf * jax.lax.rsqrt(var + jnp.float32(eps))
     return (weight.astype(jnp.float32) * y).astype(x.dtype)
 
@@ -43,8 +52,8 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
 
-    def __call__(self, x):
-        return rms_norm(x, self.weight[...], self.eps)
+    def __call__(self, x, mode: str = "fast"):
+        return rms_norm(x, self.weight[...], self.eps, mode)
 
 
 class QLinear(nnx.Module):

@@ -33,7 +33,7 @@ class Compressor(nnx.Module):
         B, T, _ = x.shape
         m = self.ratio
         if m == 1:
-            lat = self.norm(self.wkv(x, mode))
+            lat = self.norm(self.wkv(x, mode), mode)
             return lat, start[:, None] + jnp.arange(T)[None], state
         xf = x.astype(jnp.float32)
         kv = self.wkv(xf, mode, out_dtype=jnp.float32)
@@ -58,7 +58,7 @@ class Compressor(nnx.Module):
         complete = (gid + 1) * m <= end[:, None]
         w = jax.nn.softmax(jnp.where(complete[..., None, None], scm, 0.0), axis=2)
         pooled = jnp.sum(kvm * w, axis=2)  # fp32, as the reference pools
-        lat = self.norm(pooled.astype(jnp.bfloat16))
+        lat = self.norm(pooled.astype(jnp.bfloat16), mode)
         # the new partial group: the one holding position `end`
         jn = (end // m - g0)[:, None, None, None]
         present = (pos < end[:, None, None])[..., None]

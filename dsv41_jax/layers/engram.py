@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv41_jax import quant
-from dsv41_jax.layers.basic import QLinear, weight_kind
+from dsv41_jax.layers.basic import QLinear, mean_square, weight_kind
 
 
 class Engram(nnx.Module):
@@ -43,7 +43,7 @@ class Engram(nnx.Module):
         w = self.q_weight[...].astype(jnp.float32) * self.k_weight[...].astype(jnp.float32)
         x = h.astype(jnp.float32)
         eps = jnp.float32(self.eps)
-        rstd = jax.lax.rsqrt(jnp.mean(x * x, -1) + eps) * jax.lax.rsqrt(jnp.mean(key * key, -1) + eps)
+        rstd = jax.lax.rsqrt(mean_square(x, mode)[..., 0] + eps) * jax.lax.rsqrt(mean_square(key, mode)[..., 0] + eps)
         dot = jnp.sum(x * w * key, -1) * rstd * jnp.float32(self.dim ** -0.5)
         gate = jax.nn.sigmoid(jnp.copysign(jnp.sqrt(jnp.maximum(jnp.abs(dot), jnp.float32(1e-6))), dot))
         return (x + gate[..., None] * value[..., None, :]).astype(h.dtype), gate

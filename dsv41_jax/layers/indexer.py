@@ -28,7 +28,7 @@ class Indexer(nnx.Module):
 
     def keys(self, latent: jax.Array, cos, sin, mode: str) -> jax.Array:
         """Index keys from the pre-RoPE latent: RMSNorm(W_k c), RoPE at the group position, MXFP4."""
-        k = self.k_norm(self.wk(latent, mode))
+        k = self.k_norm(self.wk(latent, mode), mode)
         k = apply_rope(k, cos, sin, self.rope_dim)
         return k
 

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv41_jax.exact_ops import no_fma
-from dsv41_jax.layers.basic import matmul
+from dsv41_jax.exact_ops import no_fma, sum_in_order
+from dsv41_jax.layers.basic import matmul, mean_square
 from dsv41_jax.mhc import sinkhorn_split
 
 
@@ -30,17 +30,17 @@ class HyperSite(nnx.Module):
     def mixes(self, h: jax.Array, mode: str):
         """(pre [B,T,hc], post [B,T,hc], comb [B,T,hc,hc]) from the stream h [B,T,hc,d]."""
         x = h.reshape(*h.shape[:-2], -1).astype(jnp.float32)
-        rs = jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + jnp.float32(self.norm_eps))
+        rs = jax.lax.rsqrt(mean_square(x, mode) + jnp.float32(self.norm_eps))
         m = matmul(x, self.fn[...], "...k,mk->...m", jnp.float32, mode) * rs
         return sinkhorn_split(m, self.scale[...], self.base[...], self.hc, self.iters, self.hc_eps)
 
 
 def collapse(h: jax.Array, pre: jax.Array) -> jax.Array:
     """sum_j pre_j X_j in fp32, returned in the stream dtype."""
-    return jnp.sum(no_fma(pre[..., None] * h.astype(jnp.float32)), axis=-2).astype(h.dtype)
+    return sum_in_order(no_fma(pre[..., None] * h.astype(jnp.float32)), axis=-2)[..., 0, :].astype(h.dtype)
 
 
 def expand(y: jax.Array, h: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
     """X'_k = post_k y + sum_j comb[j,k] X_j (comb's first index is the source copy)."""
-    mixed = jnp.sum(no_fma(comb[..., None] * h.astype(jnp.float32)[..., :, None, :]), axis=-3)
+    mixed = sum_in_order(no_fma(comb[..., None] * h.astype(jnp.float32)[..., :, None, :]), axis=-3)[..., 0, :, :]
     return (no_fma(post[..., None] * y.astype(jnp.float32)[..., None, :]) + mixed).astype(y.dtype)

@@ -74,6 +74,16 @@ def test_decode_window_only(platform):
     assert_close(out, oracle(q, window, None, widx, None, sink, 128 ** -0.5), "decode, window only")
 
 
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_compressed_only(platform):
+    """No window container at all (window=None): only the compressed source."""
+    rng = np.random.default_rng(9)
+    q, window, compressed, widx, cidx, sink = make_inputs(rng, **SHAPE)
+    out = _run(platform, q, None, compressed, None, cidx, sink, SCALE)
+    empty_window = np.full_like(widx, -1)
+    assert_close(out, oracle(q, window, compressed, empty_window, cidx, sink, SCALE), "compressed only")
+
+
 def test_auto_is_the_reference_on_cpu():
     rng = np.random.default_rng(5)
     q, window, compressed, widx, cidx, sink = make_inputs(rng, **SHAPE)
@@ -127,6 +137,8 @@ def test_random_shape_sweep(platform, seed):
     q, window, compressed, widx, cidx, sink = make_inputs(rng, B, S, H, D, Nw, G, Kw, Kc,
                                                           empty_frac=float(rng.random()))
     scale = D ** -0.5
+    if seed % 3 == 2:  # rows that see only compressed entries
+        widx[:] = -1
     out = _run(platform, q, window, compressed, widx, cidx, sink, scale)
     assert_close(out, oracle(q, window, compressed, widx, cidx, sink, scale), f"seed {seed}")
 

@@ -1,0 +1,111 @@
+"""`dsv41 train` (QAT fine-tuning) and `dsv41 demo` (the README's main job)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(subparsers) -> None:
+    s = subparsers.add_parser("train", help="QAT fine-tuning with optax and orbax",
+                              description="Train (QAT) on text / JSONL / chat files; resumes from --ckpt-dir.")
+    s.add_argument("--config", required=True, help="preset name (tiny, v41-flash) or config.json / checkpoint folder")
+    s.add_argument("--data", required=True, nargs="+", help="text files, .jsonl files ({'text'} or {'messages'}), or folders")
+    s.add_argument("--tokenizer", help="tokenizer.json or checkpoint folder (default: byte-level fallback tokenizer)")
+    s.add_argument("--init-from", help="checkpoint folder (safetensors + config.json) whose FP8/FP4 weights to fine-tune")
+    s.add_argument("--qat", dest="qat", action="store_true", default=True, help="fake-quantize FP8/FP4 weights (default)")
+    s.add_argument("--no-qat", dest="qat", action="store_false", help="train the masters without weight fake-quant")
+    s.add_argument("--lora", type=int, default=0, metavar="RANK", help="train LoRA adapters of this rank instead of all weights")
+    s.add_argument("--lora-alpha", type=float, default=0.0)
+    s.add_argument("--mesh", help="device mesh, e.g. 'data=2,tensor=4' (default: all devices on data)")
+    s.add_argument("--steps", type=int, default=300)
+    s.add_argument("--batch-size", type=int, default=8)
+    s.add_argument("--seq-len", type=int, default=None, help="default: the config's max_seq_len")
+    s.add_argument("--lr", type=float, default=3e-4)
+    s.add_argument("--warmup", type=int, default=None, help="warmup steps (default: 5%% of --steps)")
+    s.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw")
+    s.add_argument("--weight-decay", type=float, default=0.1)
+    s.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
+    s.add_argument("--lr-embed-mult", type=float, default=1.0)
+    s.add_argument("--lr-engram-mult", type=float, default=5.0)
+    s.add_argument("--balance-weight", type=float, default=1e-4)
+    s.add_argument("--bias-rate", type=float, default=1e-3)
+    s.add_argument("--indexer-kl-weight", type=float, default=1.0)
+    s.add_argument("--kl-positions", type=int, default=8)
+    s.add_argument("--replay-prob", type=float, default=0.0, help="replay-aware decoder windows with this probability")
+    s.add_argument("--ckpt-dir", help="orbax checkpoint folder (resumes from its latest step)")
+    s.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
+    s.add_argument("--save-every", type=int, default=100)
+    s.add_argument("--export", metavar="DIR", help="write the trained model in the served FP8/FP4 formats here")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--log-every", type=int, default=10)
+    s.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for the MFU estimate")
+    s.add_argument("--no-progress", action="store_true")
+    s.set_defaults(func=_cmd_train)
+
+    d = subparsers.add_parser("demo", help="train a tiny V4.1 with QAT on the stdlib's sources, save, generate")
+    d.add_argument("--out", help="output folder (default: a new temporary folder)")
+    d.add_argument("--steps", type=int, default=250)
+    d.add_argument("--time-budget", type=float, default=150.0, help="seconds of training before stopping early")
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(func=_cmd_demo)
+
+
+def _cmd_train(args) -> int:
+    from dsv41_jax.config import ConfigError, ModelConfig
+    from dsv41_jax.train import data as D
+    from dsv41_jax.train.checkpoint import Checkpointer
+    from dsv41_jax.train.export import export_checkpoint, masters_from_checkpoint
+    from dsv41_jax.train.loop import prepare, train
+    from dsv41_jax.train.optim import OptimConfig
+    from dsv41_jax.train.params import serving_formats
+    from dsv41_jax.train.step import TrainConfig
+
+    try:
+        cfg = ModelConfig.load(args.config)
+        tok = D.load_tokenizer(args.tokenizer)
+        if tok.vocab_size > cfg.vocab_size:
+            raise ValueError(f"the tokenizer has {tok.vocab_size} tokens but the config's vocab_size is {cfg.vocab_size}")
+        seq_len = args.seq_len or cfg.max_seq_len
+        if seq_len > cfg.max_seq_len:
+            cfg = cfg.replace(max_seq_len=seq_len)
+        docs = D.read_documents(args.data, tok)
+        rows = D.pack(docs, seq_len, D.alignment(cfg), tok.pad_id, args.seed)
+        data = D.PackedData(rows, args.batch_size, args.seed, D.engram_setup(cfg, tok))
+        warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
+        tcfg = TrainConfig(seq_len=seq_len, batch_size=args.batch_size, steps=args.steps, seed=args.seed, qat=args.qat,
+                           lora_rank=args.lora, lora_alpha=args.lora_alpha, balance_weight=args.balance_weight,
+                           bias_rate=args.bias_rate, indexer_kl_weight=args.indexer_kl_weight,
+                           kl_positions=args.kl_positions, replay_prob=args.replay_prob,
+                           optim=OptimConfig(optimizer=args.optimizer, lr=args.lr, warmup_steps=warmup,
+                                             total_steps=args.steps, weight_decay=args.weight_decay, clip_norm=args.clip,
+                                             lr_embed_mult=args.lr_embed_mult, lr_engram_mult=args.lr_engram_mult))
+        init = masters_from_checkpoint(args.init_from, serving_formats(cfg), cfg) if args.init_from else None
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"dsv41 train: {e}", file=sys.stderr)
+        return 2
+    ckpt = Checkpointer(args.ckpt_dir, keep=args.keep) if args.ckpt_dir else None
+    run = prepare(cfg, tcfg, mesh_spec=args.mesh, init_master=init, checkpointer=ckpt)
+    print(f"dsv41 train: {len(docs)} documents -> {rows['tokens'].shape[0]} rows of {seq_len}; mesh "
+          f"{dict(run.mesh.shape)}; starting at step {run.step}", file=sys.stderr)
+    train(run, data, checkpointer=ckpt, save_every=args.save_every, progress=not args.no_progress,
+          log_every=args.log_every, peak_tflops=args.peak_tflops)
+    if ckpt is not None:
+        ckpt.close()
+    if args.export:
+        out = export_checkpoint(args.export, cfg, run.master(), run.formats)
+        print(f"dsv41 train: exported the served FP8/FP4 checkpoint to {out}", file=sys.stderr)
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    from dsv41_jax.train.demo import run_demo
+
+    run_demo(args.out, steps=args.steps, time_budget=args.time_budget, seed=args.seed)
+    return 0
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(prog="dsv41")
+    register(p.add_subparsers(dest="command", required=True))
+    a = p.parse_args()
+    sys.exit(a.func(a))

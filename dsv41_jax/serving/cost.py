@@ -1,0 +1,208 @@
+"""FLOP accounting for prefill and decode at any width, without weights (compile-only).
+
+Cost comes from XLA's cost analysis of the lowered step over abstract parameters
+(`jax.ShapeDtypeStruct`s from `info.abstract_model`); the arithmetic it is checked against
+comes from the same module shapes. What the cost analysis cannot see is counted from shapes:
+
+- XLA's cost analysis counts a while-loop body once, whatever the trip count; the steps lowered
+  here have no loops in fast mode (`check_no_loops` verifies it on the HLO).
+- `lax.ragged_dot` (the grouped MoE path used above 256 routed rows) lowers on CPU to a dense
+  product over every expert group, so its reported FLOPs are E/k times the real work. Prefill
+  accounting replaces the MoE's reported cost with the arithmetic count of the rows it routes
+  (`moe_correction`).
+- Pallas kernels and other custom calls report nothing; with impl="xla" there are none except
+  top-k (`lax.top_k`), which does no arithmetic.
+- Quantized weights (FP8/FP4) are dequantized elementwise per call by the XLA fallback; a fused
+  kernel does that in registers. `arithmetic_config` gives the same shapes with bf16 weights,
+  which is what "FLOPs of the active parameters" measures. Both are reported.
+"""
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.model import COMPILER_OPTIONS
+from dsv41_jax.runtime import Runtime
+from dsv41_jax.serving.buckets import empty_cache
+
+
+def arithmetic_config(cfg: ModelConfig) -> ModelConfig:
+    """Same shapes, every Linear a plain bf16 matrix: cost analysis then counts GEMM arithmetic only."""
+    return cfg.replace(dtype="bf16", expert_dtype=None)
+
+
+def abstract_params(cfg: ModelConfig):
+    from dsv41_jax.info import abstract_model
+
+    return nnx.split(abstract_model(cfg))
+
+
+def abstract_cache(cfg: ModelConfig, batch: int, capacity: int):
+    return jax.eval_shape(lambda: empty_cache(cfg, batch, capacity))
+
+
+def engram_spec(cfg: ModelConfig, batch: int, T: int):
+    if not cfg.engram_layer_ids:
+        return None
+    cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
+    return jax.ShapeDtypeStruct((batch, T, len(cfg.engram_layer_ids), cols), jnp.int32)
+
+
+def lowered(fn, *args):
+    return jax.jit(fn, compiler_options=COMPILER_OPTIONS).lower(*args)
+
+
+def flops_of(low) -> float:
+    """Total FLOPs XLA's cost analysis assigns to a lowered computation."""
+    ca = low.cost_analysis()
+    if isinstance(ca, (list, tuple)):
+        ca = ca[0]
+    return float(ca.get("flops", 0.0))
+
+
+def check_no_loops(low) -> dict:
+    """Ops in the lowered module whose work cost analysis may under-count (loops, custom calls)."""
+    text = low.as_text()
+    return {"while": len(re.findall(r"stablehlo\.while", text)),
+            "custom_call": sorted(set(re.findall(r"stablehlo\.custom_call @(\w+)", text)))}
+
+
+# ---------------------------------------------------------------------------------- decode
+def decode_fn(graphdef, runtime: Runtime = Runtime(), layers: range | None = None):
+    """The engine's lean one-token step, optionally over a slice of layers (for per-role costs)."""
+    from dsv41_jax.serving.layer_range import embed, head, run_layers
+
+    def step(params, tokens, cache, engram_ids=None):
+        model = nnx.merge(graphdef, params)
+        start = cache["length"]
+        h, pre = embed(model, tokens)
+        rng = layers if layers is not None else range(model.cfg.n_layers)
+        h, pre, cache, _ = run_layers(model, h, pre, cache, start=start, layers=rng, runtime=runtime,
+                                      engram_ids=engram_ids, lean=True)
+        return head(model, h, pre, runtime.mode), cache
+
+    return step
+
+
+def decode_flops(cfg: ModelConfig, context: int, batch: int = 1, runtime: Runtime = Runtime()) -> dict:
+    """Cost-analysis FLOPs of one decode step with every sequence at `context` cached tokens."""
+    gd, params = abstract_params(cfg)
+    cache = abstract_cache(cfg, batch, context)
+    toks = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
+    low = lowered(decode_fn(gd, runtime), params, toks, cache, engram_spec(cfg, batch, 1))
+    return {"flops": flops_of(low), "hlo": check_no_loops(low)}
+
+
+def indexer_scoring_flops(cfg: ModelConfig, positions: int, batch: int = 1, gathered: bool = False) -> float:
+    """Cost-analysis FLOPs of one index source scoring `positions` cached keys for one query:
+    the key decode, the FP4 query, the ReLU-weighted head sum and the masking (no top-k)."""
+    from dsv41_jax import kv_layout
+    from dsv41_jax.layers.rope import cos_sin, layer_frequencies
+
+    gd, params = abstract_params(cfg)
+    layer = cfg.decoder_start
+
+    def score(params, x, qr, keys):
+        model = nnx.merge(gd, params)
+        attn = model.layers[layer].attn
+        pos = jnp.zeros((batch, 1), jnp.int32) + positions - 1
+        cos, sin = cos_sin(pos, layer_frequencies(cfg, 1))
+        kb = kv_layout.dequantize_index_keys(keys).astype(jnp.bfloat16)
+        return attn.indexer.scores(x, qr, kb, cos, sin, pos + 1, "fast")
+
+    keys = kv_layout.IndexKeys(jax.ShapeDtypeStruct((batch, positions, cfg.index_head_dim // 2), jnp.uint8),
+                               jax.ShapeDtypeStruct((batch, positions, cfg.index_head_dim // 32), jnp.uint8))
+    x = jax.ShapeDtypeStruct((batch, 1, cfg.dim), jnp.bfloat16)
+    qr = jax.ShapeDtypeStruct((batch, 1, cfg.q_lora_rank), jnp.bfloat16)
+    return flops_of(lowered(score, params, x, qr, keys))
+
+
+def positions_scored(cfg: ModelConfig, context: int) -> dict[int, int]:
+    """Per index source, how many cached positions one decode query scores (lean step)."""
+    out = {}
+    P = cfg.candidate_topk_blocks * cfg.candidate_block_size
+    for role in cfg.roles:
+        if not role.is_index_source:
+            continue
+        G = context // cfg.compress_ratios[role.kv_source]
+        width = min(cfg.index_topk, G)
+        out[role.layer] = P if (role.uses_candidates and width <= P < G) else G
+    return out
+
+
+def arithmetic_decode(cfg: ModelConfig, context: int, batch: int = 1) -> dict:
+    """The textbook count of a decode step: 2 x active matrix parameters, attention over
+    window + selected slots, and the indexer term positions x 2 x heads x dim."""
+    from dsv41_jax.info import model_info
+
+    info = model_info(cfg)
+    rows = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads * cfg.engram_head_dim * len(cfg.engram_layer_ids)
+    # table lookups (embedding row, Engram rows) move bytes, they do no arithmetic
+    matrix_params = info["active_params_decode"] - cfg.dim - rows
+    attention = 0
+    for role in cfg.roles:
+        slots = cfg.window_size
+        if role.ratio:
+            slots += min(cfg.index_topk, context // role.ratio)
+        attention += 2 * 2 * cfg.n_heads * cfg.head_dim * slots  # q.k and p.v
+    pos = positions_scored(cfg, context)
+    indexer = sum(pos.values()) * 2 * cfg.index_n_heads * cfg.index_head_dim
+    return {"matrix": 2 * matrix_params * batch, "attention": attention * batch, "indexer": indexer * batch,
+            "positions_scored": sum(pos.values()), "total": (2 * matrix_params + attention + indexer) * batch}
+
+
+# ---------------------------------------------------------------------------------- prefill
+def prefill_fns(graphdef, runtime: Runtime = Runtime(), tail: int | None = None):
+    from dsv41_jax.serving.split_prefill import exact_prefill, split_prefill
+
+    def split(params, tokens, cache, engram_ids=None):
+        return split_prefill(nnx.merge(graphdef, params), tokens, cache, tail=tail, runtime=runtime,
+                             engram_ids=engram_ids)[0]
+
+    def exact(params, tokens, cache, engram_ids=None):
+        return exact_prefill(nnx.merge(graphdef, params), tokens, cache, runtime=runtime, engram_ids=engram_ids)[0]
+
+    return split, exact
+
+
+def moe_rows_flops(cfg: ModelConfig, rows: int) -> dict:
+    """One MoE layer over `rows` tokens: what cost analysis reports for it and the arithmetic."""
+    gd, params = abstract_params(cfg)
+
+    def moe(params, x):
+        return nnx.merge(gd, params).layers[0].ffn(x, "fast")[0]
+
+    x = jax.ShapeDtypeStruct((1, rows, cfg.dim), jnp.bfloat16)
+    reported = flops_of(lowered(moe, params, x))
+    k, d, f = cfg.n_activated_experts, cfg.dim, cfg.moe_inter_dim
+    gate = 2 * cfg.n_routed_experts * d
+    arithmetic = rows * (gate + 2 * 3 * d * f * (k + 1))
+    return {"reported": reported, "arithmetic": arithmetic}
+
+
+def prefill_flops(cfg: ModelConfig, n: int, tail: int | None = None, runtime: Runtime = Runtime()) -> dict:
+    """Split and exact prefill FLOPs for one n-token prompt on an empty cache of capacity n,
+    with the MoE's CPU ragged_dot cost replaced by its arithmetic (see module doc)."""
+    gd, params = abstract_params(cfg)
+    split, exact = prefill_fns(gd, runtime, tail)
+    cache = abstract_cache(cfg, 1, n)
+    toks = jax.ShapeDtypeStruct((1, n), jnp.int32)
+    W = tail or cfg.window_size
+    out = {}
+    for name, fn, rows_per_layer in (("split", split, None), ("exact", exact, None)):
+        low = lowered(fn, params, toks, cache, engram_spec(cfg, 1, n))
+        out[name] = {"reported": flops_of(low), "hlo": check_no_loops(low)}
+    enc, dec = cfg.decoder_start, cfg.n_layers - cfg.decoder_start
+    m_full, m_tail = moe_rows_flops(cfg, n), moe_rows_flops(cfg, min(n, W))
+    fix = lambda m: m["arithmetic"] - m["reported"]
+    out["split"]["flops"] = out["split"]["reported"] + enc * fix(m_full) + dec * fix(m_tail)
+    out["exact"]["flops"] = out["exact"]["reported"] + cfg.n_layers * fix(m_full)
+    out["moe"] = {"per_layer_full": m_full, "per_layer_tail": m_tail}
+    out["ratio"] = out["split"]["flops"] / out["exact"]["flops"]
+    out["ratio_reported"] = out["split"]["reported"] / out["exact"]["reported"]
+    return out

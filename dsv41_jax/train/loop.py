@@ -1,0 +1,144 @@
+"""A training run: build or restore the state on a mesh, step through the data, checkpoint.
+
+Batch i of the data feeds step i, so the state's step counter is also the data position; it
+is saved with every checkpoint (meta "next_batch") and a resumed run continues with exactly
+the batches and per-step random draws an uninterrupted run would have used.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.train import mesh as meshlib
+from dsv41_jax.train import throughput
+from dsv41_jax.train.checkpoint import Checkpointer
+from dsv41_jax.train.params import serving_formats, serving_graph
+from dsv41_jax.train.qat_modules import build_training_model
+from dsv41_jax.train.step import TrainConfig, full_master, init_state, make_train_step
+
+
+@dataclass
+class Run:
+    """Everything a run needs between steps."""
+
+    cfg: ModelConfig
+    tcfg: TrainConfig
+    formats: dict
+    graphdef: object
+    mesh: object
+    state: dict
+    state_shardings: object
+    batch_sharding: object
+    step_fn: object
+
+    @property
+    def step(self) -> int:
+        return int(jax.device_get(self.state["step"]))
+
+    def master(self) -> dict:
+        """fp32 masters with biases and merged adapters (export these)."""
+        return full_master(self.state, self.tcfg)
+
+    def put_batch(self, batch: dict) -> dict:
+        return jax.device_put({k: np.asarray(v) for k, v in batch.items()}, self.batch_sharding)
+
+
+def _meta(run: Run, next_batch: int) -> dict:
+    return {"next_batch": int(next_batch), "model_config": run.cfg.to_flat_dict(),
+            "train_config": json_ready(dataclasses.asdict(run.tcfg))}
+
+
+def json_ready(d):
+    if isinstance(d, dict):
+        return {k: json_ready(v) for k, v in d.items()}
+    if isinstance(d, tuple):
+        return list(d)
+    return d
+
+
+def prepare(cfg: ModelConfig, tcfg: TrainConfig, *, mesh_spec: str | None = None, init_master: dict | None = None,
+            checkpointer: Checkpointer | None = None, restore_step: int | None = None) -> Run:
+    """A Run on `mesh_spec`: restored from `checkpointer` when it holds a checkpoint, else
+    fresh (from `init_master` fp32 masters, e.g. imported released weights, or a random init)."""
+    abstract_flat = serving_graph(cfg)[1]
+    formats = serving_formats(cfg, abstract_flat)
+    graphdef, master_shapes = build_training_model(cfg, formats, seed=tcfg.seed, abstract=True)
+    mesh = meshlib.make_mesh(mesh_spec)
+    meshlib.check_batch(mesh, tcfg.batch_size)
+    abstract = jax.eval_shape(lambda m: init_state(m, tcfg), master_shapes)
+    shardings = meshlib.state_shardings(mesh, abstract, meshlib.param_shapes_of(abstract))
+    resume = checkpointer is not None and (restore_step is not None or checkpointer.latest_step() is not None)
+    if resume:
+        target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+        state, meta = checkpointer.restore(restore_step, target)
+        saved = meta.get("model_config", {})
+        if saved and ModelConfig.from_dict(saved) != cfg:
+            raise ValueError(f"the checkpoint in {checkpointer.directory} was trained with another model config; "
+                             "pass the same --config or a new --ckpt-dir")
+        if int(meta["next_batch"]) != int(jax.device_get(state["step"])):
+            raise ValueError(f"checkpoint meta says next batch {meta['next_batch']} but the state is at step "
+                             f"{int(jax.device_get(state['step']))}")
+    else:
+        if init_master is None:
+            _, init_master = build_training_model(cfg, formats, seed=tcfg.seed)
+        missing = set(master_shapes) ^ set(init_master)
+        if missing:
+            raise ValueError(f"initial masters do not match the model: {sorted(missing)[:5]}")
+        state = jax.jit(lambda m: init_state(m, tcfg), out_shardings=shardings)(init_master)
+    batch_sh = meshlib.batch_sharding(mesh)
+    step_fn = make_train_step(graphdef, formats, cfg, tcfg, state_shardings=shardings, batch_sharding=batch_sh)
+    return Run(cfg, tcfg, formats, graphdef, mesh, state, shardings, batch_sh, step_fn)
+
+
+def train(run: Run, data, *, steps: int | None = None, checkpointer: Checkpointer | None = None, save_every: int = 0,
+          progress: bool = True, log_every: int = 10, peak_tflops: float | None = None, log=None) -> list[dict]:
+    """Step `run` up to `steps` (default tcfg.steps); returns per-step metrics (floats)."""
+    total = steps if steps is not None else run.tcfg.steps
+    start = run.step
+    log = log or (lambda s: print(s, file=sys.stderr))
+    fpt = throughput.flops_per_token(run.cfg, run.tcfg.seq_len)
+    peak = throughput.peak_flops(peak_tflops * 1e12 if peak_tflops else None)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
+    history = []
+    t_last = time.perf_counter()
+    for i in range(start, total):
+        batch = run.put_batch(data.batch(i))
+        run.state, metrics = run.step_fn(run.state, batch)
+        m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        now = time.perf_counter()
+        dt, t_last = now - t_last, now
+        m["step"] = i + 1
+        m["tokens_per_s"] = data.tokens_per_batch / max(dt, 1e-9)
+        m["mfu"] = throughput.mfu(m["tokens_per_s"], fpt, peak)
+        history.append(m)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{m['loss']:.3f}", ce=f"{m['ce']:.3f}", tok_s=f"{m['tokens_per_s']:.0f}")
+        if log_every and ((i + 1) % log_every == 0 or i + 1 == total):
+            line = format_metrics(m)
+            bar.write(line, file=sys.stderr) if bar is not None else log(line)
+        if checkpointer is not None and save_every and (i + 1) % save_every == 0 and i + 1 < total:
+            checkpointer.save(i + 1, run.state, _meta(run, i + 1))
+    if bar is not None:
+        bar.close()
+    if checkpointer is not None and total > start:
+        checkpointer.save(total, run.state, _meta(run, total), force=True)
+        checkpointer.wait()
+    return history
+
+
+def format_metrics(m: dict) -> str:
+    mfu = "n/a" if m.get("mfu") is None else f"{100 * m['mfu']:.1f}%"
+    return (f"step {m['step']:5d}  loss {m['loss']:.4f}  ce {m['ce']:.4f}  balance {m['balance']:.4f}  "
+            f"indexer_kl {m['indexer_kl']:.4f}  load_max/mean {m['load_imbalance']:.2f}  grad_norm {m['grad_norm']:.3f}  "
+            f"lr {m['lr']:.2e}  tok/s {m['tokens_per_s']:.0f}  MFU {mfu}")

@@ -1,0 +1,322 @@
+"""Serving: CED split prefill vs exact prefill, encoder replay, prefix cache on disk, buckets,
+sampling and the continuous-batching engine (SPEC §5).
+
+A five-layer config carries every decoder role (Full r1 pool source, in-pool Reindex, Reuse)
+after an SWA and a Full r2 encoder layer; compile time dominates, so compiled functions and
+their results are shared through module fixtures.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.model import Transformer, make_step
+from dsv41_jax.runtime import Runtime
+from dsv41_jax.serving import buckets, prefix_cache, sampling
+from dsv41_jax.serving import split_prefill as sp
+from dsv41_jax.serving.layer_range import embed, head, run_layers
+
+N = 24  # prompt length: three windows
+
+
+def micro_config(**kw) -> ModelConfig:
+    base = dict(engram_layer_ids=(), max_seq_len=64, n_layers=5, compress_ratios=(0, 2, 1, 1, 1),
+                kv_source_layers=(1, 2), index_source_layers=(1, 2, 3), candidate_source_layer=2,
+                hc_sinkhorn_iters=3, n_routed_experts=4, vocab_size=256)
+    base.update(kw)
+    return ModelConfig.tiny(**base)
+
+
+def random_model(cfg: ModelConfig, seed: int):
+    """A model with random weights filled on the host (numpy), without the hundreds of small XLA
+    compilations that eager module construction costs; any values do for serving equivalences."""
+    import ml_dtypes
+
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=0))
+    graphdef, state = nnx.split(abstract)
+    rng = np.random.default_rng(seed)
+
+    def fill(path, leaf):
+        shape, dt = leaf.shape, np.dtype(leaf.dtype)
+        name = jax.tree_util.keystr(path)
+        if dt == np.uint8:
+            if "scale" in name:  # E8M0 exponents near 2^0
+                return jnp.asarray(rng.integers(121, 128, shape, dtype=np.uint8))
+            return jnp.asarray(rng.integers(0, 256, shape, dtype=np.uint8))  # packed E2M1 pairs
+        std = 1.0 / np.sqrt(shape[-1]) if len(shape) >= 2 else 0.5
+        x = rng.normal(size=shape) * std
+        if "norm" in name or "q_weight" in name or "k_weight" in name:
+            x = 1.0 + 0.1 * rng.normal(size=shape)
+        if dt == np.dtype(ml_dtypes.float8_e4m3fn):
+            x = rng.normal(size=shape) * 8
+        return jnp.asarray(x.astype(dt))
+
+    params = jax.tree_util.tree_map_with_path(fill, state)
+    return nnx.merge(graphdef, params)
+
+
+def same(a, b) -> bool:
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(x.shape == y.shape and bool(jnp.array_equal(x, y)) for x, y in zip(la, lb))
+
+
+@pytest.fixture(scope="module")
+def micro():
+    cfg = micro_config()
+    model = random_model(cfg, seed=3)
+    graphdef, params = nnx.split(model)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, N)), jnp.int32)
+    exact = sp.make_exact_prefill(graphdef, collect_topk=True)
+    ex_logits, ex_cache, ex_aux = exact(params, tokens, buckets.empty_cache(cfg, 2, cfg.max_seq_len))
+    return {"cfg": cfg, "model": model, "graphdef": graphdef, "params": params, "tokens": tokens,
+            "exact": (ex_logits, ex_cache, ex_aux)}
+
+
+@pytest.fixture(scope="module")
+def decode_step(micro):
+    """The engine's lean one-token step (every layer, gathered compressed rows, in-pool scoring)."""
+    gd = micro["graphdef"]
+
+    @jax.jit
+    def step(params, tokens, cache):
+        model = nnx.merge(gd, params)
+        start = cache["length"]
+        h, pre = embed(model, tokens)
+        h, pre, cache, _ = run_layers(model, h, pre, cache, start=start, layers=range(model.cfg.n_layers), lean=True)
+        cache["length"] = start + tokens.shape[1]
+        return head(model, h, pre, "fast"), cache
+
+    return step
+
+
+# ------------------------------------------------------------------------------- split vs exact
+@pytest.mark.slow
+def test_layer_range_equals_model_forward(micro, decode_step):
+    cfg, params = micro["cfg"], micro["params"]
+    step = make_step(micro["graphdef"], Runtime())
+    logits, cache, _ = step(params, micro["tokens"], buckets.empty_cache(cfg, 2, cfg.max_seq_len))
+    ex_logits, ex_cache, _ = micro["exact"]
+    assert same(logits, ex_logits) and same(cache, ex_cache)
+    nxt = micro["tokens"][:, :1]
+    ref_logits, ref_cache, _ = step(params, nxt, cache)
+    lean_logits, lean_cache = decode_step(params, nxt, ex_cache)
+    assert same(ref_logits, lean_logits) and same(ref_cache, lean_cache)
+
+
+def test_split_prefill_global_caches_exact(micro):
+    cfg, params, tokens = micro["cfg"], micro["params"], micro["tokens"]
+    ex_logits, ex_cache, ex_aux = micro["exact"]
+    split = sp.make_split_prefill(micro["graphdef"], collect_topk=True)
+    logits, cache, aux = split(params, tokens, buckets.empty_cache(cfg, 2, cfg.max_seq_len))
+    W, d = cfg.window_size, cfg.decoder_start
+    assert logits.shape == (2, W, cfg.vocab_size)
+    # encoder-side and layer decoder_start's global caches: identical bytes
+    for part in ("compressed", "index_keys", "compressor"):
+        for key in ex_cache[part]:
+            assert same(cache[part][key], ex_cache[part][key]), (part, key)
+    assert same(cache["length"], ex_cache["length"])
+    for l in range(d):  # encoder windows are exact too
+        assert same(cache["window"][l], ex_cache["window"][l]), l
+    # layer decoder_start's own top-k and its candidate pool over the tail: identical
+    assert same(aux["topk"][d], ex_aux["topk"][d][:, -W:])
+    assert same(aux["pool"], ex_aux["pool"][:, -W:])
+    # the last window of the first decoder layer is exact; later layers are approximate by design
+    assert same(cache["window"][d], ex_cache["window"][d])
+    diff = float(jnp.max(jnp.abs(logits[:, -1] - ex_logits[:, -1])))
+    assert np.isfinite(diff)
+    later = [l for l in cfg.index_source_layers if l > d]
+    for l in later:  # measured, not asserted: reported by bench/prefill.py --accuracy
+        a, b = np.asarray(aux["topk"][l][:, -1]), np.asarray(ex_aux["topk"][l][:, -1])
+        overlap = np.mean([len(set(x[x >= 0]) & set(y[y >= 0])) / max(1, len(set(y[y >= 0]))) for x, y in zip(a, b)])
+        assert 0.0 <= overlap <= 1.0
+
+
+@pytest.mark.slow
+def test_split_prefill_with_tail_covering_prompt_is_exact(micro):
+    cfg, params, tokens = micro["cfg"], micro["params"], micro["tokens"]
+    ex_logits, ex_cache, ex_aux = micro["exact"]
+    split = sp.make_split_prefill(micro["graphdef"], tail=N, collect_topk=True)
+    logits, cache, aux = split(params, tokens, buckets.empty_cache(cfg, 2, cfg.max_seq_len))
+    assert same(logits, ex_logits) and same(cache, ex_cache)
+    for l in aux["topk"]:
+        assert same(aux["topk"][l], ex_aux["topk"][l])
+
+
+def test_split_refuses_configs_it_cannot_serve():
+    with pytest.raises(ValueError, match="come after the first decoder layer"):
+        sp.check_splittable(micro_config(n_layers=5, compress_ratios=(0, 2, 1, 1, 1), kv_source_layers=(1, 2, 4),
+                                         index_source_layers=(1, 2, 3, 4)))
+    with pytest.raises(ValueError, match="needs a ratio-1 KV source"):
+        sp.check_splittable(micro_config(compress_ratios=(0, 2, 2, 2, 2), kv_source_layers=(1,),
+                                         index_source_layers=(1, 3), candidate_source_layer=-1))
+
+
+# ------------------------------------------------------------------------------- prefix cache
+def _turn1(micro):
+    _, ex_cache, _ = micro["exact"]
+    row = jax.tree.map(lambda a: a[:1], ex_cache)
+    return row, np.asarray(micro["tokens"][0])
+
+
+@pytest.mark.slow
+def test_prefix_cache_restore_equals_uninterrupted_replay(micro, decode_step, tmp_path):
+    cfg, params = micro["cfg"], micro["params"]
+    W = cfg.window_size
+    row, toks = _turn1(micro)
+    replay = sp.make_replay(micro["graphdef"])
+    fp = prefix_cache.model_fingerprint(params)
+    turn2 = jnp.asarray([[5], [17]], jnp.int32)
+
+    def continue_from(cache):
+        logits, cache = replay(params, jnp.asarray(toks[None, -W:]), cache)
+        replayed = cache
+        outs = [logits[:, -1]]
+        for t in range(turn2.shape[0]):
+            lg, cache = decode_step(params, turn2[t][None], cache)
+            outs.append(lg[:, -1])
+        return outs, replayed, cache
+
+    ref, ref_replayed, ref_cache = continue_from(sp.drop_window(row))
+    path = tmp_path / "turn1.dsv41"
+    header = prefix_cache.save_prefix(path, cfg, row, toks, fingerprint=fp)
+    assert header["n_tokens"] == N and not list(tmp_path.glob(".*.tmp"))
+    cache, stored = prefix_cache.load_prefix(path, cfg, capacity=cfg.max_seq_len, fingerprint=fp)
+    assert np.array_equal(stored, toks)
+    for part in ("compressed", "index_keys", "compressor", "length", "published"):  # byte for byte
+        assert same(cache[part], row[part]), part
+    got, replayed, got_cache = continue_from(cache)
+    assert all(same(a, b) for a, b in zip(got, ref)) and same(got_cache, ref_cache)
+    assert same(replayed, ref_replayed)
+    # the replay rebuilt the windows without rewriting the global cache
+    for part in ("compressed", "index_keys", "compressor", "length"):
+        assert same(replayed[part], row[part]), part
+    assert not same(replayed["window"], cache["window"])
+
+
+def test_prefix_cache_refuses_bad_files(micro, tmp_path):
+    cfg, params = micro["cfg"], micro["params"]
+    row, toks = _turn1(micro)
+    fp = prefix_cache.model_fingerprint(params)
+    path = tmp_path / "c.dsv41"
+    prefix_cache.save_prefix(path, cfg, row, toks, fingerprint=fp)
+    raw = path.read_bytes()
+    with pytest.raises(prefix_cache.PrefixCacheError, match="differing fields: window_size"):
+        prefix_cache.load_prefix(path, micro_config(window_size=16), fingerprint=fp)
+    with pytest.raises(prefix_cache.PrefixCacheError, match="other weights"):
+        prefix_cache.load_prefix(path, cfg, fingerprint="0" * 64)
+    cut = tmp_path / "cut.dsv41"
+    cut.write_bytes(raw[:-100])
+    with pytest.raises(prefix_cache.PrefixCacheError, match="truncated"):
+        prefix_cache.load_prefix(cut, cfg, fingerprint=fp)
+    cut.write_bytes(raw[:20])
+    with pytest.raises(prefix_cache.PrefixCacheError, match="truncated"):
+        prefix_cache.load_prefix(cut, cfg)
+    flipped = bytearray(raw)
+    flipped[-5] ^= 0x40
+    bad = tmp_path / "bad.dsv41"
+    bad.write_bytes(bytes(flipped))
+    with pytest.raises(prefix_cache.PrefixCacheError, match="fails its checksum"):
+        prefix_cache.load_prefix(bad, cfg, fingerprint=fp)
+    flipped = bytearray(raw)
+    flipped[30] ^= 0x01  # inside the JSON header
+    bad.write_bytes(bytes(flipped))
+    with pytest.raises(prefix_cache.PrefixCacheError, match="header checksum"):
+        prefix_cache.load_prefix(bad, cfg)
+    bad.write_bytes(b"not a cache at all, just text")
+    with pytest.raises(prefix_cache.PrefixCacheError, match="not a dsv41 prefix cache"):
+        prefix_cache.load_prefix(bad, cfg)
+    with pytest.raises(prefix_cache.PrefixCacheError, match="does not exist"):
+        prefix_cache.load_prefix(tmp_path / "missing", cfg)
+    with pytest.raises(prefix_cache.PrefixCacheError, match="token ids were given"):
+        prefix_cache.save_prefix(path, cfg, row, toks[:-1])
+
+
+# ------------------------------------------------------------------------------- buckets
+def test_capacity_buckets_and_resize(micro):
+    cfg = micro["cfg"]
+    assert buckets.capacity_for(cfg, 1, 16) == 16
+    assert buckets.capacity_for(cfg, 17, 16) == 32
+    assert buckets.capacity_for(cfg, 64, 16) == 64
+    with pytest.raises(ValueError, match="max_seq_len"):
+        buckets.capacity_for(cfg, 65, 16)
+    _, ex_cache, _ = micro["exact"]
+    small = buckets.resize_cache(cfg, ex_cache, 32)
+    assert buckets.capacity_of(cfg, small) == 32
+    back = buckets.resize_cache(cfg, small, 64)
+    for part in ("compressed", "index_keys"):
+        for key, c in ex_cache[part].items():
+            m = cfg.compress_ratios[int(key[5:])]
+            for a, b in zip(c, back[part][key]):
+                assert bool(jnp.array_equal(a[:, : N // m], b[:, : N // m]))
+
+
+# ------------------------------------------------------------------------------- sampling
+def test_sampling_filters_and_seeds():
+    V = 50
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.normal(size=(4, V)) * 3, jnp.float32)
+    banned = jnp.asarray(sampling.banned_mask(V, [int(np.argmax(logits[0]))]))
+    args = lambda t, p, k, s: (jnp.full((4,), t, jnp.float32), jnp.full((4,), p, jnp.float32),
+                               jnp.full((4,), k, jnp.int32), jnp.full((4,), s, jnp.uint32))
+    greedy = sampling.sample(logits, *args(0.0, 1.0, 0, 0), jnp.zeros(4, jnp.int32), banned)
+    want = np.argmax(np.where(np.asarray(banned)[None], -np.inf, np.asarray(logits)), -1)
+    assert np.array_equal(np.asarray(greedy), want)
+    top1 = sampling.sample(logits, *args(1.0, 1.0, 1, 7), jnp.zeros(4, jnp.int32), banned)
+    assert np.array_equal(np.asarray(top1), want)  # top_k=1 is greedy
+    # top_p: the sampled token is always inside the nucleus
+    draws = np.stack([np.asarray(sampling.sample(logits, *args(1.0, 0.5, 0, s), jnp.full((4,), s, jnp.int32), banned))
+                      for s in range(20)])
+    z = np.where(np.asarray(banned)[None], -np.inf, np.asarray(logits))
+    probs = np.exp(z - z.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    for b in range(4):
+        order = np.argsort(-probs[b], kind="stable")
+        before = np.cumsum(probs[b][order]) - probs[b][order]
+        nucleus = set(order[(before < 0.5) | (np.arange(V) == 0)])
+        assert set(draws[:, b]) <= nucleus
+    assert not np.asarray(banned)[draws].any()
+    a = sampling.sample(logits, *args(1.0, 1.0, 0, 3), jnp.full((4,), 2, jnp.int32), banned)
+    b = sampling.sample(logits[::-1], *args(1.0, 1.0, 0, 3), jnp.full((4,), 2, jnp.int32), banned)
+    assert np.array_equal(np.asarray(a), np.asarray(b)[::-1])  # independent of the slot
+    with pytest.raises(ValueError, match="top_p"):
+        sampling.SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        sampling.banned_mask(V, [V])
+
+
+# ------------------------------------------------------------------------------- engine
+@pytest.mark.slow
+def test_engine_batch_matches_alone_and_resumes(micro, tmp_path):
+    from dsv41_jax.serving.engine import Engine, Request, pieces
+
+    assert pieces(37, 16) == [16, 16, 4, 1] and pieces(8, 8) == [8]
+    cfg = micro["cfg"]
+    rng = np.random.default_rng(5)
+    prompts = [list(rng.integers(0, cfg.vocab_size, n)) for n in (8, 24, 16)]
+    greedy = sampling.SamplingParams(max_tokens=6)
+    eng = Engine(micro["model"], slots=3, min_capacity=64, prefill_chunk=8, banned_ids=[0])
+    alone = [eng.run([Request(p, greedy)])[0].tokens for p in prompts]
+    together = eng.run([Request(p, greedy) for p in prompts])
+    assert [r.tokens for r in together] == alone
+    assert all(r.finish_reason == "length" and r.timing["decode_s"] >= 0 for r in together)
+    assert all(0 not in r.tokens for r in together)
+    # stop tokens end a request early; sampling is reproducible from the seed
+    stop = sampling.SamplingParams(max_tokens=6, stop_tokens=(alone[1][2],))
+    r = eng.run([Request(prompts[1], stop)])[0]
+    assert r.tokens == alone[1][:3] and r.finish_reason == "stop"
+    hot = sampling.SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=4)
+    assert eng.run([Request(prompts[0], hot)])[0].tokens == eng.run([Request(prompts[0], hot), Request(prompts[2], greedy)])[0].tokens
+    # save after turn 1, resume from disk in turn 2
+    path = str(tmp_path / "conv.dsv41")
+    first = eng.run([Request(prompts[1], greedy, save_to=path)])[0]
+    resumed = eng.run([Request([first.tokens[-1]] + prompts[0][:3], greedy, resume_from=path)])[0]
+    assert resumed.cached_tokens == N + 5 and len(resumed.tokens) == 6
+    with pytest.raises(ValueError, match="out of range"):
+        eng.submit(Request([cfg.vocab_size]))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        eng.submit(Request([1] * 60, sampling.SamplingParams(max_tokens=10)))
