@@ -125,7 +125,6 @@ def build_plan(cfg: ModelConfig, mesh: str | Mapping[str, int], *, batch: int, c
                   "engram": engram_here, "cache": c["per_device"], "activations": acts["bytes"]}
     total = per_device["weights"] + per_device["engram"] + per_device["cache"] + per_device["activations"]
     out = {
-        "config": cfg.extra and dict(cfg.extra).get("name") or None,
         "mesh": sizes, "devices": n_dev, "preset": preset if isinstance(preset, str) else "custom",
         "batch": batch, "context": T, "prefill_chunk": acts["chunk"], "engram_placement": engram,
         "per_device_bytes": {**per_device, "total": total},

@@ -67,7 +67,12 @@ def read_config(folder: pathlib.Path, overrides: dict | None = None) -> ModelCon
         cfg = ModelConfig.from_file(folder / "config.json")
     except ConfigError as e:
         raise ConfigError(f"{folder / 'config.json'}: {e}") from None
-    return cfg.replace(**overrides) if overrides else cfg
+    if not overrides:
+        return cfg
+    try:
+        return cfg.replace(**overrides)
+    except ConfigError as e:
+        raise ConfigError(f"runtime settings {overrides}: {e}") from None
 
 
 def weight_map(folder: pathlib.Path) -> dict[str, str]:

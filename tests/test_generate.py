@@ -1,0 +1,191 @@
+"""`dsv41 generate` and its sampler, on a tiny synthetic checkpoint with a tokenizer built here."""
+import json
+import shutil
+from argparse import Namespace
+
+import numpy as np
+import pytest
+from tiny_dsv41_tokenizer import WORD_IDS, build_tokenizer_json
+
+from dsv41_jax import special_tokens as st
+from dsv41_jax.checkpoint.hf_writer import save_hf_checkpoint
+from dsv41_jax.checkpoint.synthetic import fake_extra_entries, synthetic_model
+from dsv41_jax.cli import main
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.generate import Sampling, TextStream, allowed_ids, sample
+from dsv41_jax.tokenizer import load_tokenizer
+
+# A contiguous tokenizer (ids 0..44) so the Engram token map covers every id.
+SMALL_SPECIALS = {st.BOS: 0, st.EOS: 1, st.PAD: 2, st.SYSTEM: 4, st.USER: 5, st.ASSISTANT: 6,
+                  st.THINK_START: 7, st.THINK_END: 8, st.IMAGE: 9}
+PROMPT = "hi there what is the weather in paris"
+
+
+def small_config(compressed_vocab: int) -> ModelConfig:
+    """Two layers (sliding window; Full ratio 2 with compressor, indexer and Engram): cheap to compile."""
+    return ModelConfig.tiny(vocab_size=64, n_layers=2, compress_ratios=(0, 2), kv_source_layers=(1,),
+                            index_source_layers=(1,), candidate_source_layer=-1, engram_layer_ids=(1,),
+                            engram_compressed_vocab_size=compressed_vocab, max_seq_len=64, max_batch_size=1)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from dsv41_jax.engram_tokens import build_token_map
+
+    root = tmp_path_factory.mktemp("gen")
+    tok = build_tokenizer_json(root / "tok", sentinels=False, specials=SMALL_SPECIALS)
+    _, compressed = build_token_map(str(tok))
+    cfg = small_config(compressed)
+    save_hf_checkpoint(synthetic_model(cfg, seed=0), root / "ckpt", extra=fake_extra_entries(cfg),
+                       max_shard_bytes=200_000, tokenizer=tok)
+    return root / "ckpt"
+
+
+def run(argv, capsys):
+    code = main(["generate", *map(str, argv)])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# ------------------------------------------------------------------------------ sampler
+@pytest.fixture(scope="module")
+def big_tokenizer(tmp_path_factory):
+    """The default tiny tokenizer: sparse ids up to 129279, with every SPEC sentinel as an added token."""
+    return load_tokenizer(build_tokenizer_json(tmp_path_factory.mktemp("bigtok")))
+
+
+def test_allowed_ids_mask_sentinels_and_unknown_ids(big_tokenizer):
+    allowed = allowed_ids(129280, big_tokenizer)
+    assert allowed[WORD_IDS["hi"]] and allowed[big_tokenizer.eos_id] and allowed[128822]  # </think> is generatable
+    assert not allowed[st.IMAGE_TOKEN_ID] and not allowed[128847] and not allowed[129270] and not allowed[129279]
+    assert not allowed[500]  # no token has this id
+    with pytest.raises(ValueError, match="ids up to 129279 but the model's vocab_size is 512"):
+        allowed_ids(512, big_tokenizer)
+
+
+def test_sampler_never_picks_a_masked_id_and_is_seeded():
+    V = 50
+    allowed = np.ones(V, bool)
+    allowed[7] = False
+    logits = np.zeros(V)
+    logits[7] = 100.0  # the favourite is a sentinel
+    logits[3] = 8.0  # p(3) = e^8 / (e^8 + 48) ~ 0.984 among the allowed ids
+    rng = np.random.default_rng(0)
+    assert sample(logits, allowed, Sampling(temperature=0), rng) == 3
+    draws = [sample(logits, allowed, Sampling(temperature=1.0, top_p=1.0), rng) for _ in range(200)]
+    assert 7 not in draws and draws.count(3) > 180 and len(set(draws)) > 1
+
+    def draws_with(seed):
+        r = np.random.default_rng(seed)
+        return [sample(np.arange(V) / 10, allowed, Sampling(1.0, 0.9), r) for _ in range(20)]
+
+    assert draws_with(5) == draws_with(5) != draws_with(6)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_the_mass():
+    p = np.array([0.5, 0.3, 0.15, 0.05])
+    logits = np.log(p)
+    allowed = np.ones(4, bool)
+    rng = np.random.default_rng(1)
+    seen = {sample(logits, allowed, Sampling(1.0, 0.75), rng) for _ in range(300)}
+    assert seen == {0, 1}  # 0.5 < 0.75 <= 0.8
+    seen = {sample(logits, allowed, Sampling(1.0, 0.5), rng) for _ in range(50)}
+    assert seen == {0}
+    with pytest.raises(ValueError, match="top_p must be in"):
+        Sampling(1.0, 0.0)
+    with pytest.raises(ValueError, match="temperature must be"):
+        Sampling(-0.5)
+
+
+def test_text_stream_emits_new_text_and_skips_eos(ckpt):
+    tok = load_tokenizer(ckpt)
+    stream = TextStream(tok, skip_ids=[tok.eos_id])
+    pieces = [stream.push(i) for i in (WORD_IDS["hi"], WORD_IDS["there"], tok.eos_id)]
+    assert "".join(pieces) == tok.decode([WORD_IDS["hi"], WORD_IDS["there"]]) and pieces[-1] == ""
+
+
+def test_messages_file_and_effort_reach_the_chat_encoder(ckpt, tmp_path):
+    from dsv41_jax.chat import encode_chat_ids
+    from dsv41_jax.cli_generate import _prompt_ids
+
+    tok = load_tokenizer(ckpt)
+    messages = [{"role": "system", "content": "ok"}, {"role": "user", "content": "what is the weather"}]
+    (tmp_path / "m.json").write_text(json.dumps({"messages": messages}))
+    args = Namespace(messages=str(tmp_path / "m.json"), prompt=None, thinking=True, effort="42")
+    assert _prompt_ids(args, tok) == encode_chat_ids(tok, messages, thinking=True, effort=42)
+    args = Namespace(messages=None, prompt="hi", thinking=False, effort="low")
+    assert _prompt_ids(args, tok) == encode_chat_ids(tok, [{"role": "user", "content": "hi"}], thinking=False, effort=50)
+
+
+# ------------------------------------------------------------------------------ bad inputs
+def test_bad_inputs_fail_clearly_before_loading(ckpt, tmp_path, capsys):
+    no_tok = tmp_path / "no_tok"
+    shutil.copytree(ckpt, no_tok)
+    (no_tok / "tokenizer.json").unlink()
+    v4 = tmp_path / "v4"
+    shutil.copytree(ckpt, v4)
+    cfg = json.loads((v4 / "config.json").read_text())
+    (v4 / "config.json").write_text(json.dumps(dict(cfg, model_type="deepseek_v4")))
+    (tmp_path / "bad.json").write_text("[{\"role\": \"user\", ")
+    (tmp_path / "obj.json").write_text(json.dumps({"role": "user"}))
+    (tmp_path / "norole.json").write_text(json.dumps([{"content": "hi"}]))
+    base = ["--checkpoint", ckpt]
+    cases = [
+        (["--checkpoint", tmp_path / "nowhere", "--prompt", "hi"], "nowhere: no such folder"),
+        (["--checkpoint", no_tok, "--prompt", "hi"], "no tokenizer.json"),
+        (["--checkpoint", v4, "--prompt", "hi"], "model_type 'deepseek_v4' is not supported"),
+        (base + ["--prompt", " ".join(["hi"] * 40), "--max-seq-len", "16"], "the prompt is 4[0-9] tokens but the cache holds max_seq_len=16"),
+        (base + ["--prompt", "hi", "--effort", "extreme"], "effort 'extreme' is not accepted"),
+        (base + ["--prompt", "hi", "--effort", "101"], "effort 101 is not accepted"),
+        (base + ["--messages", tmp_path / "missing.json"], "missing.json: no such file"),
+        (base + ["--messages", tmp_path / "bad.json"], "bad.json: not valid JSON"),
+        (base + ["--messages", tmp_path / "obj.json"], "expected a JSON list of messages"),
+        (base + ["--messages", tmp_path / "norole.json"], "role"),
+        (base + ["--prompt", "hi", "--temperature", "-1"], "temperature must be"),
+        (base + ["--prompt", "hi", "--max-seq-len", "63"], "max_seq_len: 63 must be a multiple"),
+        (base + ["--prompt", "hi", "--devices", "99"], "asked for 99 devices"),
+    ]
+    import re
+
+    for argv, message in cases:
+        code, out, err = run(argv, capsys)
+        assert code == 2, (argv, err)
+        assert err.startswith("dsv41 generate: ") and re.search(message, err), (message, err)
+        assert out == ""
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--checkpoint", str(ckpt), "--prompt", "hi", "--messages", "x.json"])
+    assert e.value.code == 2
+
+
+# ------------------------------------------------------------------------------ end to end
+@pytest.fixture(scope="module")
+def greedy_on_one_device(ckpt):
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["generate", "--checkpoint", str(ckpt), "--prompt", PROMPT, "--temperature", "0",
+                     "--max-new-tokens", "6", "--max-seq-len", "64"])
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_generate_streams_tokens_on_one_device(greedy_on_one_device):
+    code, out, err = greedy_on_one_device
+    assert code == 0, err
+    assert out.endswith("\n") and out.strip()  # streamed text, then a newline
+    assert "skipped 6 tensors not modelled" in err and "dequantized 2 FP8 wo_a" in err
+
+
+@pytest.mark.slow
+def test_generate_on_eight_devices_matches_one_device(ckpt, greedy_on_one_device, capsys):
+    code, out, err = run(["--checkpoint", ckpt, "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", "6",
+                          "--max-seq-len", "64", "--devices", "8", "--json", "--quiet"], capsys)
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["completion_tokens"] == len(result["tokens"]) >= 1
+    assert result["finish_reason"] in ("eos", "length")
+    tok = load_tokenizer(ckpt)
+    allowed = allowed_ids(64, tok)
+    assert all(allowed[t] for t in result["tokens"])
+    assert result["text"] == greedy_on_one_device[1].rstrip("\n")  # same greedy tokens as on one device
