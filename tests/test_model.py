@@ -38,59 +38,75 @@ def _rows_of(auxes, key, layer):
     return np.concatenate([np.asarray(a[key][layer]) for a in auxes], 1)
 
 
-@pytest.mark.parametrize("mode", ["exact", "fast"])
-def test_prefill_equals_prefill_then_decode(tiny, mode):
-    cfg, graphdef, params = tiny
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, cfg.vocab_size, size=(2, 19))
-    ctx = jax.enable_x64(True) if mode == "exact" else jax.enable_x64(False)
-    with ctx:
-        step = make_step(graphdef, Runtime(mode=mode))
-        ref, ref_cache, ref_aux = _run(step, params, cfg, tokens, [19])
-        for k in (1, 6, 11):  # prefill k, then decode one token at a time (odd and even k: partial groups)
-            got, cache, aux = _run(step, params, cfg, tokens, [k] + [1] * (19 - k))
-            for r in cfg.roles:
-                np.testing.assert_array_equal(_rows_of(aux, "experts", r.layer), np.asarray(ref_aux[0]["experts"][r.layer]))
-                if r.ratio:
-                    np.testing.assert_array_equal(_rows_of(aux, "topk", r.layer), np.asarray(ref_aux[0]["topk"][r.layer]))
-            for name in ("compressed", "index_keys"):
-                for key in ref_cache[name]:
-                    for a, b in zip(cache[name][key], ref_cache[name][key]):
-                        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
-            for a, b in zip(jax.tree.leaves(cache["window"]), jax.tree.leaves(ref_cache["window"])):
+@pytest.fixture(scope="module")
+def fast_step(tiny):
+    """One jitted step shared by the tests below, so each (batch, length) compiles once."""
+    return make_step(tiny[1], Runtime(mode="fast"))
+
+
+def _check_prefill_vs_decode(cfg, step, params, tokens, n, k, bitwise):
+    ref, ref_cache, ref_aux = _run(step, params, cfg, tokens[:, :n], [n])
+    got, cache, aux = _run(step, params, cfg, tokens[:, :n], [k] + [1] * (n - k))
+    for r in cfg.roles:
+        np.testing.assert_array_equal(_rows_of(aux, "experts", r.layer), np.asarray(ref_aux[0]["experts"][r.layer]))
+        if r.ratio:
+            np.testing.assert_array_equal(_rows_of(aux, "topk", r.layer), np.asarray(ref_aux[0]["topk"][r.layer]))
+    for name in ("compressed", "index_keys", "compressor"):
+        for key in ref_cache[name]:
+            for a, b in zip(jax.tree.leaves(cache[name][key]), jax.tree.leaves(ref_cache[name][key])):
                 np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
-            if mode == "exact":
-                # exact dots round once, independently of how many rows a GEMM has: bit-identical
-                np.testing.assert_array_equal(got, ref)
-            else:
-                # fp32 accumulation may differ by reduction order between GEMM shapes; logits are
-                # a 128-term fp32 dot of bf16 values after the final norm, so ~1e-5 relative
-                np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+    for a, b in zip(jax.tree.leaves(cache["window"]), jax.tree.leaves(ref_cache["window"])):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    if bitwise:
+        # exact dots round once, independently of how many rows a GEMM has: bit-identical
+        np.testing.assert_array_equal(got, ref)
+    else:
+        # fp32 accumulation may differ by reduction order between GEMM shapes; logits are
+        # a dim-term fp32 dot of bf16 values after the final norm, so ~1e-5 relative
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
 
 
-def test_causality(tiny):
+# (N, k): prefill N vs prefill k + (N - k) decode steps; odd and even k leave partial compressor
+# groups; N > window and N > pool capacity so the ring wraps and the candidate pool binds
+PAIRS = [(13, 5), (8, 5), (13, 8)]
+
+
+@pytest.mark.parametrize("n, k", PAIRS)
+def test_prefill_equals_prefill_then_decode_fast(tiny, fast_step, n, k):
+    cfg, _, params = tiny
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, 13))
+    _check_prefill_vs_decode(cfg, fast_step, params, tokens, n, k, bitwise=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n, k", PAIRS)
+def test_prefill_equals_prefill_then_decode_exact(tiny, n, k):
     cfg, graphdef, params = tiny
-    step = make_step(graphdef, Runtime())
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, 13))
+    with jax.enable_x64(True):
+        _check_prefill_vs_decode(cfg, make_step(graphdef, Runtime(mode="exact")), params, tokens, n, k, bitwise=True)
+
+
+def test_causality(tiny, fast_step):
+    cfg, _, params = tiny
     rng = np.random.default_rng(1)
-    a = rng.integers(0, cfg.vocab_size, size=(1, 20))
+    a = rng.integers(0, cfg.vocab_size, size=(2, 13))
     b = a.copy()
-    t = 9
-    b[:, t + 1:] = rng.integers(0, cfg.vocab_size, size=(1, 20 - t - 1))
-    la, _, _ = _run(step, params, cfg, a, [20])
-    lb, _, _ = _run(step, params, cfg, b, [20])
+    t = 6
+    b[:, t + 1:] = rng.integers(0, cfg.vocab_size, size=(2, 13 - t - 1))
+    la, _, _ = _run(fast_step, params, cfg, a, [13])
+    lb, _, _ = _run(fast_step, params, cfg, b, [13])
     np.testing.assert_array_equal(la[:, :t + 1], lb[:, :t + 1])
     assert not np.array_equal(la[:, t + 1:], lb[:, t + 1:])
 
 
-def test_batch_rows_are_independent(tiny):
+def test_batch_rows_are_independent(tiny, fast_step):
     """Two different sequences in one batch give what each gives alone."""
-    cfg, graphdef, params = tiny
-    step = make_step(graphdef, Runtime())
-    rng = np.random.default_rng(2)
-    toks = rng.integers(0, cfg.vocab_size, size=(2, 12))
-    both, _, _ = _run(step, params, cfg, toks, [7, 1, 1, 1, 1, 1])
+    cfg, _, params = tiny
+    toks = np.random.default_rng(2).integers(0, cfg.vocab_size, size=(2, 8))
+    both, _, _ = _run(fast_step, params, cfg, toks, [5, 1, 1, 1])
     for i in range(2):
-        alone, _, _ = _run(step, params, cfg, np.concatenate([toks[i:i + 1], toks[i:i + 1]]), [7, 1, 1, 1, 1, 1])
+        alone, _, _ = _run(fast_step, params, cfg, np.concatenate([toks[i:i + 1], toks[i:i + 1]]), [5, 1, 1, 1])
         np.testing.assert_allclose(both[i], alone[0], rtol=1e-5, atol=1e-5)
 
 
