@@ -113,16 +113,11 @@ def _run(args) -> int:
 
 
 def _cmd_generate(args) -> int:
-    from dsv41_jax.checkpoint import CheckpointError
-    from dsv41_jax.config import ConfigError
-    from dsv41_jax.weights import WeightError
-
     try:
         return _run(args)
-    except (InputError, CheckpointError, ConfigError, WeightError, FileNotFoundError) as e:
-        print(f"dsv41 generate: {e}", file=sys.stderr)
-        return 2
-    except ValueError as e:  # sampling parameters, tokenizer/config mismatch, token ids
+    # InputError, CheckpointError, ConfigError, WeightError and the sampler's/tokenizer's checks
+    # are all ValueErrors that carry a message meant for the user
+    except (ValueError, FileNotFoundError) as e:
         print(f"dsv41 generate: {e}", file=sys.stderr)
         return 2
 

@@ -2,7 +2,6 @@
 error reporting, placement on a mesh, orbax, the golden weights through the HF path, and
 the peak host memory of a load."""
 import json
-import math
 import pathlib
 import re
 import shutil
@@ -410,6 +409,10 @@ RSS_PROBE = textwrap.dedent("""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps({"after_jax": after_jax, "base": base, "peak": peak, "loaded": report.bytes_read}))
 """)
+# Linux carries the parent's resident-set high-water mark into a child's ru_maxrss at exec
+# (the forked copy of the parent's memory counts), so a probe started straight from a large
+# pytest process would report pytest's peak. A small launcher in between resets it.
+RSS_LAUNCHER = "import subprocess, sys; sys.exit(subprocess.run([sys.executable, '-c', sys.argv[1], sys.argv[2]]).returncode)"
 
 
 @pytest.mark.slow
@@ -423,7 +426,7 @@ def test_peak_rss_stays_below_twice_the_largest_shard(tmp_path):
     import os
 
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
-    out = subprocess.run([sys.executable, "-c", RSS_PROBE, str(tmp_path)], capture_output=True, text=True, env=env,
+    out = subprocess.run([sys.executable, "-c", RSS_LAUNCHER, RSS_PROBE, str(tmp_path)], capture_output=True, text=True, env=env,
                          check=True, cwd=pathlib.Path(__file__).resolve().parents[1])
     m = json.loads(out.stdout.strip().splitlines()[-1])
     above = m["peak"] - m["base"]

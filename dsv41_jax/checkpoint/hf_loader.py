@@ -17,13 +17,12 @@ import pathlib
 import re
 from dataclasses import dataclass, field
 
-import jax
 import numpy as np
 from flax import nnx
 
 from dsv41_jax.checkpoint import fp8_tiles, placement
 from dsv41_jax.checkpoint.names import DiskTensor, disk_tensors, is_wo_a, wo_a_scale_shape
-from dsv41_jax.checkpoint.safetensors_file import DTYPES, SafetensorsFile, TensorInfo, read_header
+from dsv41_jax.checkpoint.safetensors_file import SafetensorsFile, TensorInfo, normalize_index, read_header
 from dsv41_jax.config import ConfigError, ModelConfig
 from dsv41_jax.weights import WeightError, flat_params, is_ignored
 
@@ -52,7 +51,8 @@ class LoadReport:
     def summary(self) -> str:
         groups = sorted({re.sub(r"^layers\.\d+\.", "layers.*.", n) if n.startswith("layers.") else n.split(".")[0]
                          for n in self.skipped})
-        s = (f"loaded {self.tensors_read} tensors ({self.bytes_read / 2**20:.1f} MiB) from {self.shards} shard(s) of {self.source}")
+        where = f"{self.shards} shard(s) of {self.source}" if self.format == "hf" else f"the {self.format} checkpoint {self.source}"
+        s = f"loaded {self.tensors_read} tensors ({self.bytes_read / 2**20:.1f} MiB) from {where}"
         if self.skipped:
             s += f"; skipped {len(self.skipped)} tensors not modelled ({', '.join(groups)}; {self.skipped_bytes / 2**20:.1f} MiB)"
         if self.dequantized:
@@ -109,6 +109,10 @@ def _headers(folder: pathlib.Path, wm: dict[str, str]) -> dict[str, TensorInfo]:
 
 
 # --------------------------------------------------------------------------------- checks
+def _scale_of(weight_name: str) -> str:
+    return weight_name[: -len("weight")] + "scale"
+
+
 def _accepted(t: DiskTensor, param_dtype: np.dtype) -> tuple[str, ...]:
     """Disk dtypes that hold this parameter's values exactly, in the model's storage."""
     name = np.dtype(param_dtype).name
@@ -136,7 +140,7 @@ def _plan(cfg: ModelConfig, params: dict, infos: dict[str, TensorInfo]):
     """Group the checkpoint tensors by parameter; raise WeightError naming every problem."""
     expected = {t.name: t for t in disk_tensors(params, wo_a_fp8=False)}
     skipped = [n for n in infos if is_ignored(n)]
-    wo_a_scales = {n[: -len("weight")] + "scale" for n, t in expected.items() if is_wo_a(t.path)}
+    wo_a_scales = {_scale_of(n) for n, t in expected.items() if is_wo_a(t.path)}
     unexpected = [n for n in infos if n not in expected and n not in wo_a_scales and not is_ignored(n)]
     missing = [n for n in expected if n not in infos]
     problems = []
@@ -146,7 +150,7 @@ def _plan(cfg: ModelConfig, params: dict, infos: dict[str, TensorInfo]):
             continue
         info, want_dt = infos[name], params[t.path].dtype
         accepted = _accepted(t, want_dt)
-        scale_name = name[: -len("weight")] + "scale"
+        scale_name = _scale_of(name)
         if is_wo_a(t.path) and scale_name in infos:  # the release's FP8 wo_a
             accepted = ("F8_E4M3",)
             s = infos[scale_name]
@@ -182,11 +186,11 @@ def _to_param(arr: np.ndarray, want: np.dtype) -> np.ndarray:
 class _Reader:
     """Reads blocks of one parameter from its checkpoint tensors (open shards are shared)."""
 
-    def __init__(self, folder, wm, files, param, tensors: list[DiskTensor], infos, report: LoadReport):
+    def __init__(self, folder, wm, files, param, tensors: list[DiskTensor], infos):
         self.folder, self.wm, self.files = folder, wm, files
         self.want = np.dtype(param.dtype)
         self.shape = tuple(param.shape)
-        self.tensors, self.infos, self.report = tensors, infos, report
+        self.tensors, self.infos = tensors, infos
 
     def _file(self, name) -> SafetensorsFile:
         shard = self.wm[name]
@@ -200,16 +204,15 @@ class _Reader:
     def __call__(self, index: tuple) -> np.ndarray:
         t0 = self.tensors[0]
         if t0.expert is not None:  # stacked experts: rows of the block are experts
-            experts = range(*index[0].indices(self.shape[0]))
             by_expert = {t.expert: t.name for t in self.tensors}
-            first = _to_param(self._read(by_expert[experts[0]], index[1:]), self.want) if len(experts) else None
-            out = np.empty((len(experts),) + (first.shape if first is not None else ()), self.want)
-            for i, e in enumerate(experts):
-                out[i] = first if i == 0 else _to_param(self._read(by_expert[e], index[1:]), self.want)
+            experts = range(*index[0].indices(self.shape[0]))
+            inner = tuple(b - a for a, b in normalize_index(index[1:], self.shape[1:]))
+            out = np.empty((len(experts),) + inner, self.want)
+            for i, e in enumerate(experts):  # only the experts this block holds are read
+                out[i] = _to_param(self._read(by_expert[e], index[1:]), self.want)
             return out
-        scale_name = t0.name[: -len("weight")] + "scale"
-        if is_wo_a(t0.path) and scale_name in self.infos:
-            full = fp8_tiles.dequantize(self._read(t0.name, None), self._read(scale_name, None))
+        if is_wo_a(t0.path) and _scale_of(t0.name) in self.infos:  # FP8 wo_a: small, read whole
+            full = fp8_tiles.dequantize(self._read(t0.name, None), self._read(_scale_of(t0.name), None))
             return np.ascontiguousarray(full[index])
         return _to_param(self._read(t0.name, index), self.want)
 
@@ -246,18 +249,17 @@ def load_checkpoint(folder, *, shardings: placement.ShardingSpec = None, progres
             for path, var in params.items():
                 tensors = by_path[path]
                 sharding = where(path, tuple(var.shape), np.dtype(var.dtype))
-                read = _Reader(folder, wm, files, var, tensors, infos, report)
+                read = _Reader(folder, wm, files, var, tensors, infos)
                 var.set_value(placement.place(tuple(var.shape), var.dtype, sharding, read))
-                nbytes = sum(infos[t.name].nbytes for t in tensors)
-                scale_name = tensors[0].name[: -len("weight")] + "scale"
-                if is_wo_a(path) and scale_name in infos:
-                    nbytes += infos[scale_name].nbytes
-                report.tensors_read += len(tensors)
+                names = [t.name for t in tensors]
+                if is_wo_a(path) and _scale_of(names[0]) in infos:
+                    names.append(_scale_of(names[0]))
+                    report.dequantized.append(names[0])
+                elif tensors[0].expert is None and infos[names[0]].dtype == "BF16" and np.dtype(var.dtype) == np.float32:
+                    report.upcast.append(names[0])
+                nbytes = sum(infos[n].nbytes for n in names)
+                report.tensors_read += len(names)
                 report.bytes_read += nbytes
-                if is_wo_a(path) and tensors[0].name[: -len("weight")] + "scale" in infos:
-                    report.dequantized.append(tensors[0].name)
-                elif tensors[0].expert is None and infos[tensors[0].name].dtype == "BF16" and np.dtype(var.dtype) == np.float32:
-                    report.upcast.append(tensors[0].name)
                 bar.update(nbytes)
     finally:
         for f in files.values():

@@ -24,7 +24,7 @@ from flax import nnx
 
 from dsv41_jax.checkpoint import fp8_tiles
 from dsv41_jax.checkpoint.hf_loader import INDEX_FILE
-from dsv41_jax.checkpoint.names import DiskTensor, disk_tensors, is_compressor_weight, is_wo_a
+from dsv41_jax.checkpoint.names import DiskTensor, disk_tensors, is_compressor_weight, is_wo_a, wo_a_scale_shape
 from dsv41_jax.checkpoint.safetensors_file import DTYPES, TensorEntry, write_file
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.weights import flat_params
@@ -114,14 +114,22 @@ def model_entries(model: nnx.Module, *, narrow: str = "auto", wo_a_fp8: bool | N
             cache[path] = np.asarray(jax.device_get(params[path].get_value()))
         return cache[path]
 
+    fp8: dict[tuple, tuple] = {}
+
+    def wo_a_fp8_part(path, i):  # (q, scale) of one wo_a, computed again when written
+        if path not in fp8:
+            fp8.clear()
+            fp8[path] = fp8_tiles.exact_fp8(host(path))[:2]
+        return fp8[path][i]
+
     entries = []
     for t in disk_tensors(model, wo_a_fp8=False):
         if is_wo_a(t.path) and wo_a_fp8:
-            q, s, exact = fp8_tiles.exact_fp8(host(t.path))
+            exact = fp8_tiles.exact_fp8(host(t.path))[2]
             if exact or narrow == "round":
                 scale = t.name[: -len("weight")] + "scale"
-                entries.append(TensorEntry(t.name, "F8_E4M3", q.shape, lambda q=q: q))
-                entries.append(TensorEntry(scale, "F8_E8M0", s.shape, lambda s=s: s))
+                entries.append(TensorEntry(t.name, "F8_E4M3", t.shape, lambda p=t.path: wo_a_fp8_part(p, 0)))
+                entries.append(TensorEntry(scale, "F8_E8M0", wo_a_scale_shape(t.shape), lambda p=t.path: wo_a_fp8_part(p, 1)))
                 continue
             if narrow == "strict":
                 _narrow_fail(t.name, "FP8 with 32x32 E8M0 tiles")

@@ -12,9 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dsv41_jax.checkpoint.fp8_tiles import BLOCK
 from dsv41_jax.weights import _our_path, _reference_name, flat_params
-
-BLOCK = 32  # FP8 weight tiles are 32 x 32, scales E8M0 (SPEC §4)
 
 
 @dataclass(frozen=True)

@@ -131,8 +131,11 @@ def _random_chunks(t: DiskTensor, seed: int, chunk_bytes: int):
             n = min(per, rows - r0) * row_elems
             if t.dtype == "F8_E8M0":
                 yield rng.integers(110, 128, n, dtype=np.uint8)
-            elif dt.itemsize == 1 and t.dtype != "F8_E4M3":
-                yield rng.integers(0, 256, n, dtype=np.uint8)
+            elif dt.itemsize == 1:
+                b = rng.integers(0, 256, n, dtype=np.uint8)
+                if t.dtype == "F8_E4M3":
+                    b[(b & 0x7F) == 0x7F] = 0x38  # E4M3FN NaN codes -> 1.0
+                yield b
             else:
                 yield rng.standard_normal(n, dtype=np.float32).astype(dt)
 
