@@ -43,7 +43,7 @@ class Engram(nnx.Module):
         w = self.q_weight[...].astype(jnp.float32) * self.k_weight[...].astype(jnp.float32)
         x = h.astype(jnp.float32)
         eps = jnp.float32(self.eps)
-        rstd = jax.lax.rsqrt(mean_square(x, mode)[..., 0] + eps) * jax.lax.rsqrt(mean_square(key, mode)[..., 0] + eps)
+        rstd = jax.lax.rsqrt(mean_square(x)[..., 0] + eps) * jax.lax.rsqrt(mean_square(key)[..., 0] + eps)
         dot = jnp.sum(x * w * key, -1) * rstd * jnp.float32(self.dim ** -0.5)
         gate = jax.nn.sigmoid(jnp.copysign(jnp.sqrt(jnp.maximum(jnp.abs(dot), jnp.float32(1e-6))), dot))
         return (x + gate[..., None] * value[..., None, :]).astype(h.dtype), gate
