@@ -20,6 +20,7 @@ from dsv41_jax.runtime import Runtime
 from dsv41_jax.serving import buckets, prefix_cache, sampling
 from dsv41_jax.serving import split_prefill as sp
 from dsv41_jax.serving.layer_range import embed, head, run_layers
+from dsv41_jax.serving.random_weights import random_model
 
 N = 24  # prompt length: three windows
 
@@ -30,34 +31,6 @@ def micro_config(**kw) -> ModelConfig:
                 hc_sinkhorn_iters=3, n_routed_experts=4, vocab_size=256)
     base.update(kw)
     return ModelConfig.tiny(**base)
-
-
-def random_model(cfg: ModelConfig, seed: int):
-    """A model with random weights filled on the host (numpy), without the hundreds of small XLA
-    compilations that eager module construction costs; any values do for serving equivalences."""
-    import ml_dtypes
-
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=0))
-    graphdef, state = nnx.split(abstract)
-    rng = np.random.default_rng(seed)
-
-    def fill(path, leaf):
-        shape, dt = leaf.shape, np.dtype(leaf.dtype)
-        name = jax.tree_util.keystr(path)
-        if dt == np.uint8:
-            if "scale" in name:  # E8M0 exponents near 2^0
-                return jnp.asarray(rng.integers(121, 128, shape, dtype=np.uint8))
-            return jnp.asarray(rng.integers(0, 256, shape, dtype=np.uint8))  # packed E2M1 pairs
-        std = 1.0 / np.sqrt(shape[-1]) if len(shape) >= 2 else 0.5
-        x = rng.normal(size=shape) * std
-        if "norm" in name or "q_weight" in name or "k_weight" in name:
-            x = 1.0 + 0.1 * rng.normal(size=shape)
-        if dt == np.dtype(ml_dtypes.float8_e4m3fn):
-            x = rng.normal(size=shape) * 8
-        return jnp.asarray(x.astype(dt))
-
-    params = jax.tree_util.tree_map_with_path(fill, state)
-    return nnx.merge(graphdef, params)
 
 
 def same(a, b) -> bool:
@@ -320,3 +293,92 @@ def test_engine_batch_matches_alone_and_resumes(micro, tmp_path):
         eng.submit(Request([cfg.vocab_size]))
     with pytest.raises(ValueError, match="max_seq_len"):
         eng.submit(Request([1] * 60, sampling.SamplingParams(max_tokens=10)))
+
+
+# ------------------------------------------------------------------------------- byte accounting
+@pytest.mark.slow
+def test_info_cache_bytes_match_the_cache_layout():
+    """`dsv41 info`'s window bytes per sequence and persistent bytes per token, recounted from the
+    arrays init_cache allocates at the released shapes (abstractly, nothing is allocated)."""
+    from dsv41_jax.info import model_info
+
+    cfg = ModelConfig.v41_flash()
+    info = model_info(cfg)
+    nbytes = lambda tree: sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(tree))
+    C = 8192
+    cache = jax.eval_shape(lambda: buckets.empty_cache(cfg, 1, C))
+    assert nbytes(cache["window"]) == info["window_bytes_per_sequence"] == 40 * 128 * 528
+    per_token = (nbytes(cache["compressed"]) + nbytes(cache["index_keys"])) / C
+    assert per_token == info["persistent_bytes_per_token"] == 890
+
+
+def test_prefix_file_holds_only_global_parts(micro, tmp_path):
+    cfg = micro["cfg"]
+    row, toks = _turn1(micro)
+    header = prefix_cache.save_prefix(tmp_path / "p", cfg, row, toks)
+    names = {e["name"].split(".")[0] for e in header["arrays"]}
+    assert names == {"tokens", "compressed", "index_keys", "compressor"}
+    rows = sum(e["nbytes"] for e in header["arrays"] if e["name"].split(".")[0] in ("compressed", "index_keys"))
+    from dsv41_jax.info import row_bytes
+
+    rb = row_bytes(cfg)
+    want = sum(N // cfg.compress_ratios[s] * (rb["compressed_kv"] + (rb["index_key"] if s in cfg.index_source_layers else 0))
+               for s in cfg.kv_source_layers)
+    assert rows == want
+
+
+# ------------------------------------------------------------------------------- full-width cost
+@pytest.mark.slow
+def test_decode_cost_full_width():
+    """Lean decode step at the released width (compile only): 4K within 10% of the arithmetic,
+    and 4K -> 1M growth carried by the indexer (bench/decode.py prints the full table)."""
+    from dsv41_jax.serving import cost
+
+    cfg = cost.arithmetic_config(ModelConfig.v41_flash())
+    lo, hi = 4096, 1 << 20
+    f_lo = cost.decode_flops_by_role(cfg, lo)["flops"]
+    ar_lo = cost.arithmetic_decode(cfg, lo)
+    assert abs(f_lo / ar_lo["total"] - 1) <= 0.10
+    f_hi = cost.decode_flops_by_role(cfg, hi)["flops"]
+    ar_hi = cost.arithmetic_decode(cfg, hi)
+    slope = (cost.indexer_scoring_flops(cfg, hi) - cost.indexer_scoring_flops(cfg, lo)) / (hi - lo)
+    rest = lambda f, ar: f - ar["positions_scored"] * slope
+    assert abs(rest(f_hi, ar_hi) / rest(f_lo, ar_lo) - 1) <= 0.02
+    assert 1.4 < f_hi / f_lo < 1.9
+
+
+@pytest.mark.slow
+def test_split_prefill_cost_full_width():
+    from dsv41_jax.serving import cost
+
+    r = cost.prefill_flops(cost.arithmetic_config(ModelConfig.v41_flash()), 65536)
+    assert r["ratio"] <= 0.52
+    assert r["split"]["hlo"]["while"] == 0 and r["exact"]["hlo"]["while"] == 0
+
+
+@pytest.mark.slow
+def test_split_prefill_on_golden_configs(golden_root):
+    """Golden weights (fast mode): encoder-side caches, layer decoder_start's caches, top-k and
+    pool are identical between split and exact prefill; the last-position logits differ by a
+    measured amount (bench/prefill.py --golden prints the table, docs/SERVING.md records it)."""
+    from dsv41_jax.engram_hash import hash_ids
+    from dsv41_jax.golden_data import discover
+
+    for gc in discover(golden_root):
+        cfg = gc.cfg
+        gd, params = nnx.split(gc.load_model())
+        stream = max((c for c in gc.cases if c["kind"] == "prefill"), key=lambda c: len(c["tokens"]))["tokens"]
+        toks = np.asarray(stream, np.int64)[None]
+        ids = None
+        if gc.engram_hasher() is not None:
+            layout, token_map = gc.engram_hasher()
+            ids = jnp.asarray(hash_ids(layout, token_map, toks).astype(np.int32))
+        t = jnp.asarray(toks, jnp.int32)
+        sl, sc, sa = sp.make_split_prefill(gd, collect_topk=True)(params, t, buckets.empty_cache(cfg, 1, cfg.max_seq_len), ids)
+        el, ec, ea = sp.make_exact_prefill(gd, collect_topk=True)(params, t, buckets.empty_cache(cfg, 1, cfg.max_seq_len), ids)
+        d, W = cfg.decoder_start, cfg.window_size
+        for part in ("compressed", "index_keys", "compressor"):
+            assert same(sc[part], ec[part]), (gc.name, part)
+        assert same(sa["topk"][d], ea["topk"][d][:, -W:]) and same(sa["pool"], ea["pool"][:, -W:]), gc.name
+        diff = float(jnp.max(jnp.abs(sl[0, -1] - el[0, -1])))
+        assert 0.0 < diff < 0.2 * float(jnp.max(jnp.abs(el[0, -1]))), (gc.name, diff)

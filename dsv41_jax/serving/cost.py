@@ -98,11 +98,63 @@ def decode_flops(cfg: ModelConfig, context: int, batch: int = 1, runtime: Runtim
     return {"flops": flops_of(low), "hlo": check_no_loops(low)}
 
 
-def indexer_scoring_flops(cfg: ModelConfig, positions: int, batch: int = 1, gathered: bool = False) -> float:
+def _signature(role) -> tuple:
+    return (role.kind, role.ratio, role.is_candidate_source, role.uses_candidates, role.has_engram)
+
+
+def _dependencies(cfg: ModelConfig, layer: int) -> tuple[int, ...]:
+    """Layers a decode step must run before `layer` for its inputs to exist (top-k, pool)."""
+    role = cfg.roles[layer]
+    deps = []
+    src = role.index_source
+    if src is not None and src != layer:
+        deps.append(src)
+        src_role = cfg.roles[src]
+    else:
+        src_role = role
+    if src_role.uses_candidates and cfg.candidate_source_layer not in deps:
+        deps.insert(0, cfg.candidate_source_layer)
+    return tuple(deps)
+
+
+def decode_flops_by_role(cfg: ModelConfig, context: int, batch: int = 1, runtime: Runtime = Runtime()) -> dict:
+    """Decode-step FLOPs summed from per-layer costs, one lowering per distinct layer signature.
+
+    Lowering all 40 full-width layers takes minutes; layers with the same role, ratio, pool
+    use and Engram cost the same, so each signature is lowered once as (its dependencies + it)
+    minus (its dependencies), and the embedding/head once as an empty layer range.
+    """
+    gd, params = abstract_params(cfg)
+    cache = abstract_cache(cfg, batch, context)
+    toks = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
+    ids = engram_spec(cfg, batch, 1)
+    memo: dict[tuple, float] = {}
+
+    def cost(layers: tuple[int, ...]) -> float:
+        if layers not in memo:
+            memo[layers] = flops_of(lowered(decode_fn(gd, runtime, layers), params, toks, cache, ids))
+        return memo[layers]
+
+    base = cost(())
+    per_sig: dict[tuple, dict] = {}
+    total = base
+    for role in cfg.roles:
+        sig = _signature(role)
+        if sig not in per_sig:
+            deps = _dependencies(cfg, role.layer)
+            per_sig[sig] = {"layer": role.layer, "count": 0, "flops": cost(deps + (role.layer,)) - cost(deps)}
+        per_sig[sig]["count"] += 1
+        total += per_sig[sig]["flops"]
+    roles = [{"signature": "/".join(map(str, k)), **v} for k, v in per_sig.items()]
+    return {"flops": total, "embed_head": base, "roles": roles}
+
+
+def indexer_scoring_flops(cfg: ModelConfig, positions: int, batch: int = 1) -> float:
     """Cost-analysis FLOPs of one index source scoring `positions` cached keys for one query:
     the key decode, the FP4 query, the ReLU-weighted head sum and the masking (no top-k)."""
     from dsv41_jax import kv_layout
     from dsv41_jax.layers.rope import cos_sin, layer_frequencies
+    from dsv41_jax.serving.layer_range import decode_index_keys
 
     gd, params = abstract_params(cfg)
     layer = cfg.decoder_start
@@ -112,8 +164,7 @@ def indexer_scoring_flops(cfg: ModelConfig, positions: int, batch: int = 1, gath
         attn = model.layers[layer].attn
         pos = jnp.zeros((batch, 1), jnp.int32) + positions - 1
         cos, sin = cos_sin(pos, layer_frequencies(cfg, 1))
-        kb = kv_layout.dequantize_index_keys(keys).astype(jnp.bfloat16)
-        return attn.indexer.scores(x, qr, kb, cos, sin, pos + 1, "fast")
+        return attn.indexer.scores(x, qr, decode_index_keys(keys), cos, sin, pos + 1, "fast")
 
     keys = kv_layout.IndexKeys(jax.ShapeDtypeStruct((batch, positions, cfg.index_head_dim // 2), jnp.uint8),
                                jax.ShapeDtypeStruct((batch, positions, cfg.index_head_dim // 32), jnp.uint8))

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from dsv41_jax import kv_layout
+from dsv41_jax import kv_layout, quant
 from dsv41_jax.layers.indexer import candidate_pool, select_topk
 from dsv41_jax.layers.mhc_site import collapse, expand
 from dsv41_jax.layers.rope import apply_rope, cos_sin, layer_frequencies
@@ -44,7 +45,7 @@ def head(model, h: jax.Array, pre: jax.Array, mode: str) -> jax.Array:
     """Collapse with the last pre-mix, final norm, fp32 head: logits [B,T,V]."""
     from dsv41_jax.layers.basic import matmul
 
-    x = model.norm(collapse(h, pre))
+    x = model.norm(collapse(h, pre), mode)
     return matmul(x.astype(jnp.float32), model.head[...].astype(jnp.float32), "btd,vd->btv", jnp.float32, mode)
 
 
@@ -82,15 +83,34 @@ def write_global(model, layer: int, x: jax.Array, start: jax.Array, cache: dict,
     cache["compressed"][key] = _scatter_container(cache["compressed"][key], entries, gids)
 
 
-def project_ced(model, h: jax.Array, pre: jax.Array, start: jax.Array, cache: dict, runtime: Runtime) -> dict:
+def project_ced(model, h: jax.Array, pre: jax.Array, start: jax.Array, cache: dict, runtime: Runtime,
+                engram_ids: jax.Array | None = None) -> dict:
     """Graph A's last step (SPEC §5): the first decoder layer's attention input from the encoder
-    output, and its global writes only. Its compressed KV and index keys come out exact."""
-    d = model.cfg.decoder_start
+    output (after that layer's Engram, if it has one), and its global writes only. Its
+    compressed KV and index keys come out exact."""
+    cfg = model.cfg
+    d = cfg.decoder_start
     block = model.layers[d]
-    x = block.attn_norm(collapse(h, pre))
+    if block.engram is not None:
+        if engram_ids is None:
+            raise ValueError(f"layer {d} has Engram: pass engram_ids (see dsv41_jax.engram_hash.hash_ids)")
+        h, _ = block.engram(h, engram_ids[:, :, cfg.engram_layer_ids.index(d)], runtime.mode)
+    x = block.attn_norm(collapse(h, pre), runtime.mode)
     cache = copy_cache(cache)
     write_global(model, d, x, start, cache, runtime)
     return cache
+
+
+_E2M1_PAIRS = np.stack([quant.E2M1_VALUES[np.arange(256) & 15], quant.E2M1_VALUES[np.arange(256) >> 4]], -1)
+
+
+def decode_index_keys(k: kv_layout.IndexKeys) -> jax.Array:
+    """`kv_layout.dequantize_index_keys(k).astype(bf16)`, bit for bit, with one table lookup per
+    byte instead of nibble arithmetic: the decode step decodes every cached key it scores, so this
+    is per-position work (about 3 instead of 8 elementwise ops per key element)."""
+    pairs = jnp.asarray(_E2M1_PAIRS).at[k.packed].get(mode="promise_in_bounds")  # [..., Di/2, 2] f32
+    vals = pairs.reshape(*k.packed.shape[:-1], k.scales.shape[-1], -1)
+    return (vals * quant.e8m0_to_float(k.scales)[..., None]).reshape(*k.packed.shape[:-1], -1).astype(jnp.bfloat16)
 
 
 def _lean_pool_scores(attn, x, qr, cos, sin, keys_cache: kv_layout.IndexKeys, pool_blocks, block_valid,
@@ -109,7 +129,7 @@ def _lean_pool_scores(attn, x, qr, cos, sin, keys_cache: kv_layout.IndexKeys, po
     safe = jnp.where(valid, pos, 0)
     b = jnp.arange(B)[:, None, None]
     rows = kv_layout.IndexKeys(keys_cache.packed[b, safe], keys_cache.scales[b, safe])
-    keys = kv_layout.dequantize_index_keys(rows).astype(jnp.bfloat16)  # [B,T,P,Di]
+    keys = decode_index_keys(rows)  # [B,T,P,Di]
     P = keys.shape[2]
     # score one query against its own gathered keys: fold T into the batch
     flat = lambda a: a.reshape(B * T, 1, *a.shape[2:])
@@ -153,7 +173,7 @@ def run_layers(model, h: jax.Array, pre: jax.Array, cache: dict, *, start: jax.A
                 raise ValueError(f"layer {l} has Engram: pass engram_ids (see dsv41_jax.engram_hash.hash_ids)")
             h, _ = block.engram(h, engram_ids[:, :, cfg.engram_layer_ids.index(l)], mode)
         a_pre, a_post, a_comb = block.hc_attn.mixes(h, mode)
-        x = block.attn_norm(collapse(h, pre))
+        x = block.attn_norm(collapse(h, pre), runtime.mode)
         attn = block.attn
         freqs = layer_frequencies(cfg, role.ratio)
         cos, sin = cos_sin(positions, freqs)
@@ -182,7 +202,10 @@ def run_layers(model, h: jax.Array, pre: jax.Array, cache: dict, *, start: jax.A
                                                 cfg.candidate_block_size, visible, mode)
                     sel = _lean_select(s, cand, visible, width)
                 else:
-                    keys_bf16 = _index_keys_for(cfg, new_cache, role, runtime).astype(jnp.bfloat16)
+                    if lean_pool:
+                        keys_bf16 = decode_index_keys(new_cache["index_keys"][key])
+                    else:
+                        keys_bf16 = _index_keys_for(cfg, new_cache, role, runtime).astype(jnp.bfloat16)
                     scores = attn.indexer.scores(x, qr, keys_bf16, cos, sin, visible, mode)
                     if role.is_candidate_source:
                         pool, block_scores = candidate_pool(scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)
@@ -217,7 +240,7 @@ def run_layers(model, h: jax.Array, pre: jax.Array, cache: dict, *, start: jax.A
         a_out = attn.output(o, cos, sin, mode)
         h = expand(a_out, h, a_post, a_comb)
         f_pre, f_post, f_comb = block.hc_ffn.mixes(h, mode)
-        x = block.ffn_norm(collapse(h, a_pre))
+        x = block.ffn_norm(collapse(h, a_pre), mode)
         y, _ = block.ffn(x, mode, impl=_impl(runtime))
         h = expand(y, h, f_post, f_comb)
         pre = f_pre

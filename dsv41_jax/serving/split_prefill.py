@@ -1,8 +1,8 @@
 """CED split prefill, exact prefill and encoder replay (SPEC §5), as pure functions of the cache.
 
 - Graph A (`encoder_pass`): the encoder layers over every prompt token, then the first decoder
-  layer's pre-mix collapse, attn_norm, compressor and index-key projection (`project_ced`). The
-  global cache of that layer comes out exact.
+  layer's Engram (if any), pre-mix collapse, attn_norm, compressor and index-key projection
+  (`project_ced`). The global cache of that layer comes out exact.
 - Graph B (`decoder_pass`): the decoder layers over the tail only (the last `tail` tokens,
   window + speculative slack), with window attention truncated to the tail by `floor`.
 - `exact_prefill`: every layer over every token, which is `model.forward`'s math.
@@ -49,7 +49,7 @@ def encoder_pass(model, tokens: jax.Array, cache: dict, *, runtime: Runtime = Ru
     h, pre = embed(model, tokens)
     h, pre, cache, _ = run_layers(model, h, pre, cache, start=start, layers=range(cfg.decoder_start),
                                   runtime=runtime, engram_ids=engram_ids)
-    cache = project_ced(model, h, pre, start, cache, runtime)
+    cache = project_ced(model, h, pre, start, cache, runtime, engram_ids)
     cache["length"] = start + tokens.shape[1]
     return h, pre, cache
 
@@ -131,8 +131,8 @@ def drop_window(cache: dict) -> dict:
 
 def _jit(fn, graphdef, **static):
     @functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
-    def run(params, *args, **kwargs):
-        return fn(nnx.merge(graphdef, params), *args, **static, **kwargs)
+    def run(params, tokens, cache, engram_ids=None):
+        return fn(nnx.merge(graphdef, params), tokens, cache, engram_ids=engram_ids, **static)
 
     return run
 

@@ -1,0 +1,139 @@
+#!/usr/bin/env python3
+"""Decode-step cost against context length: FLOPs from XLA cost analysis (compile only, no
+weights), and optionally wall time with random weights on whatever backend JAX has.
+
+FLOPs are measured on the engine's lean decode step (`dsv41_jax.serving.layer_range`,
+lean=True) over abstract parameters with bf16 weights of the real shapes
+(`cost.arithmetic_config`), per distinct layer signature (`cost.decode_flops_by_role`; `--full`
+lowers the whole step instead, which agrees to <0.01% and takes minutes). Each context is
+checked against:
+
+- the arithmetic count: 2 x active matrix parameters + attention over window and selected
+  slots + the indexer term (positions scored x 2 x index heads x index dim);
+- growth: from the first context, total growth vs the indexer term. "strict" counts only the
+  indexer's dot products; "measured" uses the indexer scoring's own cost-analysis FLOPs per
+  position (key decode + dot + ReLU-weighted head sum), and "rest" is everything else.
+
+    python bench/decode.py --json decode.json
+    python bench/decode.py --config tiny-noengram --wall --contexts 64,128
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="v41-flash", help="preset name or config path (default v41-flash)")
+    p.add_argument("--contexts", default="4096,16384,65536,262144,1048576",
+                   help="comma-separated context lengths (cache capacity = context)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--full", action="store_true", help="lower the whole step per context (slow) instead of per role")
+    p.add_argument("--stored-weights", action="store_true",
+                   help="also report FLOPs with the checkpoint's FP8/FP4 weights (XLA dequantizes them per call)")
+    p.add_argument("--wall", action="store_true", help="also time the step with random weights (needs memory for them)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per context with --wall")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    return p.parse_args(argv)
+
+
+def wall_time(cfg, context: int, batch: int, steps: int) -> float:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dsv41_jax.model import COMPILER_OPTIONS
+    from dsv41_jax.serving import cost
+    from dsv41_jax.serving.buckets import empty_cache
+    from dsv41_jax.serving.random_weights import random_model
+
+    gd, params = nnx.split(random_model(cfg, 0))
+    step = jax.jit(cost.decode_fn(gd), compiler_options=COMPILER_OPTIONS)
+    cache = empty_cache(cfg, batch, context)
+    cache["length"] = jnp.full((batch,), context - steps - 3, jnp.int32)
+    toks = jnp.ones((batch, 1), jnp.int32)
+    ids = None
+    if cfg.engram_layer_ids:
+        ids = jnp.zeros(cost.engram_spec(cfg, batch, 1).shape, jnp.int32)
+    for _ in range(2):  # compile, and warm the host-side length update too
+        cache["length"] = cache["length"] + 1
+        logits, cache = step(params, toks, cache, ids)
+    jax.block_until_ready(logits)
+    t = time.perf_counter()
+    for _ in range(steps):
+        cache["length"] = cache["length"] + 1
+        logits, cache = step(params, toks, cache, ids)
+    jax.block_until_ready(logits)
+    return (time.perf_counter() - t) / steps
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from dsv41_jax.config import ModelConfig
+    from dsv41_jax.serving import cost
+
+    cfg = ModelConfig.load(args.config)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    acfg = cost.arithmetic_config(cfg)
+    probe = sorted({min(contexts), max(contexts)})
+    if len(probe) == 1:
+        probe = [probe[0], 2 * probe[0]]
+    slope = (cost.indexer_scoring_flops(acfg, probe[1]) - cost.indexer_scoring_flops(acfg, probe[0])) / (probe[1] - probe[0])
+    dot_per_pos = 2 * cfg.index_n_heads * cfg.index_head_dim
+    rows = []
+    for c in contexts:
+        t = time.perf_counter()
+        if args.full:
+            measured = cost.decode_flops(acfg, c, args.batch)
+        else:
+            measured = cost.decode_flops_by_role(acfg, c, args.batch)
+        ar = cost.arithmetic_decode(cfg, c, args.batch)
+        row = {"context": c, "flops": measured["flops"], "arithmetic": ar,
+               "vs_arithmetic": measured["flops"] / ar["total"] - 1, "positions_scored": ar["positions_scored"],
+               "lower_s": time.perf_counter() - t}
+        if args.stored_weights:
+            row["flops_stored_weights"] = (cost.decode_flops if args.full else cost.decode_flops_by_role)(cfg, c, args.batch)["flops"]
+        if args.wall:
+            row["wall_s"] = wall_time(cfg, c, args.batch, args.steps)
+        rows.append(row)
+        print(f"  context {c}: {row['flops']:.4e} FLOPs ({row['lower_s']:.0f}s)", file=sys.stderr)
+    base = rows[0]
+    for r in rows:
+        dpos = r["positions_scored"] - base["positions_scored"]
+        r["growth"] = r["flops"] - base["flops"]
+        r["indexer_dot_growth"] = dpos * dot_per_pos * args.batch
+        r["indexer_measured_growth"] = dpos * slope * args.batch
+        strict = lambda x: x["flops"] - x["positions_scored"] * dot_per_pos * args.batch
+        rest = lambda x: x["flops"] - x["positions_scored"] * slope * args.batch
+        r["rest_strict_change"] = strict(r) / strict(base) - 1
+        r["rest_change"] = rest(r) / rest(base) - 1
+        r["ratio_to_first"] = r["flops"] / base["flops"]
+    out = {"config": args.config, "batch": args.batch, "method": "full" if args.full else "per-role",
+           "indexer_flops_per_position": {"dot": dot_per_pos, "measured": slope}, "rows": rows,
+           "checks": {"first_context_within_10pct_of_arithmetic": abs(base["vs_arithmetic"]) <= 0.10,
+                      "rest_constant_within_2pct": all(abs(r["rest_change"]) <= 0.02 for r in rows),
+                      "rest_strict_constant_within_2pct": all(abs(r["rest_strict_change"]) <= 0.02 for r in rows)}}
+    print(f"decode step, {args.config}, batch {args.batch} ({out['method']} cost analysis, bf16 weights of the real shapes)")
+    print(f"indexer FLOPs per scored position: dot {dot_per_pos}, measured {slope:.0f} (key decode + dot + head sum)")
+    hdr = f"{'context':>9} {'GFLOP':>9} {'arith':>9} {'vs arith':>8} {'x first':>7} {'positions':>10} {'growth':>9} {'idx dot':>9} {'idx meas':>9} {'rest':>7} {'strict':>7}"
+    print(hdr)
+    for r in rows:
+        print(f"{r['context']:>9} {r['flops'] / 1e9:9.2f} {r['arithmetic']['total'] / 1e9:9.2f} {r['vs_arithmetic']:+8.2%} "
+              f"{r['ratio_to_first']:7.3f} {r['positions_scored']:>10} {r['growth'] / 1e9:9.2f} "
+              f"{r['indexer_dot_growth'] / 1e9:9.2f} {r['indexer_measured_growth'] / 1e9:9.2f} {r['rest_change']:+7.2%} "
+              f"{r['rest_strict_change']:+7.2%}" + (f"  wall {r['wall_s'] * 1e3:.2f} ms" if "wall_s" in r else ""))
+    for k, v in out["checks"].items():
+        print(f"  {k}: {v}")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
