@@ -29,3 +29,23 @@ def has_ragged_all_to_all(platform: str | None = None) -> bool:
         return False
     platform = platform or jax.default_backend()
     return platform in ("tpu", "gpu", "cuda", "rocm")
+
+
+def on_host(f, n_outputs: int):
+    """`f` computed by XLA on the host (`compute_on("device_host")`), outputs left in host memory.
+
+    jax 0.10 spells it as a context manager; jax >= 0.11 as a function transform that also
+    names the outputs' memory spaces.
+    """
+    import inspect
+
+    from jax.experimental.compute_on import compute_on
+
+    if "out_memory_spaces" in inspect.signature(compute_on).parameters:
+        return compute_on(f, compute_type="device_host", out_memory_spaces=(jax.memory.Space.Host,) * n_outputs)
+
+    def wrapped(*args):
+        with compute_on("device_host"):
+            return f(*args)
+
+    return wrapped

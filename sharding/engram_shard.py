@@ -18,6 +18,7 @@ are known before the step runs. What runs where:
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -28,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dsv41_jax import quant
 from dsv41_jax.layers.engram import Engram
-from sharding.compat import shard_map
+from sharding.compat import on_host, shard_map
 from sharding.rules import _path_tuple, get_rules
 
 
@@ -139,6 +140,7 @@ class HostEngramTables:
                 raise RuntimeError(f"device {self.device} has no pinned_host memory space; use storage='numpy'")
             host = jax.sharding.SingleDeviceSharding(self.device, memory_kind="pinned_host")
             self.tables = {l: (jax.device_put(v, host), jax.device_put(s, host)) for l, (v, s) in tables.items()}
+            self._host_gather = jax.jit(functools.partial(_host_gather, device=self.device))
 
     @classmethod
     def from_params(cls, params, cfg, **kwargs) -> "HostEngramTables":
@@ -180,18 +182,13 @@ class HostEngramTables:
         if self.storage == "numpy":
             return v[rows], s[rows]
         host = jax.sharding.SingleDeviceSharding(self.device, memory_kind="pinned_host")
-        return _host_gather(v, s, jax.device_put(rows, host))
+        return self._host_gather(v, s, jax.device_put(rows, host))
 
 
-@jax.jit
-def _host_gather(v, s, rows):
+def _host_gather(v, s, rows, *, device):
     """Row gather computed by XLA on the host, next to the pinned-host tables; result in device memory."""
-    from jax.experimental.compute_on import compute_on
-
-    with compute_on("device_host"):
-        gv, gs = v[rows], s[rows]
-    dev = next(iter(v.sharding.device_set))
-    to_device = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
+    gv, gs = on_host(lambda v, s, r: (v[r], s[r]), 2)(v, s, rows)
+    to_device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
     return jax.device_put(gv, to_device), jax.device_put(gs, to_device)
 
 

@@ -37,6 +37,15 @@ def _axis_size(mesh: Mesh, axis: str) -> int:
     return dict(zip(mesh.axis_names, mesh.devices.shape)).get(axis, 1)
 
 
+def _check_split(n_experts: int, mesh: Mesh, expert_axis: str, dispatch: str) -> None:
+    if dispatch not in DISPATCH:
+        raise ValueError(f"dispatch must be one of {DISPATCH}, got {dispatch!r}")
+    n_ep = _axis_size(mesh, expert_axis)
+    if n_experts % n_ep:
+        raise ValueError(f"{n_experts} routed experts cannot be split evenly over mesh axis {expert_axis!r} of size "
+                         f"{n_ep}; pick an expert axis size that divides {n_experts}")
+
+
 def route(moe: MoE, flat: jax.Array, mode: str, forced=None, **route_kwargs):
     """The unsharded gate and slot order: (scores, weights, experts, e_sorted, w_sorted).
 
@@ -53,11 +62,14 @@ def route(moe: MoE, flat: jax.Array, mode: str, forced=None, **route_kwargs):
 def expert_parallel_moe(moe: MoE, x: jax.Array, mesh: Mesh, *, mode: str = "fast", forced=None,
                         expert_axis: str = "expert", dispatch: str = "auto", **route_kwargs):
     """Drop-in for `moe(x, mode, forced)`: (y [B,T,d] in x.dtype, info) with experts split over `expert_axis`."""
+    _check_split(moe.experts.w1.shape[0], mesh, expert_axis, dispatch)
     B, T, d = x.shape
     flat = x.reshape(B * T, d)
     forced = None if forced is None else forced.reshape(B * T, -1)
     scores, weights, experts, e_sorted, w_sorted = route(moe, flat, mode, forced, **route_kwargs)
     k = moe.topk
+    # the unsharded MoE's choice, so both compute the same numerics; a device's receive buffer
+    # (expert-axis size x its rows x min(k, local experts)) never holds more than the B*T*k rows here
     per_row = mode == "exact" or B * T * k <= moe.grouped_threshold
     out = routed_outputs(moe.experts, flat, e_sorted, w_sorted, mesh, mode=mode, expert_axis=expert_axis,
                          dispatch=dispatch, per_row=per_row).astype(jnp.float32)
@@ -73,16 +85,12 @@ def routed_outputs(experts_module, rows: jax.Array, expert_ids: jax.Array, weigh
                    mode: str = "fast", expert_axis: str = "expert", dispatch: str = "auto", per_row: bool = True):
     """Weighted outputs of each row's experts: rows [N, d], expert_ids/weights [N, k] -> [N, k, d].
 
-    An expert id < 0 marks an empty slot (output 0).
+    An expert id < 0 marks an empty slot (output 0). per_row: each device runs `Experts.per_row`
+    (else `Experts.grouped`) on the rows it receives.
     """
-    if dispatch not in DISPATCH:
-        raise ValueError(f"dispatch must be one of {DISPATCH}, got {dispatch!r}")
+    _check_split(experts_module.w1.shape[0], mesh, expert_axis, dispatch)
     N, d = rows.shape
-    E = experts_module.w1.shape[0]
     n_ep = _axis_size(mesh, expert_axis)
-    if E % n_ep:
-        raise ValueError(f"{E} routed experts cannot be split evenly over mesh axis {expert_axis!r} of size {n_ep}; "
-                         f"pick an expert axis size that divides {E}")
     if dispatch == "auto":
         dispatch = "ragged" if has_ragged_all_to_all() else "dense"
     axes = tuple(mesh.axis_names)

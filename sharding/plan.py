@@ -51,15 +51,13 @@ def _nbytes(shape, dtype) -> int:
     return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
 
 
-@functools.lru_cache(maxsize=8)
-def _abstract_params(cfg: ModelConfig, rows: tuple[int, ...]):
-    from flax import nnx
-
-    from dsv41_jax.model import Transformer
+@functools.lru_cache(maxsize=4)
+def _abstract_params(cfg: ModelConfig):
+    """(path, shape, dtype) of every parameter of `info.abstract_model(cfg)`."""
+    from dsv41_jax.info import abstract_model
     from dsv41_jax.weights import flat_params
 
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=0, engram_rows=rows))
-    return tuple((path, tuple(v.shape), np.dtype(v.dtype)) for path, v in flat_params(model).items())
+    return tuple((path, tuple(v.shape), np.dtype(v.dtype)) for path, v in flat_params(abstract_model(cfg)).items())
 
 
 def weight_bytes(cfg: ModelConfig, sizes: Mapping[str, int], preset) -> dict:
@@ -71,7 +69,9 @@ def weight_bytes(cfg: ModelConfig, sizes: Mapping[str, int], preset) -> dict:
     rows = tuple(-(-r // n) * n for r in engram_table_rows(cfg))
     buckets = {ROUTED: [0, 0], ENGRAM_TABLE: [0, 0], "other_weights": [0, 0]}
     undivided = {}
-    for path, shape, dtype in _abstract_params(cfg, rows):
+    for path, shape, dtype in _abstract_params(cfg):
+        if param_bucket(path) == ENGRAM_TABLE:  # stored padded to the row shards
+            shape = (-(-shape[0] // n) * n,) + shape[1:]
         r = resolve(param_logical_axes(path, len(shape)), shape, rules, sizes)
         if r.dropped:
             undivided[".".join(map(str, path))] = r.dropped
