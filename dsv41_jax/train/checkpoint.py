@@ -54,9 +54,3 @@ class Checkpointer:
         self.manager.wait_until_finished()
         self.manager.close()
 
-
-def abstract_like(state, shardings=None):
-    """ShapeDtypeStructs of `state` (with `shardings`, a matching tree, when given)."""
-    if shardings is None:
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)), state)
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)

@@ -242,6 +242,7 @@ class PackedData:
                              "add data, or lower --batch-size / --seq-len")
         self.rows, self.batch_size, self.seed, self.engram = rows, batch_size, seed, engram
         self.batches_per_epoch = n // batch_size
+        self._order = (None, None)  # (epoch, permutation) of the last epoch used
 
     @property
     def tokens_per_batch(self) -> int:
@@ -249,7 +250,9 @@ class PackedData:
 
     def batch(self, index: int) -> dict[str, np.ndarray]:
         epoch, j = divmod(int(index), self.batches_per_epoch)
-        perm = np.random.default_rng([self.seed, epoch]).permutation(self.rows["tokens"].shape[0])
+        if self._order[0] != epoch:
+            self._order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.rows["tokens"].shape[0]))
+        perm = self._order[1]
         pick = perm[j * self.batch_size:(j + 1) * self.batch_size]
         out = {k: v[pick] for k, v in self.rows.items()}
         if self.engram is not None:

@@ -14,7 +14,8 @@ row, so this module runs the same layer loop with:
   * optional replay-aware windows: decoder layers see only window slots >= a per-row tail
     start s (for queries at or after s), as split prefill runs them (SPEC §5);
   * the indexer's KL objective (SPEC §7) on sampled query positions, from detached inputs.
-On one unpacked row with T = max_seq_len the logits equal `model.forward`'s.
+On unpacked rows with T = max_seq_len the logits equal `model.forward`'s bit for bit (with the
+training model built with exact_mhc=True; see qat_modules.LoopedHyperSite).
 """
 from __future__ import annotations
 

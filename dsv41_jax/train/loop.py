@@ -68,7 +68,7 @@ def prepare(cfg: ModelConfig, tcfg: TrainConfig, *, mesh_spec: str | None = None
     fresh (from `init_master` fp32 masters, e.g. imported released weights, or a random init)."""
     abstract_flat = serving_graph(cfg)[1]
     formats = serving_formats(cfg, abstract_flat)
-    graphdef, master_shapes = build_training_model(cfg, formats, seed=tcfg.seed, abstract=True)
+    graphdef, master_shapes = build_training_model(cfg, formats, seed=tcfg.seed, exact_mhc=tcfg.exact_mhc, abstract=True)
     mesh = meshlib.make_mesh(mesh_spec)
     meshlib.check_batch(mesh, tcfg.batch_size)
     abstract = jax.eval_shape(lambda m: init_state(m, tcfg), master_shapes)

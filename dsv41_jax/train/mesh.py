@@ -33,16 +33,18 @@ def _parse(spec: str | None, n: int) -> dict[str, int]:
     if list(shape.values()).count(-1) == 1:
         fixed = math.prod(v for v in shape.values() if v != -1)
         shape = {k: (n // fixed if v == -1 else v) for k, v in shape.items()}
-    if math.prod(shape.values()) != n:
+    if math.prod(shape.values()) > n or min(shape.values()) < 1:
         raise ValueError(f"mesh {shape} needs {math.prod(shape.values())} devices but {n} are available; "
-                         f"give sizes that multiply to {n} (or -1 for one axis)")
+                         f"give positive sizes whose product is at most {n} (or -1 for one axis)")
     return shape
 
 
 def make_mesh(spec: str | None = None, devices=None) -> Mesh:
-    """A mesh over `devices` (default all): spec "data=2,tensor=4", "data=-1", or None (all data)."""
+    """A mesh over `devices` (default all): spec "data=2,tensor=4", "data=-1", or None (all data).
+    A spec naming fewer devices than given uses the first ones (e.g. "data=1": one device)."""
     devices = list(jax.devices() if devices is None else devices)
     shape = _parse(spec, len(devices))
+    devices = devices[: math.prod(shape.values())]
     try:
         from sharding.mesh import make_mesh as project_mesh
     except ImportError:

@@ -96,13 +96,3 @@ def _scale_key_for(key: str, flat: dict) -> str:
             return c
     raise ValueError(f"quantized serving parameter {key} has no scale (looked for {candidates})")
 
-
-def master_shapes(formats: dict[str, Format], abstract_flat: dict) -> dict[str, jax.ShapeDtypeStruct]:
-    """Shapes of the fp32 master weights: dequantized FP4 has twice the packed width."""
-    out = {}
-    for key, fmt in formats.items():
-        shape = tuple(abstract_flat[key].shape)
-        if fmt.kind == FP4_WEIGHT:
-            shape = shape[:-1] + (shape[-1] * 2,)
-        out[key] = jax.ShapeDtypeStruct(shape, jnp.float32)
-    return out

@@ -20,10 +20,16 @@ from dsv41_jax import quant
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.layers.basic import QLinear
 from dsv41_jax.layers.engram import Engram
+from dsv41_jax.layers.mhc_site import HyperSite
 from dsv41_jax.layers.moe import Experts
+from dsv41_jax.exact_ops import sum_in_order, true_divide
+from dsv41_jax.layers.basic import matmul, mean_square
+from dsv41_jax.mhc import sinkhorn_split
 from dsv41_jax.train.params import FP4_WEIGHT, FP8_ROWS, FP8_WEIGHT, Format, flatten_state, path_key
 
 _BLOCK = 32
+# XLA options for programs that run once (init, import/export): compile fast, run slower
+ONE_SHOT_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 def fake_act(x: jax.Array) -> jax.Array:
@@ -91,6 +97,39 @@ class QATEngram(Engram):
         return rows.astype(jnp.bfloat16).reshape(*ids.shape[:-1], -1)
 
 
+class LoopedHyperSite(HyperSite):
+    """mHC site for training: Sinkhorn iterations 2..n in a `fori_loop`, and XLA's exp.
+
+    Why: the served site unrolls all (20) iterations and evaluates exp with the torch-exact
+    SLEEF polynomial; with their gradients these dominate the training step's compile time.
+    The loop repeats the served row/column normalisations (SPEC §3 mHC; mhc.sinkhorn_split),
+    so values are unchanged; XLA's exp differs from SLEEF by <= 1 ulp in ~1% of calls, which
+    training does not notice. exact_exp=True keeps SLEEF (the parity tests use it).
+    """
+
+    def __init__(self, src: HyperSite, exact_exp: bool = False):
+        for k, v in vars(src).items():
+            if not k.startswith("_"):
+                setattr(self, k, v)
+        self.total_iters, self.iters, self.exact_exp = src.iters, 1, exact_exp
+
+    def mixes(self, h, mode):
+        if self.exact_exp:
+            pre, post, comb = super().mixes(h, mode)
+        else:  # the served mixes (HyperSite.mixes) with exp_impl="xla"
+            x = h.reshape(*h.shape[:-2], -1).astype(jnp.float32)
+            rs = jax.lax.rsqrt(mean_square(x, mode) + jnp.float32(self.norm_eps))
+            m = matmul(x, self.fn[...], "...k,mk->...m", jnp.float32, mode) * rs
+            pre, post, comb = sinkhorn_split(m, self.scale[...], self.base[...], self.hc, 1, self.hc_eps, exp_impl="xla")
+        eps = jnp.float32(self.hc_eps)
+
+        def normalise(_, c):
+            c = true_divide(c, sum_in_order(c, -1) + eps)
+            return true_divide(c, sum_in_order(c, -2) + eps)
+
+        return pre, post, jax.lax.fori_loop(0, self.total_iters - 1, normalise, comb)
+
+
 def dense_config(cfg: ModelConfig) -> ModelConfig:
     """The same architecture with plain (unquantized) weights: the training model's skeleton."""
     return cfg.replace(dtype="bf16", expert_dtype=None)
@@ -106,11 +145,13 @@ def _set_child(model, path, new):
         setattr(parent, path[-1], new)
 
 
-def to_training_model(model, formats: dict[str, Format], *, act_quant: bool = True, quant_engram_rows: bool = True):
+def to_training_model(model, formats: dict[str, Format], *, act_quant: bool = True, quant_engram_rows: bool = True,
+                      exact_mhc: bool = False):
     """Swap the modules of a dense-config Transformer for their QAT subclasses (in place).
 
     `formats` (from `params.serving_formats` of the checkpoint config) says which Linears are
-    FP8 when served. Returns the model; every float parameter becomes an fp32 master.
+    FP8 when served. exact_mhc keeps the served SLEEF exp in mHC (bitwise parity with serving;
+    slower to compile). Returns the model; every float parameter becomes an fp32 master.
     """
     for path, m in list(nnx.iter_modules(model)):
         if isinstance(m, Engram) and not isinstance(m, QATEngram):
@@ -118,6 +159,8 @@ def to_training_model(model, formats: dict[str, Format], *, act_quant: bool = Tr
             if formats.get(path_key(path + ("embed",)), Format(FP8_ROWS)).kind != FP8_ROWS:
                 raise ValueError(f"{path_key(path)}: the serving Engram table is not FP8 rows")
             _set_child(model, path, QATEngram(m, table, quant_engram_rows))
+        elif isinstance(m, HyperSite) and not isinstance(m, LoopedHyperSite):
+            _set_child(model, path, LoopedHyperSite(m, exact_mhc))
         elif isinstance(m, Experts) and not isinstance(m, QATExperts):
             served = formats[path_key(path + ("w1",))].kind
             _set_child(model, path, QATExperts(m, act_quant and served in (FP8_WEIGHT, FP4_WEIGHT)))
@@ -132,7 +175,7 @@ def to_training_model(model, formats: dict[str, Format], *, act_quant: bool = Tr
 
 
 def build_training_model(cfg: ModelConfig, formats: dict[str, Format], *, seed: int = 0, act_quant: bool = True,
-                         quant_engram_rows: bool = True, abstract: bool = False):
+                         quant_engram_rows: bool = True, exact_mhc: bool = False, abstract: bool = False):
     """(graphdef, flat fp32 masters) of a freshly initialised training model.
 
     The whole initialisation runs as one compiled program (eager init compiles once per
@@ -144,11 +187,11 @@ def build_training_model(cfg: ModelConfig, formats: dict[str, Format], *, seed: 
 
     def init():
         m = to_training_model(Transformer(dense_config(cfg), rngs=seed), formats, act_quant=act_quant,
-                              quant_engram_rows=quant_engram_rows)
+                              quant_engram_rows=quant_engram_rows, exact_mhc=exact_mhc)
         holder["graphdef"], state = nnx.split(m)
         return flatten_state(state)
 
     shapes = jax.eval_shape(init)
     if abstract:
         return holder["graphdef"], shapes
-    return holder["graphdef"], jax.jit(init)()
+    return holder["graphdef"], jax.jit(init, compiler_options=ONE_SHOT_COMPILE)()

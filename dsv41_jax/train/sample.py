@@ -1,5 +1,6 @@
-"""A small sampler over the served model (prefill, then one token at a time on the cache),
-used by the demo to show that an exported checkpoint generates."""
+"""A small sampler over the served model, used by the demo to show that an exported checkpoint
+generates. The prompt is fed one token at a time too, so the whole run compiles one step
+(a separate prefill shape would double the compile time, which dominates on CPU)."""
 from __future__ import annotations
 
 import jax
@@ -21,9 +22,10 @@ def generate(model, prompt_ids: list[int], max_new: int, *, temperature: float =
     cache = init_cache(cfg, 1)
     rng = np.random.default_rng(seed)
     history = None
-    chunk = np.asarray([prompt_ids], np.int64)
     out: list[int] = []
-    for _ in range(max_new):
+    feed = list(prompt_ids)
+    while len(out) < max_new:
+        chunk = np.asarray([[feed.pop(0)]], np.int64)
         ids = None
         if engram is not None:
             from dsv41_jax.engram_hash import hash_ids, next_history
@@ -32,6 +34,8 @@ def generate(model, prompt_ids: list[int], max_new: int, *, temperature: float =
             ids = jnp.asarray(hash_ids(layout, token_map, chunk, history).astype(np.int32))
             history = next_history(layout, chunk, history)
         logits, cache, _ = step(params, jnp.asarray(chunk, jnp.int32), cache, ids)
+        if feed:
+            continue
         last = np.asarray(jax.device_get(logits[0, -1]), np.float64)
         if temperature > 0:
             p = np.exp((last - last.max()) / temperature)
@@ -41,5 +45,5 @@ def generate(model, prompt_ids: list[int], max_new: int, *, temperature: float =
         out.append(nxt)
         if nxt in stop_ids:
             break
-        chunk = np.asarray([[nxt]], np.int64)
+        feed.append(nxt)
     return out

@@ -9,7 +9,6 @@ State (a dict of flat dicts, so orbax, optax and sharding rules see plain string
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import jax
@@ -24,6 +23,7 @@ from dsv41_jax.train.forward import ForwardOptions, train_forward
 from dsv41_jax.train.lora import apply_lora, init_lora
 from dsv41_jax.train.optim import OptimConfig, make_optimizer, schedule
 from dsv41_jax.train.params import key_path, merge_model
+from dsv41_jax.train.qat_modules import ONE_SHOT_COMPILE
 from dsv41_jax.train.weight_quant import qat_view
 
 # nnx filter for the router bias: selection-only, so it is balanced by a rule, not a gradient
@@ -48,6 +48,8 @@ class TrainConfig:
     kl_positions: int = 8
     replay_prob: float = 0.0
     optim: OptimConfig = field(default_factory=OptimConfig)
+    exact_mhc: bool = False  # served SLEEF exp in mHC (bitwise serving parity, slower compile)
+    fast_compile: bool = False  # XLA without backend optimisation: ~2x faster compile, slower steps
 
     @property
     def lora_scale(self) -> float:
@@ -134,18 +136,31 @@ def train_step_fn(graphdef, formats, cfg: ModelConfig, tcfg: TrainConfig):
         bias = {k: losses.bias_update(b, loads[_layer_of(k)], tcfg.bias_rate) for k, b in state["bias"].items()}
         new = dict(state, step=state["step"] + 1, bias=bias, opt=opt)
         new["lora" if tcfg.lora_rank else "master"] = trainable
-        metrics = dict(metrics, grad_norm=optax.global_norm(grads), lr=schedule(tcfg.optim)(state["step"]))
+        metrics = dict(metrics, grad_norm=optax.tree.norm(grads), lr=schedule(tcfg.optim)(state["step"]))
         return new, metrics
 
     return step
 
 
+_STEP_CACHE: dict = {}
+
+
 def make_train_step(graphdef, formats, cfg: ModelConfig, tcfg: TrainConfig, *, state_shardings=None,
                     batch_sharding=None, donate: bool = True):
-    """The jitted step; with shardings it runs SPMD over their mesh."""
-    kw = {}
-    if state_shardings is not None:
-        kw["in_shardings"] = (state_shardings, batch_sharding)
-        kw["out_shardings"] = (state_shardings, None)
-    return jax.jit(train_step_fn(graphdef, formats, cfg, tcfg), compiler_options=COMPILER_OPTIONS,
-                   donate_argnums=(0,) if donate else (), **kw)
+    """The jitted step; with shardings it runs SPMD over their mesh.
+
+    Steps are cached per (model, formats, configs, layout): a run that is prepared again (e.g.
+    resumed in the same process) reuses the compiled program instead of compiling it anew.
+    """
+    layout = None if state_shardings is None else (tuple(jax.tree_util.tree_flatten_with_path(state_shardings)[0]),
+                                                   batch_sharding)
+    key = (graphdef, tuple(sorted(formats.items())), cfg, tcfg, layout, donate)
+    if key not in _STEP_CACHE:
+        kw = {}
+        if state_shardings is not None:
+            kw["in_shardings"] = (state_shardings, batch_sharding)
+            kw["out_shardings"] = (state_shardings, None)
+        options = dict(COMPILER_OPTIONS, **(ONE_SHOT_COMPILE if tcfg.fast_compile else {}))
+        _STEP_CACHE[key] = jax.jit(train_step_fn(graphdef, formats, cfg, tcfg), compiler_options=options,
+                                   donate_argnums=(0,) if donate else (), **kw)
+    return _STEP_CACHE[key]

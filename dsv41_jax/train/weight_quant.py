@@ -117,7 +117,9 @@ def _per_matrix_pair(fn, w, s):
 @functools.lru_cache(maxsize=None)
 def _jitted(name):
     fns = {"export": export_serving, "import": import_serving}
-    return jax.jit(fns[name], static_argnums=1)
+    from dsv41_jax.train.qat_modules import ONE_SHOT_COMPILE
+
+    return jax.jit(fns[name], static_argnums=1, compiler_options=ONE_SHOT_COMPILE)
 
 
 def export_serving_jit(master: dict, formats: dict[str, Format]) -> dict:
