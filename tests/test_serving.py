@@ -50,26 +50,35 @@ def micro():
             "exact": (ex_logits, ex_cache, ex_aux)}
 
 
-@pytest.fixture(scope="module")
-def decode_step(micro):
-    """The engine's lean one-token step (every layer, gathered compressed rows, in-pool scoring)."""
-    gd = micro["graphdef"]
-
+def _lean_step(gd, packed_index: bool = True):
     @jax.jit
     def step(params, tokens, cache):
         model = nnx.merge(gd, params)
         start = cache["length"]
         h, pre = embed(model, tokens)
-        h, pre, cache, _ = run_layers(model, h, pre, cache, start=start, layers=range(model.cfg.n_layers), lean=True)
+        h, pre, cache, aux = run_layers(model, h, pre, cache, start=start, layers=range(model.cfg.n_layers), lean=True,
+                                        collect_topk=True, packed_index=packed_index)
         cache["length"] = start + tokens.shape[1]
-        return head(model, h, pre, "fast"), cache
+        return head(model, h, pre, "fast"), cache, aux["topk"]
 
     return step
 
 
+@pytest.fixture(scope="module")
+def decode_step(micro):
+    """The engine's lean one-token step (every layer, gathered compressed rows, in-pool scoring,
+    packed fast index scoring)."""
+    step = _lean_step(micro["graphdef"])
+    return lambda params, tokens, cache: step(params, tokens, cache)[:2]
+
+
 # ------------------------------------------------------------------------------- split vs exact
 @pytest.mark.slow
-def test_layer_range_equals_model_forward(micro, decode_step):
+def test_layer_range_equals_model_forward(micro):
+    """Prefill through run_layers and the lean decode step with the reference-rounded index
+    scoring equal model.forward bit for bit; the production lean step (packed fast index
+    scoring) differs only through the index scores, which act only through the top-k and the
+    pool: on this model it picks the same positions, so the step is bitwise equal too."""
     cfg, params = micro["cfg"], micro["params"]
     step = make_step(micro["graphdef"], Runtime())
     logits, cache, _ = step(params, micro["tokens"], buckets.empty_cache(cfg, 2, cfg.max_seq_len))
@@ -77,8 +86,63 @@ def test_layer_range_equals_model_forward(micro, decode_step):
     assert same(logits, ex_logits) and same(cache, ex_cache)
     nxt = micro["tokens"][:, :1]
     ref_logits, ref_cache, _ = step(params, nxt, cache)
-    lean_logits, lean_cache = decode_step(params, nxt, ex_cache)
+    lean_logits, lean_cache, ref_topk = _lean_step(micro["graphdef"], packed_index=False)(params, nxt, ex_cache)
     assert same(ref_logits, lean_logits) and same(ref_cache, lean_cache)
+    fast_logits, fast_cache, fast_topk = _lean_step(micro["graphdef"])(params, nxt, ex_cache)
+    for part in ("compressed", "index_keys", "compressor", "length", "published"):
+        assert same(fast_cache[part], ref_cache[part]), part
+    assert same(fast_topk, ref_topk)
+    assert same(fast_cache["window"], ref_cache["window"])
+    assert same(fast_logits, ref_logits)  # the scores only act through the top-k and pool
+
+
+def test_fast_index_keys_bitwise():
+    """The table decode of packed index keys equals kv_layout's nibble arithmetic for every
+    (byte, E8M0 scale) pair, NaN scale included."""
+    from dsv41_jax import kv_layout
+    from dsv41_jax.serving.fast_index import index_keys_f32
+
+    packed = jnp.asarray(np.tile(np.arange(256, dtype=np.uint8), 256).reshape(256, 4, 64))
+    scales = jnp.asarray(np.repeat(np.arange(256, dtype=np.uint8), 16).reshape(256, 4, 4))
+    keys = kv_layout.IndexKeys(packed, scales)
+    want = np.asarray(kv_layout.dequantize_index_keys(keys))
+    got = np.asarray(jax.jit(index_keys_f32)(keys))
+    assert np.array_equal(want.view(np.uint32), got.view(np.uint32))
+
+
+def test_fast_index_scores_track_the_reference_scoring(micro):
+    """scores_packed (weights folded into the query, fp32 throughout, one bf16 rounding) against
+    Indexer.scores (the reference's bf16 rounding points) and the float64 math: same -inf
+    pattern, error to the float64 scores no larger than the reference-rounded path's plus one
+    bf16 rounding, same top-k on random keys."""
+    from dsv41_jax import kv_layout
+    from dsv41_jax.layers.rope import cos_sin, layer_frequencies
+    from dsv41_jax.serving import fast_index
+    from dsv41_jax.serving.layer_range import decode_index_keys
+
+    cfg = micro["cfg"]
+    ind = micro["model"].layers[cfg.decoder_start].attn.indexer
+    rng = np.random.default_rng(0)
+    B, T, G = 2, 3, 200
+    x = jnp.asarray(rng.normal(size=(B, T, cfg.dim)), jnp.bfloat16)
+    qr = jnp.asarray(rng.normal(size=(B, T, cfg.q_lora_rank)), jnp.bfloat16)
+    keys = kv_layout.quantize_index_keys(jnp.asarray(rng.normal(size=(B, G, cfg.index_head_dim)), jnp.float32))
+    pos = jnp.asarray([[150, 151, 152], [10, 11, 199]], jnp.int32)
+    cos, sin = cos_sin(pos, layer_frequencies(cfg, 1))
+    ref = np.asarray(ind.scores(x, qr, decode_index_keys(keys), cos, sin, pos + 1, "fast"))
+    new = np.asarray(jax.jit(lambda *a: fast_index.scores_packed(ind, *a))(x, qr, keys, cos, sin, pos + 1))
+    q, w = fast_index.query_and_weights(ind, x, qr, cos, sin)
+    dots = np.einsum("bthd,bgd->bthg", np.asarray(q, np.float64), np.asarray(kv_layout.dequantize_index_keys(keys), np.float64))
+    exact = np.sum(np.maximum(dots, 0) * np.asarray(w, np.float64)[..., None], 2)
+    vis = np.arange(G)[None, None] < np.asarray(pos + 1)[..., None]
+    assert np.array_equal(np.isfinite(new), vis) and np.array_equal(np.isfinite(ref), vis)
+    top = float(np.abs(exact[vis]).max())
+    err_new = np.abs(new[vis] - exact[vis]).max() / top
+    err_ref = np.abs(ref[vis] - exact[vis]).max() / top
+    assert err_new <= max(err_ref, 2.0 ** -8)
+    k = 16
+    pick = lambda s: np.sort(np.asarray(jax.lax.top_k(jnp.asarray(s, jnp.float32), k)[1]), -1)
+    assert np.array_equal(pick(new), pick(ref))
 
 
 def test_split_prefill_global_caches_exact(micro):

@@ -149,11 +149,14 @@ def decode_flops_by_role(cfg: ModelConfig, context: int, batch: int = 1, runtime
     return {"flops": total, "embed_head": base, "roles": roles}
 
 
-def indexer_scoring_flops(cfg: ModelConfig, positions: int, batch: int = 1) -> float:
+def indexer_scoring_flops(cfg: ModelConfig, positions: int, batch: int = 1, packed: bool = True) -> float:
     """Cost-analysis FLOPs of one index source scoring `positions` cached keys for one query:
-    the key decode, the FP4 query, the ReLU-weighted head sum and the masking (no top-k)."""
+    key decode, the FP4 query and head weights, the dots, the ReLU-weighted head sum and the
+    masking (no top-k). packed: the lean fast step's `fast_index.scores_packed` (what decode
+    runs); False: `Indexer.scores` on `decode_index_keys` (reference rounding points)."""
     from dsv41_jax import kv_layout
     from dsv41_jax.layers.rope import cos_sin, layer_frequencies
+    from dsv41_jax.serving.fast_index import scores_packed
     from dsv41_jax.serving.layer_range import decode_index_keys
 
     gd, params = abstract_params(cfg)
@@ -164,6 +167,8 @@ def indexer_scoring_flops(cfg: ModelConfig, positions: int, batch: int = 1) -> f
         attn = model.layers[layer].attn
         pos = jnp.zeros((batch, 1), jnp.int32) + positions - 1
         cos, sin = cos_sin(pos, layer_frequencies(cfg, 1))
+        if packed:
+            return scores_packed(attn.indexer, x, qr, keys, cos, sin, pos + 1)
         return attn.indexer.scores(x, qr, decode_index_keys(keys), cos, sin, pos + 1, "fast")
 
     keys = kv_layout.IndexKeys(jax.ShapeDtypeStruct((batch, positions, cfg.index_head_dim // 2), jnp.uint8),

@@ -28,6 +28,7 @@ from dsv41_jax.layers.mhc_site import collapse, expand
 from dsv41_jax.layers.rope import apply_rope, cos_sin, layer_frequencies
 from dsv41_jax.model import _impl, _index_keys_for, _scatter_container, _window_indices, _write_ring
 from dsv41_jax.runtime import Runtime
+from dsv41_jax.serving import fast_index
 from dsv41_jax.sparse_attention import sparse_attention
 
 
@@ -114,7 +115,7 @@ def decode_index_keys(k: kv_layout.IndexKeys) -> jax.Array:
 
 
 def _lean_pool_scores(attn, x, qr, cos, sin, keys_cache: kv_layout.IndexKeys, pool_blocks, block_valid,
-                      block: int, visible, mode):
+                      block: int, visible, mode, packed: bool = False):
     """In-pool Reindex scores over the pool's positions only (decode): [B,T,P] and positions [B,T,P].
 
     Positions come block by block in ascending order, so a top-k over them breaks ties toward
@@ -129,12 +130,17 @@ def _lean_pool_scores(attn, x, qr, cos, sin, keys_cache: kv_layout.IndexKeys, po
     safe = jnp.where(valid, pos, 0)
     b = jnp.arange(B)[:, None, None]
     rows = kv_layout.IndexKeys(keys_cache.packed[b, safe], keys_cache.scales[b, safe])
-    keys = decode_index_keys(rows)  # [B,T,P,Di]
-    P = keys.shape[2]
+    P = rows.packed.shape[2]
     # score one query against its own gathered keys: fold T into the batch
     flat = lambda a: a.reshape(B * T, 1, *a.shape[2:])
-    s = attn.indexer.scores(flat(x), flat(qr), keys.reshape(B * T, P, -1), flat(cos), flat(sin),
-                            jnp.full((B * T, 1), P, jnp.int32), mode).reshape(B, T, P)
+    full = jnp.full((B * T, 1), P, jnp.int32)
+    if packed:
+        rows = kv_layout.IndexKeys(*(a.reshape(B * T, P, -1) for a in rows))
+        s = fast_index.scores_packed(attn.indexer, flat(x), flat(qr), rows, flat(cos), flat(sin), full)
+    else:
+        keys = decode_index_keys(rows)  # [B,T,P,Di]
+        s = attn.indexer.scores(flat(x), flat(qr), keys.reshape(B * T, P, -1), flat(cos), flat(sin), full, mode)
+    s = s.reshape(B, T, P)
     ok = valid & (pos < visible[..., None])
     return jnp.where(ok, s, -jnp.inf), jnp.where(valid, pos, G)
 
@@ -149,9 +155,15 @@ def _lean_select(scores, positions, visible, k: int):
 
 def run_layers(model, h: jax.Array, pre: jax.Array, cache: dict, *, start: jax.Array, layers: range,
                runtime: Runtime = Runtime(), engram_ids: jax.Array | None = None, floor: jax.Array | None = None,
-               write_globals: bool = True, lean: bool = False, collect_topk: bool = False):
+               write_globals: bool = True, lean: bool = False, collect_topk: bool = False,
+               packed_index: bool = True):
     """Run `layers` over a chunk whose first token sits at position start[b]. Returns
     (h, pre, cache, aux) with aux = {"topk": {layer: [B,T,K]}, "pool": mask or None}.
+
+    packed_index (lean fast mode only): score the packed index keys with
+    `fast_index.scores_packed` (head weights folded into the query, no intermediate bf16
+    rounding); False keeps `Indexer.scores`' reference rounding points, and the lean step then
+    equals `model.forward` bit for bit. Exact mode always uses `Indexer.scores`.
 
     The cache's `length` is not touched (callers own it). Mirrors `model.forward`'s layer body.
     """
@@ -165,6 +177,7 @@ def run_layers(model, h: jax.Array, pre: jax.Array, cache: dict, *, start: jax.A
     topk_of: dict[int, jax.Array] = {}
     pool = pool_idx = None
     lean_pool = lean and not runtime.index_k_quirk
+    packed = lean_pool and packed_index and mode == "fast"
     for l in layers:
         block = model.layers[l]
         role = block.role
@@ -199,14 +212,17 @@ def run_layers(model, h: jax.Array, pre: jax.Array, cache: dict, *, start: jax.A
                 G = new_cache["index_keys"][key].packed.shape[1]
                 if role.uses_candidates and lean_pool and pool_idx is not None and width <= P < G:
                     s, cand = _lean_pool_scores(attn, x, qr, cos, sin, new_cache["index_keys"][key], *pool_idx,
-                                                cfg.candidate_block_size, visible, mode)
+                                                cfg.candidate_block_size, visible, mode, packed)
                     sel = _lean_select(s, cand, visible, width)
                 else:
-                    if lean_pool:
-                        keys_bf16 = decode_index_keys(new_cache["index_keys"][key])
+                    if packed:
+                        scores = fast_index.scores_packed(attn.indexer, x, qr, new_cache["index_keys"][key], cos, sin, visible)
                     else:
-                        keys_bf16 = _index_keys_for(cfg, new_cache, role, runtime).astype(jnp.bfloat16)
-                    scores = attn.indexer.scores(x, qr, keys_bf16, cos, sin, visible, mode)
+                        if lean_pool:
+                            keys_bf16 = decode_index_keys(new_cache["index_keys"][key])
+                        else:
+                            keys_bf16 = _index_keys_for(cfg, new_cache, role, runtime).astype(jnp.bfloat16)
+                        scores = attn.indexer.scores(x, qr, keys_bf16, cos, sin, visible, mode)
                     if role.is_candidate_source:
                         pool, block_scores = candidate_pool(scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)
                         if lean_pool:
