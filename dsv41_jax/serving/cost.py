@@ -72,6 +72,26 @@ def check_no_loops(low) -> dict:
             "custom_call": sorted(set(re.findall(r"stablehlo\.custom_call @(\w+)", text)))}
 
 
+def loop_probe() -> dict:
+    """What XLA's cost analysis reports for the same four 8x64x64 matmuls written as a
+    `lax.scan` and unrolled: the loop body is counted once, whatever the trip count. This is
+    why every step accounted here is checked for `stablehlo.while` (`check_no_loops`)."""
+    w = jax.ShapeDtypeStruct((4, 64, 64), jnp.float32)
+    x = jax.ShapeDtypeStruct((8, 64), jnp.float32)
+
+    def scanned(w, x):
+        return jax.lax.scan(lambda h, wi: (h @ wi, None), x, w)[0]
+
+    def unrolled(w, x):
+        for i in range(4):
+            x = x @ w[i]
+        return x
+
+    low = lowered(scanned, w, x)
+    return {"scan": flops_of(low), "unrolled": flops_of(lowered(unrolled, w, x)), "arithmetic": 4 * 2 * 8 * 64 * 64,
+            "scan_hlo": check_no_loops(low)}
+
+
 # ---------------------------------------------------------------------------------- decode
 def decode_fn(graphdef, runtime: Runtime = Runtime(), layers: range | None = None):
     """The engine's lean one-token step, optionally over a slice of layers (for per-role costs)."""
@@ -129,10 +149,15 @@ def decode_flops_by_role(cfg: ModelConfig, context: int, batch: int = 1, runtime
     toks = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
     ids = engram_spec(cfg, batch, 1)
     memo: dict[tuple, float] = {}
+    hlo = {"while": 0, "custom_call": set()}
 
     def cost(layers: tuple[int, ...]) -> float:
         if layers not in memo:
-            memo[layers] = flops_of(lowered(decode_fn(gd, runtime, layers), params, toks, cache, ids))
+            low = lowered(decode_fn(gd, runtime, layers), params, toks, cache, ids)
+            memo[layers] = flops_of(low)
+            seen = check_no_loops(low)
+            hlo["while"] += seen["while"]
+            hlo["custom_call"].update(seen["custom_call"])
         return memo[layers]
 
     base = cost(())
@@ -146,7 +171,8 @@ def decode_flops_by_role(cfg: ModelConfig, context: int, batch: int = 1, runtime
         per_sig[sig]["count"] += 1
         total += per_sig[sig]["flops"]
     roles = [{"signature": "/".join(map(str, k)), **v} for k, v in per_sig.items()]
-    return {"flops": total, "embed_head": base, "roles": roles}
+    return {"flops": total, "embed_head": base, "roles": roles,
+            "hlo": {"while": hlo["while"], "custom_call": sorted(hlo["custom_call"])}}
 
 
 def indexer_scoring_flops(cfg: ModelConfig, positions: int, batch: int = 1, packed: bool = True) -> float:
