@@ -80,3 +80,61 @@ def expf_u10(x: jax.Array) -> jax.Array:
     u = jnp.where(d < -104.0, _f32(0.0), u)
     u = jnp.where(d > 104.0, _f32(jnp.inf), u)
     return jnp.where(jnp.isnan(d), d, u)
+
+
+# ----------------------------------------------------------------------------------- log1p
+# SLEEF 3.6+ ``xlog1pf`` (AVX2 + FMA build, as torch's ``Vectorized<float>::log1p`` calls it):
+# reduce 1 + d to m in [0.75, 1.5) * 2^e, write log(1 + m') = 2 atanh(m / (2 + m)) with a
+# double-float quotient, a degree-2 polynomial in x^2 and double-float accumulation with e ln 2.
+_LN2_HI, _LN2_LO = 0.69314718246459960938, -1.904654323148236017e-09
+_LOG1P_POLY = (0.3027294874, 0.3996108174, 0.6666694880)
+
+
+def _fma64(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
+    """float32 fused multiply-add through float64: the product of two float32 is exact there, so
+    only the final sum rounds (twice, f64 then f32; a tie broken differently needs a 2^-29 event)."""
+    f64 = jnp.float64
+    return (a.astype(f64) * b.astype(f64) + c.astype(f64)).astype(jnp.float32)
+
+
+def log1pf_u10(d: jax.Array) -> jax.Array:
+    """float32 log1p(d) with the rounding of SLEEF's ``xlog1pf`` (needs 64-bit types enabled)."""
+    f32 = jnp.float32
+    d = jnp.asarray(d, f32)
+    one = f32(1.0)
+    dp1 = no_fma(d + one)
+    tiny = dp1 < f32(1.1754943508222875e-38)
+    dp1 = jnp.where(tiny, no_fma(dp1 * f32(2.0 ** 64)), dp1)
+    scaled = no_fma(dp1 * f32(1.0 / 0.75))
+    e = ((jax.lax.bitcast_convert_type(scaled, jnp.int32) >> 23) & 0xFF) - 0x7F
+    t = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(one, jnp.int32) + ((-e) << 23), f32)
+    m = _fma64(d, t, no_fma(t - one))
+    e = jnp.where(tiny, e - 64, e).astype(f32)
+    # s = (ln2_hi, ln2_lo) * e as a double-float
+    s_hi = no_fma(f32(_LN2_HI) * e)
+    s_lo = _fma64(f32(_LN2_LO), e, no_fma(_fma64(f32(_LN2_HI), e, -s_hi)))
+    # x = m / (2 + m) as a double-float
+    den_hi = no_fma(f32(2.0) + m)
+    den_lo = no_fma(no_fma(f32(2.0) - den_hi) + m)
+    rec = one / den_hi
+    x_hi = no_fma(m * rec)
+    u = _fma64(rec, m, -x_hi)
+    v = _fma64(-den_lo, rec, _fma64(-den_hi, rec, one))
+    x_lo = _fma64(x_hi, v, u)
+    x2 = no_fma(x_hi * x_hi)
+    p = f32(_LOG1P_POLY[0])
+    p = _fma64(p, x2, f32(_LOG1P_POLY[1]))
+    p = _fma64(p, x2, f32(_LOG1P_POLY[2]))
+    # s += 2x (|s| >= |2x| branch-free form), then s += x^3 p
+    tx_hi, tx_lo = no_fma(x_hi * f32(2.0)), no_fma(x_lo * f32(2.0))
+    hi = no_fma(s_hi + tx_hi)
+    lo = no_fma(no_fma(no_fma(no_fma(s_hi - hi) + tx_hi) + s_lo) + tx_lo)
+    s_hi, s_lo = hi, lo
+    tail = no_fma(no_fma(x2 * x_hi) * p)
+    hi = no_fma(s_hi + tail)
+    lo = no_fma(no_fma(no_fma(s_hi - hi) + tail) + s_lo)
+    r = no_fma(hi + lo)
+    r = jnp.where(d > f32(1e38), f32(jnp.inf), r)
+    r = jnp.where(d < -one, f32(jnp.nan), r)
+    r = jnp.where(d == -one, f32(-jnp.inf), r)
+    return jnp.where((d == 0) & jnp.signbit(d), f32(-0.0), r)

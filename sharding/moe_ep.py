@@ -52,7 +52,7 @@ def route(moe: MoE, flat: jax.Array, mode: str, forced=None, **route_kwargs):
     route_kwargs pass through to `Gate.route` (e.g. `impose`, the traced switch for forced ids).
     """
     scores = moe.gate.scores(flat, mode)
-    weights, experts = moe.gate.route(scores, forced, **route_kwargs)
+    weights, experts = moe.gate.route(scores, forced, mode=mode, **route_kwargs)
     # slots in ascending expert order: the order in which MoE (and the reference) sums them
     slot_order = jnp.argsort(experts, axis=-1)
     return (scores, weights, experts, jnp.take_along_axis(experts, slot_order, -1),

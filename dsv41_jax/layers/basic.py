@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv41_jax import gemm, quant
+from dsv41_jax.exact_ops import exact_sqrt, no_fma, torch_mean_last, true_divide
 
 
 def round_from_f64(y: jax.Array, dtype) -> jax.Array:
@@ -29,21 +30,27 @@ def matmul(x: jax.Array, w: jax.Array, spec: str, out_dtype, mode: str) -> jax.A
 
 
 def mean_square(x: jax.Array, mode: str = "fast") -> jax.Array:
-    """mean(x^2) over the last axis in fp32; exact mode sums in float64 and rounds once, which
-    matches torch's (accurate, cascaded) fp32 reduction far more often than an fp32 tree sum."""
+    """mean(x^2) over the last axis in fp32 (keepdims). Exact mode squares in fp32 and sums in
+    the order of torch's CPU reduction kernel (`exact_ops.torch_mean_last`), as the oracle did."""
+    xf = x.astype(jnp.float32)
     if mode == "exact":
-        x64 = x.astype(jnp.float64)
-        return (jnp.sum(x64 * x64, -1, keepdims=True) / x.shape[-1]).astype(jnp.float32)
-    return jnp.mean(jnp.square(x.astype(jnp.float32)), axis=-1, keepdims=True)
+        return torch_mean_last(no_fma(xf * xf), keepdims=True)
+    return jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
+
+
+def inv_sqrt(x: jax.Array, mode: str = "fast") -> jax.Array:
+    """1/sqrt(x); exact mode rounds sqrt and the division separately (torch's vectorized rsqrt)."""
+    if mode == "exact":  # the fence stops XLA from rewriting 1/sqrt into its (inexact) rsqrt
+        return true_divide(jnp.ones_like(x), no_fma(exact_sqrt(x)))
+    return jax.lax.rsqrt(x)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, mode: str = "fast") -> jax.Array:
     """RMSNorm computed in fp32, returned in the input dtype (reference RMSNorm)."""
     xf = x.astype(jnp.float32)
-    # fp32 mean in both modes: it matches the oracle's RMSNorm bit for bit on the shared cases,
-    # whereas a float64 mean (right for the mHC statistic, see HyperSite.mixes) does not
-    var = mean_square(xf, "fast")
-    y = xf * jax.lax.rsqrt(var + jnp.float32(eps))
+    y = xf * inv_sqrt(mean_square(xf, mode) + jnp.float32(eps), mode)
+    if mode == "exact":  # two roundings, as torch does: no FMA with the gain multiply
+        y = no_fma(y)
     return (weight.astype(jnp.float32) * y).astype(x.dtype)
 
 

@@ -12,7 +12,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv41_jax import quant
-from dsv41_jax.layers.basic import QLinear, mean_square, weight_kind
+from dsv41_jax.exact_ops import exact_sqrt, no_fma, torch_sum_last
+from dsv41_jax.layers.activations import sigmoid
+from dsv41_jax.layers.basic import QLinear, inv_sqrt, mean_square, weight_kind
 
 
 class Engram(nnx.Module):
@@ -43,7 +45,16 @@ class Engram(nnx.Module):
         w = self.q_weight[...].astype(jnp.float32) * self.k_weight[...].astype(jnp.float32)
         x = h.astype(jnp.float32)
         eps = jnp.float32(self.eps)
-        rstd = jax.lax.rsqrt(mean_square(x)[..., 0] + eps) * jax.lax.rsqrt(mean_square(key)[..., 0] + eps)
-        dot = jnp.sum(x * w * key, -1) * rstd * jnp.float32(self.dim ** -0.5)
-        gate = jax.nn.sigmoid(jnp.copysign(jnp.sqrt(jnp.maximum(jnp.abs(dot), jnp.float32(1e-6))), dot))
-        return (x + gate[..., None] * value[..., None, :]).astype(h.dtype), gate
+        rstd = inv_sqrt(mean_square(x, mode)[..., 0] + eps, mode) * inv_sqrt(mean_square(key, mode)[..., 0] + eps, mode)
+        if mode == "exact":  # torch's summation order and its exp (see exact_ops, sleef_exp)
+            dot = torch_sum_last(no_fma(no_fma(x * w) * key))
+            dot = no_fma(no_fma(dot * rstd) * jnp.float32(self.dim ** -0.5))
+        else:
+            dot = jnp.sum(x * w * key, -1) * rstd * jnp.float32(self.dim ** -0.5)
+        root = jnp.maximum(jnp.abs(dot), jnp.float32(1e-6))
+        root = exact_sqrt(root) if mode == "exact" else jnp.sqrt(root)
+        gate = sigmoid(jnp.copysign(root, dot), mode)
+        inject = gate[..., None] * value[..., None, :]
+        if mode == "exact":
+            inject = no_fma(inject)
+        return (x + inject).astype(h.dtype), gate

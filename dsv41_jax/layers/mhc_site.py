@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv41_jax.exact_ops import no_fma, sum_in_order
-from dsv41_jax.layers.basic import matmul, mean_square
+from dsv41_jax.layers.basic import inv_sqrt, matmul, mean_square
 from dsv41_jax.mhc import sinkhorn_split
 
 
@@ -30,9 +30,9 @@ class HyperSite(nnx.Module):
     def mixes(self, h: jax.Array, mode: str):
         """(pre [B,T,hc], post [B,T,hc], comb [B,T,hc,hc]) from the stream h [B,T,hc,d]."""
         x = h.reshape(*h.shape[:-2], -1).astype(jnp.float32)
-        # fp32 mean in both modes: bit-exact on the oracle's short prefills; a float64 mean fixed one
-        # bf16 flip at L40 but lost that exactness (see tests/README.md)
-        rs = jax.lax.rsqrt(mean_square(x) + jnp.float32(self.norm_eps))
+        # exact mode sums in torch's CPU order: with a float64 or XLA tree mean ~5 % of the
+        # oracle's coefficients were one ulp off, enough to flip bf16 roundings downstream
+        rs = inv_sqrt(mean_square(x, mode) + jnp.float32(self.norm_eps), mode)
         m = matmul(x, self.fn[...], "...k,mk->...m", jnp.float32, mode) * rs
         return sinkhorn_split(m, self.scale[...], self.base[...], self.hc, self.iters, self.hc_eps)
 

@@ -13,22 +13,19 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv41_jax import gemm, quant
-from dsv41_jax.exact_ops import no_fma, true_divide
+from dsv41_jax.exact_ops import exact_sqrt, no_fma, torch_sum_last, true_divide
+from dsv41_jax.layers.activations import sigmoid, silu, softplus
 from dsv41_jax.layers.basic import QLinear, matmul, weight_kind
 
 
-def _softplus_torch(x):
-    """torch's softplus (beta 1, threshold 20): the identity above 20."""
-    return jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
-
-
-def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
+def swiglu(gate: jax.Array, up: jax.Array, limit: float, mode: str = "fast") -> jax.Array:
     """silu(min(gate, L)) * clamp(up, ±L) in fp32 (the clamps come from training)."""
     gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
     if limit > 0:
         up = jnp.clip(up, -limit, limit)
         gate = jnp.minimum(gate, limit)
-    return jax.nn.silu(gate) * up
+    out = silu(gate, mode) * up
+    return no_fma(out) if mode == "exact" else out
 
 
 class Gate(nnx.Module):
@@ -46,10 +43,11 @@ class Gate(nnx.Module):
         if self.score_func == "softmax":
             return jax.nn.softmax(s, axis=-1)
         if self.score_func == "sigmoid":
-            return jax.nn.sigmoid(s)
-        return jnp.sqrt(_softplus_torch(s))
+            return sigmoid(s, mode)
+        sp = softplus(s, mode)
+        return exact_sqrt(sp) if mode == "exact" else jnp.sqrt(sp)
 
-    def route(self, scores, forced=None, impose=True):
+    def route(self, scores, forced=None, impose=True, mode: str = "fast"):
         """(weights [..., k], experts [..., k]) — experts ordered by descending biased score.
 
         forced: optional expert ids that replace the choice where `impose` (a traced bool) holds.
@@ -59,7 +57,8 @@ class Gate(nnx.Module):
             experts = jnp.where(impose, forced.astype(experts.dtype), experts)
         w = jnp.take_along_axis(scores, experts, axis=-1)
         if self.norm_topk_prob and self.cfg_topk > 1:
-            w = true_divide(w, jnp.sum(w, axis=-1, keepdims=True) + jnp.float32(1e-20))
+            total = torch_sum_last(w, keepdims=True) if mode == "exact" else jnp.sum(w, axis=-1, keepdims=True)
+            w = true_divide(w, total + jnp.float32(1e-20))
         return w * jnp.float32(self.route_scale), experts
 
 
@@ -97,7 +96,7 @@ class Experts(nnx.Module):
         def one(xr, e, wr):
             g = lambda a: None if a is None else a[...][e]
             h = swiglu(self._lin(xr[None], g(self.w1), g(self.w1_scale), mode),
-                       self._lin(xr[None], g(self.w3), g(self.w3_scale), mode), self.limit)
+                       self._lin(xr[None], g(self.w3), g(self.w3_scale), mode), self.limit, mode)
             h = no_fma(wr * h).astype(xr.dtype)
             return self._lin(h, g(self.w2), g(self.w2_scale), mode)[0]
 
@@ -138,7 +137,7 @@ class SharedExpert(nnx.Module):
         self.w3 = QLinear(d, f, kind, rngs=rngs, std=1.5 / math.sqrt(d))
 
     def __call__(self, x, mode):
-        h = swiglu(self.w1(x, mode), self.w3(x, mode), self.limit).astype(x.dtype)
+        h = swiglu(self.w1(x, mode), self.w3(x, mode), self.limit, mode).astype(x.dtype)
         return self.w2(h, mode)
 
 
@@ -157,7 +156,7 @@ class MoE(nnx.Module):
         B, T, d = x.shape
         flat = x.reshape(B * T, d)
         scores = self.gate.scores(flat, mode)
-        weights, experts = self.gate.route(scores, None if forced is None else forced.reshape(B * T, -1), impose)
+        weights, experts = self.gate.route(scores, None if forced is None else forced.reshape(B * T, -1), impose, mode)
         k = self.topk
         # the reference adds expert outputs in ascending expert order in fp32; sort slots to match
         slot_order = jnp.argsort(experts, axis=-1)
