@@ -19,8 +19,15 @@ checked against:
 - loops and custom calls: the HLO of every lowering is searched for `stablehlo.while` (cost
   analysis counts a loop body once; `cost.loop_probe` shows it) and custom calls (reported as 0).
 
+- `--golden ROOT`: on every golden config (its weights, fast mode), the production lean step
+  (`fast_index.scores_packed`) against the lean step with the reference-rounded
+  `Indexer.scores` (which equals `model.forward` bitwise), teacher-forced over the tail of the
+  golden stream and of a longer random prompt, each path with its own cache: per index source
+  the top-k overlap and the share of steps with identical top-k, and the logit differences.
+
     python bench/decode.py --json decode.json
     python bench/decode.py --config tiny-noengram --wall --contexts 64,128
+    python bench/decode.py --golden ../shared/golden --no-flops
 """
 from __future__ import annotations
 
@@ -44,6 +51,10 @@ def parse_args(argv=None):
                    help="also report FLOPs with the checkpoint's FP8/FP4 weights (XLA dequantizes them per call)")
     p.add_argument("--wall", action="store_true", help="also time the step with random weights (needs memory for them)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per context with --wall")
+    p.add_argument("--no-flops", action="store_true", help="skip the cost-analysis table")
+    p.add_argument("--golden", metavar="ROOT", help="compare fast and reference-rounded index scoring on the golden configs")
+    p.add_argument("--golden-steps", type=int, default=32, help="teacher-forced decode steps per prompt with --golden")
+    p.add_argument("--random-length", type=int, default=256, help="random prompt length with --golden")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     return p.parse_args(argv)
 
@@ -78,9 +89,98 @@ def wall_time(cfg, context: int, batch: int, steps: int) -> float:
     return (time.perf_counter() - t) / steps
 
 
+def _overlap(a, b) -> float:
+    """Mean over rows of |A & B| / |B| for -1-padded index sets."""
+    import numpy as np
+
+    vals = []
+    for x, y in zip(a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])):
+        sy = set(y[y >= 0].tolist())
+        vals.append(len(set(x[x >= 0].tolist()) & sy) / len(sy) if sy else 1.0)
+    return float(np.mean(vals))
+
+
+def golden_rows(root, steps: int, random_length: int) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from dsv41_jax.golden_data import discover
+    from dsv41_jax.model import COMPILER_OPTIONS
+    from dsv41_jax.serving import split_prefill as sp
+    from dsv41_jax.serving.buckets import capacity_for, empty_cache
+    from dsv41_jax.serving.layer_range import embed, head, run_layers
+
+    rows = []
+    for gc in discover(root):
+        cfg = gc.cfg
+        gd, params = nnx.split(gc.load_model())
+
+        def make(packed):
+            @jax.jit
+            def step(params, tokens, cache, ids):
+                model = nnx.merge(gd, params)
+                start = cache["length"]
+                h, pre = embed(model, tokens)
+                h, pre, cache, aux = run_layers(model, h, pre, cache, start=start, layers=range(cfg.n_layers),
+                                                engram_ids=ids, lean=True, collect_topk=True, packed_index=packed)
+                cache["length"] = start + 1
+                return head(model, h, pre, "fast")[:, -1], cache, aux["topk"]
+
+            return step
+
+        fast, ref = make(True), make(False)
+        prefill = sp.make_exact_prefill(gd)
+        hasher = gc.engram_hasher()
+        stream = max((c for c in gc.cases if c["kind"] == "prefill"), key=lambda c: len(c["tokens"]))["tokens"]
+        prompts = [("golden", np.asarray(stream, np.int64)),
+                   (f"random{random_length}", np.random.default_rng(random_length).integers(0, cfg.vocab_size, random_length))]
+        for label, toks in prompts:
+            n_dec = min(steps, len(toks) - 1)
+            ids = None
+            if hasher is not None:
+                from dsv41_jax.engram_hash import hash_ids
+
+                ids = jnp.asarray(hash_ids(hasher[0], hasher[1], toks[None]).astype(np.int32))
+            cut = lambda a, lo, hi: None if a is None else a[:, lo:hi]
+            t = jnp.asarray(toks[None], jnp.int32)
+            P = len(toks) - n_dec
+            cap = capacity_for(cfg, len(toks), 16, maximum=max(len(toks), cfg.max_seq_len))
+            _, cache, _ = prefill(params, t[:, :P], empty_cache(cfg, 1, cap), cut(ids, 0, P))
+            c_fast = c_ref = cache
+            diffs, argmax_eq, overlap, identical = [], [], {}, {}
+            for i in range(P, len(toks)):
+                lf, c_fast, kf = fast(params, t[:, i:i + 1], c_fast, cut(ids, i, i + 1))
+                lr, c_ref, kr = ref(params, t[:, i:i + 1], c_ref, cut(ids, i, i + 1))
+                lf, lr = np.asarray(lf[0]), np.asarray(lr[0])
+                diffs.append(float(np.max(np.abs(lf - lr)) / np.max(np.abs(lr))))
+                argmax_eq.append(bool(np.argmax(lf) == np.argmax(lr)))
+                for l in cfg.index_source_layers:
+                    a, b = np.asarray(kf[l]), np.asarray(kr[l])
+                    overlap.setdefault(str(l), []).append(_overlap(a, b))
+                    identical.setdefault(str(l), []).append(bool(np.array_equal(a, b)))
+            row = {"config": gc.name, "prompt": label, "length": int(len(toks)), "decode_steps": n_dec,
+                   "max_rel_logit_diff": max(diffs), "mean_rel_logit_diff": float(np.mean(diffs)),
+                   "argmax_agreement": float(np.mean(argmax_eq)),
+                   "topk_overlap_mean": {l: float(np.mean(v)) for l, v in overlap.items()},
+                   "topk_overlap_min": {l: float(np.min(v)) for l, v in overlap.items()},
+                   "topk_identical_steps": {l: float(np.mean(v)) for l, v in identical.items()}}
+            rows.append(row)
+            print(f"  {gc.name} {label}: max rel logit diff {row['max_rel_logit_diff']:.3g}", file=sys.stderr)
+    return rows
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from dsv41_jax.config import ModelConfig
+
+    if args.golden and args.no_flops:
+        out = {"golden": golden_rows(args.golden, args.golden_steps, args.random_length)}
+        print_golden(out["golden"])
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(out, indent=2))
+        return 0
     from dsv41_jax.serving import cost
 
     cfg = ModelConfig.load(args.config)
@@ -146,9 +246,22 @@ def main(argv=None) -> int:
               f"{r['rest_strict_change']:+9.2%} {r['hlo']['while']:>5}" + (f"  wall {r['wall_s'] * 1e3:.2f} ms" if "wall_s" in r else ""))
     for k, v in out["checks"].items():
         print(f"  {k}: {v}")
+    if args.golden:
+        out["golden"] = golden_rows(args.golden, args.golden_steps, args.random_length)
+        print_golden(out["golden"])
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(out, indent=2))
     return 0
+
+
+def print_golden(rows) -> None:
+    print("fast (packed) vs reference-rounded index scoring, lean decode, teacher-forced, golden weights")
+    for r in rows:
+        ov = ", ".join(f"L{l} {r['topk_overlap_mean'][l]:.3f}/{r['topk_overlap_min'][l]:.2f}/{r['topk_identical_steps'][l]:.2f}"
+                       for l in r["topk_overlap_mean"])
+        print(f"  {r['config']:>11} {r['prompt']:>10} N={r['length']:<4} steps {r['decode_steps']:<3} logits max rel diff "
+              f"{r['max_rel_logit_diff']:.2e} (mean {r['mean_rel_logit_diff']:.2e}) argmax {r['argmax_agreement']:.2f} | "
+              f"top-k overlap mean/min/identical-steps {ov}")
 
 
 if __name__ == "__main__":
