@@ -96,6 +96,32 @@ def test_layer_range_equals_model_forward(micro):
     assert same(fast_logits, ref_logits)  # the scores only act through the top-k and pool
 
 
+@pytest.mark.slow
+def test_lean_decode_exact_mode_ignores_packed_index(micro):
+    """Exact mode: the lean step (packed_index left on) equals model.forward's exact step bit for
+    bit, so the fast index scoring never reaches exact-mode numerics."""
+    cfg, params, gd = micro["cfg"], micro["params"], micro["graphdef"]
+    rt = Runtime(mode="exact")
+    with jax.enable_x64(True):
+        step = make_step(gd, rt)
+        _, cache, _ = step(params, micro["tokens"], buckets.empty_cache(cfg, 2, cfg.max_seq_len))
+        nxt = micro["tokens"][:, :1]
+        ref_logits, ref_cache, _ = step(params, nxt, cache)
+
+        @jax.jit
+        def lean(params, tokens, cache):
+            model = nnx.merge(gd, params)
+            start = cache["length"]
+            h, pre = embed(model, tokens)
+            h, pre, cache, _ = run_layers(model, h, pre, cache, start=start, layers=range(cfg.n_layers), runtime=rt,
+                                          lean=True, packed_index=True)
+            cache["length"] = start + tokens.shape[1]
+            return head(model, h, pre, "exact"), cache
+
+        logits, lean_cache = lean(params, nxt, cache)
+    assert same(logits, ref_logits) and same(lean_cache, ref_cache)
+
+
 def test_fast_index_keys_bitwise():
     """The table decode of packed index keys equals kv_layout's nibble arithmetic for every
     (byte, E8M0 scale) pair, NaN scale included."""
