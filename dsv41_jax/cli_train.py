@@ -2,7 +2,18 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+
+
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+
+    return parse
 
 
 def register(subparsers) -> None:
@@ -17,10 +28,10 @@ def register(subparsers) -> None:
     s.add_argument("--lora", type=int, default=0, metavar="RANK", help="train LoRA adapters of this rank instead of all weights")
     s.add_argument("--lora-alpha", type=float, default=0.0)
     s.add_argument("--mesh", help="device mesh, e.g. 'data=2,tensor=4' (default: all devices on data)")
-    s.add_argument("--steps", type=int, default=300)
-    s.add_argument("--batch-size", type=int, default=8)
+    s.add_argument("--steps", type=_positive(int), default=300)
+    s.add_argument("--batch-size", type=_positive(int), default=8)
     s.add_argument("--seq-len", type=int, default=None, help="default: the config's max_seq_len")
-    s.add_argument("--lr", type=float, default=3e-4)
+    s.add_argument("--lr", type=_positive(float), default=3e-4)
     s.add_argument("--warmup", type=int, default=None, help="warmup steps (default: 5%% of --steps)")
     s.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw")
     s.add_argument("--weight-decay", type=float, default=0.1)
@@ -33,20 +44,25 @@ def register(subparsers) -> None:
     s.add_argument("--kl-positions", type=int, default=8)
     s.add_argument("--replay-prob", type=float, default=0.0, help="replay-aware decoder windows with this probability")
     s.add_argument("--ckpt-dir", help="orbax checkpoint folder (resumes from its latest step)")
-    s.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
-    s.add_argument("--save-every", type=int, default=100)
+    s.add_argument("--keep", type=_positive(int), default=3, help="checkpoints to keep")
+    s.add_argument("--save-every", type=_positive(int), default=100)
     s.add_argument("--export", metavar="DIR", help="write the trained model in the served FP8/FP4 formats here")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--log-every", type=int, default=10)
     s.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for the MFU estimate")
     s.add_argument("--no-progress", action="store_true")
+    s.add_argument("--json", action="store_true",
+                   help="print a JSON summary of the run on stdout (logs and progress stay on stderr)")
     s.set_defaults(func=_cmd_train)
 
     d = subparsers.add_parser("demo", help="train a tiny V4.1 with QAT on the stdlib's sources, save, generate")
     d.add_argument("--out", help="output folder (default: a new temporary folder)")
-    d.add_argument("--steps", type=int, default=250)
-    d.add_argument("--time-budget", type=float, default=150.0, help="seconds of training before stopping early")
+    d.add_argument("--steps", type=_positive(int), help="training steps (default: 50)")
+    d.add_argument("--time-budget", type=_positive(float),
+                   help="seconds of training after which to stop early on a slow machine (default: 90)")
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--json", action="store_true",
+                   help="print a JSON summary on stdout (the human-readable report goes to stderr)")
     d.set_defaults(func=_cmd_demo)
 
 
@@ -80,27 +96,51 @@ def _cmd_train(args) -> int:
                                              total_steps=args.steps, weight_decay=args.weight_decay, clip_norm=args.clip,
                                              lr_embed_mult=args.lr_embed_mult, lr_engram_mult=args.lr_engram_mult))
         init = masters_from_checkpoint(args.init_from, serving_formats(cfg), cfg) if args.init_from else None
-    except (ConfigError, ValueError, FileNotFoundError) as e:
+        ckpt = Checkpointer(args.ckpt_dir, keep=args.keep) if args.ckpt_dir else None
+        # bad --mesh, a batch the mesh cannot split, a checkpoint of another model: usage errors
+        run = prepare(cfg, tcfg, mesh_spec=args.mesh, init_master=init, checkpointer=ckpt)
+    except (ConfigError, ValueError, OSError) as e:
         print(f"dsv41 train: {e}", file=sys.stderr)
         return 2
-    ckpt = Checkpointer(args.ckpt_dir, keep=args.keep) if args.ckpt_dir else None
-    run = prepare(cfg, tcfg, mesh_spec=args.mesh, init_master=init, checkpointer=ckpt)
+    start = run.step
     print(f"dsv41 train: {len(docs)} documents -> {rows['tokens'].shape[0]} rows of {seq_len}; mesh "
-          f"{dict(run.mesh.shape)}; starting at step {run.step}", file=sys.stderr)
-    train(run, data, checkpointer=ckpt, save_every=args.save_every, progress=not args.no_progress,
-          log_every=args.log_every, peak_tflops=args.peak_tflops)
+          f"{dict(run.mesh.shape)}; starting at step {start}", file=sys.stderr)
+    history = train(run, data, checkpointer=ckpt, save_every=args.save_every, progress=not args.no_progress,
+                    log_every=args.log_every, peak_tflops=args.peak_tflops)
     if ckpt is not None:
         ckpt.close()
+    out = None
     if args.export:
         out = export_checkpoint(args.export, cfg, run.master(), run.formats)
         print(f"dsv41 train: exported the served FP8/FP4 checkpoint to {out}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"start_step": start, "step": run.step, "documents": len(docs),
+                          "rows": int(rows["tokens"].shape[0]), "seq_len": seq_len, "mesh": dict(run.mesh.shape),
+                          "checkpoint_dir": str(ckpt.directory) if ckpt else None,
+                          "export": str(out) if out else None,
+                          "first": history[0] if history else None, "last": history[-1] if history else None},
+                         indent=1))
     return 0
 
 
 def _cmd_demo(args) -> int:
     from dsv41_jax.train.demo import run_demo
 
-    run_demo(args.out, steps=args.steps, time_budget=args.time_budget, seed=args.seed)
+    kw = {k: v for k, v in (("steps", args.steps), ("time_budget", args.time_budget)) if v is not None}
+    if args.json:
+        kw["print_fn"] = lambda line: print(line, file=sys.stderr)
+    try:
+        summary = run_demo(args.out, seed=args.seed, **kw)
+    except FileExistsError as e:
+        print(f"dsv41 demo: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    # the demo is also CI's end-to-end check: training that does not learn is a failure
+    if not summary["last_ce"] < 0.7 * summary["first_ce"]:
+        print(f"dsv41 demo: the loss did not fall below 70% of its start ({summary['first_ce']:.3f} -> "
+              f"{summary['last_ce']:.3f} nats/byte in {summary['steps']} steps)", file=sys.stderr)
+        return 1
     return 0
 
 

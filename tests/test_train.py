@@ -140,8 +140,9 @@ def _fd_grad(f, x: np.ndarray, eps: float = 1e-3) -> np.ndarray:
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp4", "fp4_stacked"])
 def test_weight_ste_gradient_is_fd_of_unquantized_function(fmt):
-    """d/dw sum(c * x Q(w)^T) through the STE equals the finite differences (float64) of the
-    unquantized sum(c * x w^T), taken at w = Q(w)."""
+    """d/dw sum(c * tanh(x Q(w)^T)) through the STE equals the finite differences (float64)
+    of the unquantized sum(c * tanh(x w^T)), taken at w = Q(w). (Nonlinear, so the gradient
+    depends on where it is taken: at w instead of Q(w) it would differ.)"""
     rng = np.random.default_rng(0)
     shape = {"fp8": (40, 64), "fp4": (8, 64), "fp4_stacked": (2, 4, 32)}[fmt]
     w = rng.normal(size=shape).astype(np.float32)
@@ -150,28 +151,44 @@ def test_weight_ste_gradient_is_fd_of_unquantized_function(fmt):
     ste = W.ste_fp8_weight if fmt == "fp8" else W.ste_fp4_weight
     values = W.fake_fp8_weight_values if fmt == "fp8" else W.fake_fp4_weight_values
     spec = "bk,...nk->b...n"
-    g = jax.grad(lambda w_: jnp.sum(c * jnp.einsum(spec, x, ste(w_), precision="highest")))(jnp.asarray(w))
+    x = x / 4  # keep tanh away from saturation
+    g = jax.grad(lambda w_: jnp.sum(c * jnp.tanh(jnp.einsum(spec, x, ste(w_), precision="highest"))))(jnp.asarray(w))
     wq = np.asarray(values(jnp.asarray(w)), np.float64)
     assert not np.array_equal(wq, w)  # the forward did quantize
-    fd = _fd_grad(lambda w_: float(np.sum(c * np.einsum(spec, x.astype(np.float64), w_))), wq)
+
+    def unquantized(w_):
+        return float(np.sum(c * np.tanh(np.einsum(spec, x.astype(np.float64), w_))))
+
+    fd = _fd_grad(unquantized, wq)
     np.testing.assert_allclose(np.asarray(g), fd, rtol=1e-4, atol=1e-4)
+    at_w = _fd_grad(unquantized, w.astype(np.float64))  # the gradient at the unquantized point
+    assert np.max(np.abs(at_w - fd)) > 100 * np.max(np.abs(np.asarray(g) - fd))
 
 
 @pytest.mark.parametrize("which", ["fp8_act", "fp4_kv", "fp4_mx", "qat_linear"])
 def test_activation_ste_gradient_is_fd_of_unquantized_function(which):
     """The activation/KV fake-quants of the forward pass the gradient of the unquantized
-    function at the quantized point: for y = Q(x) @ w^T, dL/dx = FD of x' -> c . (x' w^T)."""
+    function at the quantized point: for L = c . tanh(Q(x) w^T), dL/dx = FD of
+    x' -> c . tanh(x' w^T) at x' = Q(x)."""
     rng = np.random.default_rng(1)
     x = rng.normal(size=(2, 64)).astype(np.float32)
     w = rng.normal(size=(5, 64)).astype(np.float32)
     c = rng.normal(size=(2, 5)).astype(np.float32)
     fake = {"fp8_act": lambda a: quant.fake_fp8_act(a, 32), "fp4_kv": lambda a: quant.fake_fp4_kv(a, 16),
             "fp4_mx": lambda a: quant.fake_fp4_mx(a, 32), "qat_linear": Q.fake_act}[which]
-    g = jax.grad(lambda a: jnp.sum(c * (fake(a) @ jnp.asarray(w).T)))(jnp.asarray(x))
+    w = w / 4
+    g = jax.grad(lambda a: jnp.sum(c * jnp.tanh(jnp.matmul(fake(a), jnp.asarray(w).T, precision="highest"))))(
+        jnp.asarray(x))
     xq = np.asarray(fake(jnp.asarray(x)), np.float64)
     assert not np.array_equal(xq, x)
-    fd = _fd_grad(lambda a: float(np.sum(c * (a @ w.astype(np.float64).T))), xq)
+
+    def unquantized(a):
+        return float(np.sum(c * np.tanh(a @ w.astype(np.float64).T)))
+
+    fd = _fd_grad(unquantized, xq)
     np.testing.assert_allclose(np.asarray(g), fd, rtol=1e-4, atol=1e-4)
+    at_x = _fd_grad(unquantized, x.astype(np.float64))
+    assert np.max(np.abs(at_x - fd)) > 10 * np.max(np.abs(np.asarray(g) - fd))
 
 
 def test_qat_matmul_gradient_uses_quantized_operands():
@@ -246,6 +263,32 @@ def test_bias_sign_rule_moves_skewed_load_toward_balance():
     assert float(bias[0]) < 0 < float(bias[7])
 
 
+@pytest.mark.slow
+def test_train_step_bias_update_balances_skewed_routing():
+    """The real train step: router biases skewed so that experts 0 and 1 win every token of
+    every MoE layer (load max/mean = E/k = 2). With the optimizer effectively off (lr 1e-12),
+    the step's sign-rule bias update alone brings the measured load back toward balance, and
+    moves each bias against its expert's load."""
+    cfg = micro_config(T, n_layers=2, compress_ratios=(2, 1), kv_source_layers=(0, 1), index_source_layers=(0, 1),
+                       candidate_source_layer=1)
+    data = packed_data(T, 8)
+    tcfg = TrainConfig(seq_len=T, batch_size=8, steps=16, seed=0, fast_compile=True, bias_rate=0.25,
+                       optim=OptimConfig(lr=1e-12, warmup_steps=1, total_steps=16))
+    run = prepare(cfg, tcfg, mesh_spec="data=1")
+    E = cfg.n_routed_experts
+    skew = jnp.zeros(E, jnp.float32).at[:2].set(3.0)  # larger than the spread of the gate scores
+    assert run.state["bias"] and all(v.shape == (E,) for v in run.state["bias"].values())
+    skewed = {k: v + skew for k, v in run.state["bias"].items()}
+    run.state = dict(run.state, bias=jax.device_put(skewed, run.state_shardings["bias"]))
+    hist = train(run, data, progress=False, log_every=0)
+    imbalance = [h["load_imbalance"] for h in hist]
+    assert imbalance[0] > 1.95  # experts 0 and 1 take (almost) everything
+    assert np.mean(imbalance[-4:]) < 0.75 * imbalance[0], imbalance
+    for k, b in jax.device_get(run.state["bias"]).items():
+        moved = np.asarray(b) - np.asarray(skew)
+        assert np.all(moved[:2] < 0) and np.all(moved[2:] > 0), (k, moved)  # the loaded went down
+
+
 def test_sequence_balance_loss_is_minimal_for_uniform_routing():
     """f_i P_i summed: 1 for perfectly uniform scores and routing, larger when skewed."""
     B, T, E, k = 1, 8, 4, 2
@@ -295,22 +338,58 @@ def test_resume_is_bitwise_and_bias_follows_the_sign_rule(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.slow
-def test_loss_falls_below_70_percent_within_300_steps():
-    """Tiny config on CPU: the mean CE of the last 10 steps drops below 70% of the first 10."""
+@pytest.fixture(scope="module")
+def trained_run():
+    """The micro config QAT-trained on packed data until the CE of the last 10 steps is below
+    70% of the first 10, or 300 steps: (run, per-step metrics, the initial masters)."""
     cfg = micro_config(T)
     data = packed_data(T, 8)
     tcfg = _tcfg(steps=300)
     run = prepare(cfg, tcfg, mesh_spec="data=1")
+    init = jax.device_get(run.master())  # a host copy: the step donates the state's buffers
     hist = train(run, data, steps=20, progress=False, log_every=0)
     first = np.mean([h["ce"] for h in hist[:10]])
     while run.step < 300:
-        hist += train(run, data, steps=run.step + 10, progress=False, log_every=0)
         if np.mean([h["ce"] for h in hist[-10:]]) < 0.7 * first:
             break
+        hist += train(run, data, steps=run.step + 10, progress=False, log_every=0)
+    return run, hist, init
+
+
+@pytest.mark.slow
+def test_loss_falls_below_70_percent_within_300_steps(trained_run):
+    """Tiny config on CPU: the mean CE of the last 10 steps drops below 70% of the first 10."""
+    run, hist, _ = trained_run
+    first = np.mean([h["ce"] for h in hist[:10]])
     last = np.mean([h["ce"] for h in hist[-10:]])
+    assert run.step <= 300 and len(hist) == run.step
     assert last < 0.7 * first, (first, last, run.step)
     assert all(np.isfinite(h["loss"]) for h in hist)
+
+
+@pytest.mark.slow
+def test_trained_model_exports_and_serves_its_logits(trained_run, tmp_path):
+    """The masters of a real training run, exported to the FP8/FP4 checkpoint folder and loaded
+    by the serving path, give the QAT forward's logits bit for bit (mHC with the served exp);
+    the training graph's looped mHC with XLA's exp stays within float rounding of them; and
+    the logits are not the untrained model's."""
+    from flax import nnx
+
+    run, _, init = trained_run
+    cfg, formats = run.cfg, run.formats
+    trained = run.master()
+    tokens, positions, ids = _unpacked_rows(cfg)
+    folder = export_checkpoint(tmp_path / "served", cfg, trained, formats)
+    _, loaded = load_exported(folder, cfg)
+    served = make_step(nnx.split(loaded)[0])(nnx.split(loaded)[1], tokens, init_cache(cfg, 2), ids)[0]
+
+    exact_graph, _ = Q.build_training_model(cfg, formats, exact_mhc=True, abstract=True)
+    qat = _qat_logits_fn(cfg, formats, exact_graph)
+    np.testing.assert_array_equal(np.asarray(qat(trained, tokens, positions, ids)), np.asarray(served))
+    as_trained = np.asarray(_qat_logits_fn(cfg, formats, run.graphdef)(trained, tokens, positions, ids))
+    served = np.asarray(served)
+    assert max_abs_diff(as_trained, served) < 2e-2 * np.max(np.abs(served)), max_abs_diff(as_trained, served)
+    assert max_abs_diff(qat(init, tokens, positions, ids), served) > 0.1
 
 
 def test_looped_mhc_site_matches_served_site():
