@@ -12,6 +12,12 @@ CPU run times the XLA path only unless --interpret is given. --quick uses tiny s
 test that finishes in seconds). Inputs are random bytes in the cache / weight formats (not
 quantized real values): timing does not depend on the values, and random bytes let 1M-token
 caches be made quickly. Every number printed comes from this run; nothing is estimated.
+
+Not yet measured on hardware: no H200 (or any GPU/TPU) was available to the sessions that wrote
+and wired the kernels, so there is no device table yet (docs/PERFORMANCE.md is to receive it; the
+issue-3 targets are sparse decode attention >= 60 % of the roof at B=64 and faster than XLA at
+every batch, the expert GEMM >= 50 % of the roof at B=64). Run `python bench/kernels.py --json
+kernels.json` on the device (a few device-minutes) and record the table.
 """
 from __future__ import annotations
 

@@ -185,3 +185,32 @@ def compressed_bytes(c: CompressedKV) -> tuple[jax.Array, jax.Array]:
 def index_key_bytes(k: IndexKeys) -> tuple[jax.Array, jax.Array]:
     """Kernel (GPU) view: (packed FP4 uint8 [..., Di/2], E8M0 scales uint8 [..., Di/32])."""
     return k.packed, k.scales
+
+
+# ----------------------------------------------------------------------------- container helpers
+# Row-level operations on the containers above, used when the model hands caches to the kernels
+# (which read quantized rows, never dequantized copies). They act on every array of a container
+# alike, so they commute with dequantization: dequantize(op(c)) == op(dequantize(c)).
+
+
+def concat_rows(a, b):
+    """Containers of the same type joined along the row axis (axis 1): [B, Na + Nb, ...]."""
+    if type(a) is not type(b):
+        raise TypeError(f"concat_rows: containers differ: {type(a).__name__} vs {type(b).__name__}")
+    return type(a)(*(jnp.concatenate([x, y.astype(x.dtype)], axis=1) for x, y in zip(a, b)))
+
+
+def resize_rows(c, n: int):
+    """The first n rows of a container, zero rows appended when it has fewer (zero bytes decode to 0)."""
+    def one(x):
+        have = x.shape[1]
+        if have >= n:
+            return x[:, :n]
+        return jnp.pad(x, [(0, 0), (0, n - have)] + [(0, 0)] * (x.ndim - 2))
+
+    return type(c)(*(one(x) for x in c))
+
+
+def where_batch(pred: jax.Array, a, b):
+    """Per batch entry (pred [B] bool): rows of container a where pred, else of b."""
+    return type(a)(*(jnp.where(pred.reshape((-1,) + (1,) * (x.ndim - 1)), x, y) for x, y in zip(a, b)))

@@ -21,7 +21,7 @@ from dsv41_jax.config import ModelConfig
 from dsv41_jax.layers.attention import Attention
 from dsv41_jax.layers.basic import KeyStream, RMSNorm, matmul
 from dsv41_jax.layers.engram import Engram
-from dsv41_jax.layers.indexer import candidate_pool, select_topk
+from dsv41_jax.layers.indexer import candidate_pool, index_key_container, select_topk
 from dsv41_jax.layers.mhc_site import HyperSite, collapse, expand
 from dsv41_jax.layers.moe import MoE
 from dsv41_jax.layers.rope import cos_sin, layer_frequencies
@@ -206,6 +206,7 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
         keys = jnp.concatenate([kv_layout.dequantize_window(ring), kv_layout.dequantize_window(win_new)], 1)
         idx = _window_indices(start, T, W)
         new_cache["window"][l] = _write_ring(ring, win_new, start, W)
+        win_idx, comp_kv, comp_sel = idx, None, None  # what the attention kernel reads (impl="pallas")
 
         if role.ratio:
             m, src = role.ratio, role.kv_source
@@ -232,8 +233,13 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
                     if attn.indexer is not None:
                         trace[f"layer{l}.index_k_entries"] = kv_layout.dequantize_index_keys(new_cache["index_keys"][key])
             if role.is_index_source:
-                keys_bf16 = _index_keys_for(cfg, new_cache, role, runtime).astype(jnp.bfloat16)
-                scores = attn.indexer.scores(x, qr, keys_bf16, cos, sin, visible, mode)
+                if runtime.kernel_mode() is not None:
+                    ikeys = index_key_container(cfg, new_cache, role, runtime.index_k_quirk)
+                    scores = attn.indexer.scores_pallas(x, qr, ikeys, cos, sin, visible, runtime,
+                                                        pool if role.uses_candidates else None)
+                else:
+                    keys_bf16 = _index_keys_for(cfg, new_cache, role, runtime).astype(jnp.bfloat16)
+                    scores = attn.indexer.scores(x, qr, keys_bf16, cos, sin, visible, mode)
                 if role.is_candidate_source:
                     pool, block_scores = candidate_pool(scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)
                     if collect:
@@ -251,12 +257,17 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
                     trace[f"layer{l}.index_score"] = scores
             sel = topk_of[role.index_source]
             aux["topk"][l] = sel
+            comp_kv, comp_sel = new_cache["compressed"][key], sel
             comp = kv_layout.dequantize_compressed(new_cache["compressed"][key]).astype(keys.dtype)
             off = keys.shape[1]
             keys = jnp.concatenate([keys, comp], 1)
             idx = jnp.concatenate([idx, jnp.where(sel >= 0, sel + off, -1)], -1)
 
-        o = sparse_attention(q, keys.astype(q.dtype), attn.attn_sink[...], idx, cfg.head_dim ** -0.5, mode=mode)
+        if runtime.kernel_mode() is not None:
+            o = attn.attend_pallas(q, kv_layout.concat_rows(ring, win_new), win_idx, comp_kv, comp_sel,
+                                   cfg.head_dim ** -0.5, runtime)
+        else:
+            o = sparse_attention(q, keys.astype(q.dtype), attn.attn_sink[...], idx, cfg.head_dim ** -0.5, mode=mode)
         a_out = attn.output(o, cos, sin, mode)
         h = expand(a_out, h, a_post, a_comb)
         if collect:

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import jax
+
 
 @dataclass(frozen=True)
 class Runtime:
@@ -11,17 +13,45 @@ class Runtime:
 
     mode: "fast" accumulates dots in fp32 (production); "exact" computes every dot in float64
       and rounds once, mirroring the golden oracle (needs `jax.enable_x64(True)`).
-    impl: "xla" plain jnp, "pallas" the kernels in `pallas_kernels/`, "auto" picks per backend.
+    impl: "xla" plain jnp, "pallas" the kernels in `pallas_kernels/` (sparse sink attention, the
+      indexer scores and the routed-expert GEMMs), "auto" the kernels on TPU/GPU and plain jnp on CPU.
     index_k_quirk: reproduce the reference's index-key publishing bug (SPEC §6); False = intended.
+    interpret: run the Pallas kernels in the Pallas interpreter. None (default): exactly when the
+      default backend is the CPU, so impl="pallas" works everywhere.
+
+    Exact mode with impl="pallas": the interpreted kernels accumulate in float64 at the oracle's
+    rounding points (pallas_kernels/README.md, "Exact mode"); compiled kernels (interpret False)
+    cannot compute in float64, so exact mode then runs the attention and indexer references.
     """
 
     mode: Literal["fast", "exact"] = "fast"
     impl: Literal["xla", "pallas", "auto"] = "xla"
     index_k_quirk: bool = False
-    interpret: bool = False  # run Pallas kernels in interpret mode (CPU)
+    interpret: bool | None = None
 
     def __post_init__(self):
         if self.mode not in ("fast", "exact"):
             raise ValueError(f"Runtime.mode must be 'fast' or 'exact', got {self.mode!r}")
         if self.impl not in ("xla", "pallas", "auto"):
             raise ValueError(f"Runtime.impl must be 'xla', 'pallas' or 'auto', got {self.impl!r}")
+        if self.interpret not in (None, True, False):
+            raise ValueError(f"Runtime.interpret must be None, True or False, got {self.interpret!r}")
+
+    def resolved_impl(self) -> str:
+        """"xla" or "pallas": what impl="auto" means on this backend."""
+        if self.impl == "auto":
+            return "pallas" if jax.default_backend() in ("tpu", "gpu") else "xla"
+        return self.impl
+
+    def resolved_interpret(self) -> bool:
+        """Whether the kernels run interpreted (None: on the CPU backend)."""
+        return jax.default_backend() == "cpu" if self.interpret is None else bool(self.interpret)
+
+    def kernel_mode(self) -> str | None:
+        """The numerics a Pallas kernel of the attention/indexer path should run, or None when that
+        path must use its jnp reference (exact mode needs the interpreter's float64)."""
+        if self.resolved_impl() != "pallas":
+            return None
+        if self.mode == "exact" and not self.resolved_interpret():
+            return None
+        return self.mode

@@ -48,6 +48,24 @@ class Attention(nnx.Module):
         kv = self.kv_norm(self.wkv(x, mode), mode)
         return apply_rope(kv, cos, sin, self.rope_dim)
 
+    def attend_pallas(self, q, window, window_idx, compressed, compressed_idx, scale, runtime):
+        """Sparse sink attention through the Pallas kernel (impl="pallas"), reading the quantized caches.
+
+        window: kv_layout.WindowKV [B, W + T, D], the ring followed by this chunk's entries (what
+        window_idx points into); compressed: kv_layout.CompressedKV [B, G, D] or None, with
+        compressed_idx [B, T, K] (-1 = empty). Same math as the xla path's `sparse_attention` over
+        the dequantized rows (window slots first): bit-exact in exact mode (interpreted, float64),
+        f32-rounding close in fast mode. Gradients reach q and the sink through the kernel's
+        custom_vjp (the jnp reference's VJP).
+        """
+        from pallas_kernels import sparse_sink_attention  # the kernels are an optional dependency
+
+        mode = runtime.kernel_mode()
+        if mode is None:
+            raise ValueError(f"attend_pallas: {runtime} does not run the attention kernel")
+        return sparse_sink_attention(q, window, compressed, window_idx, compressed_idx, self.attn_sink[...], scale,
+                                     impl="pallas", interpret=runtime.resolved_interpret(), mode=mode)
+
     def output(self, o, cos, sin, mode):
         """Undo the query rotation on the output, then the grouped o-LoRA and wo_b."""
         B, T = o.shape[:2]

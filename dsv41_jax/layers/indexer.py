@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv41_jax import quant
-from dsv41_jax.exact_ops import no_fma, torch_sum_axis
+from dsv41_jax import kv_layout, quant
+from dsv41_jax.exact_ops import no_fma
 from dsv41_jax.layers.basic import QLinear, RMSNorm, matmul, weight_kind
 from dsv41_jax.layers.rope import apply_rope
 
@@ -44,12 +44,48 @@ class Indexer(nnx.Module):
         # the bf16 rounding of each head's product is a reference rounding point; the fence keeps
         # XLA from computing product and sum in one fp32 pass
         s = no_fma(jax.nn.relu(s) * w[..., None])
-        s = s.astype(jnp.float32)
-        # the head sum runs over a strided axis in torch: in order, folded in levels of 16
-        s = (torch_sum_axis(s, 2) if mode == "exact" else jnp.sum(s, axis=2)).astype(jnp.bfloat16)
+        s = jnp.sum(s.astype(jnp.float32), axis=2).astype(jnp.bfloat16)
         G = keys_bf16.shape[1]
         vis = jnp.arange(G)[None, None] < visible_len[..., None]
         return jnp.where(vis, s.astype(jnp.float32), -jnp.inf)
+
+
+    def scores_pallas(self, x, qr, keys: kv_layout.IndexKeys, cos, sin, visible_len, runtime, pool=None) -> jax.Array:
+        """`scores` through the Pallas indexer kernel (impl="pallas"), reading the MXFP4 index-key cache.
+
+        The queries are quantized here (the codes `quant.fake_fp4_mx` rounds to in `scores`) and
+        dequantized in the kernel; the kernel rounds at the same bf16 points (dot, weighted term,
+        head sum). pool: optional bool [B, T, G] candidate pool, applied in the kernel (-inf outside).
+        Exact mode (interpreted) computes the dots in float64 like `matmul(..., "exact")`.
+        """
+        from pallas_kernels import indexer_scores  # the kernels are an optional dependency
+
+        mode = runtime.kernel_mode()
+        if mode is None:
+            raise ValueError(f"scores_pallas: {runtime} does not run the indexer kernel")
+        B, T, _ = x.shape
+        q = self.wq_b(qr, mode).reshape(B, T, self.n_heads, self.head_dim)
+        q_packed, q_scale = quant.quant_fp4_mx(apply_rope(q, cos, sin, self.rope_dim), 32)
+        w = self.weights_proj(x, mode)
+        w = (w.astype(jnp.float32) * jnp.float32(self.head_dim ** -0.5 * self.n_heads ** -0.5)).astype(jnp.bfloat16)
+        return indexer_scores(q_packed, q_scale, keys, w.astype(jnp.float32), visible_len.astype(jnp.int32), pool,
+                              bf16_rounding=True, impl="pallas", interpret=runtime.resolved_interpret(), mode=mode)
+
+
+def index_key_container(cfg, cache: dict, role, quirk: bool) -> kv_layout.IndexKeys:
+    """The quantized index keys an index source scores: the container-level twin of the model's
+    `_index_keys_for` (same selection, before dequantization; the two commute)."""
+    own = cache["index_keys"][f"layer{role.kv_source}"]
+    if not quirk:
+        return own
+    G = own.packed.shape[1]
+    out = own
+    for s in cfg.index_kv_sources:
+        if s == role.kv_source:
+            continue
+        other = kv_layout.resize_rows(cache["index_keys"][f"layer{s}"], G)
+        out = kv_layout.where_batch(cache["published"] == s, other, out)
+    return out
 
 
 def candidate_pool(scores: jax.Array, visible_len: jax.Array, n_blocks: int, block: int):

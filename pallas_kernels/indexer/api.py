@@ -48,6 +48,7 @@ def indexer_scores(
     impl: str = "auto",
     interpret: bool | None = None,
     platform: str | None = None,
+    mode: str = "fast",
 ) -> jax.Array:
     """I[b, s, g] = sum_h weights[b,s,h] * ReLU(q[b,s,h] . k[b,g]) as f32 [B, S, G] (SPEC §3).
 
@@ -56,16 +57,26 @@ def indexer_scores(
     compress_len int32 [B, S]: entry g is visible iff g < compress_len; pool_mask bool [B, S, G]
     or None. Invisible or out-of-pool entries are -inf. bf16_rounding: round at the reference's
     bf16 storage points (see reference.py). impl / interpret / platform: as in
-    `sparse_sink_attention`.
+    `sparse_sink_attention`. mode: "fast" (f32 dots) or "exact" (float64 dots rounded once through
+    f32, the model's exact mode; implies bf16_rounding; with a kernel it needs the TPU kernel in
+    interpret mode, as float64 cannot be compiled for TPU or Triton).
     """
+    if mode not in ("fast", "exact"):
+        raise ValueError(f"indexer_scores: mode must be 'fast' or 'exact', got {mode!r}")
     _validate(q_packed, q_scale, keys, weights, compress_len, pool_mask)
     choice = resolve(impl, interpret, platform)
+    exact = mode == "exact"
+    bf16_rounding = bf16_rounding or exact
     if choice.kind == "xla":
         return indexer_scores_reference(q_packed, q_scale, keys, weights, compress_len, pool_mask,
-                                        bf16_rounding=bf16_rounding)
+                                        bf16_rounding=bf16_rounding, exact=exact)
+    if exact and (choice.kind != "tpu" or not choice.interpret):
+        raise ValueError("indexer_scores(mode='exact') with a kernel needs platform='tpu' (the default on CPU) and "
+                         f"interpret=True, got platform={choice.kind!r}, interpret={choice.interpret}")
     if choice.kind == "tpu":
         from pallas_kernels.indexer.tpu import indexer_scores_tpu as kernel
     else:
         from pallas_kernels.indexer.gpu import indexer_scores_gpu as kernel
+    extra = {"exact": True} if exact else {}
     return kernel(q_packed, q_scale, keys, weights, compress_len, pool_mask, bf16_rounding=bf16_rounding,
-                  interpret=choice.interpret)
+                  interpret=choice.interpret, **extra)

@@ -27,18 +27,30 @@ def visibility_mask(compress_len: jax.Array, pool_mask: jax.Array | None, n_keys
     return visible if pool_mask is None else visible & pool_mask
 
 
-def indexer_scores_reference(q_packed, q_scale, keys, weights, compress_len, pool_mask=None, *, bf16_rounding=False):
-    """scores [B, S, G] f32; see `pallas_kernels.indexer_scores` for the contract."""
-    # MXFP4 values are exact in bf16; products are exact and accumulate in f32
+def indexer_scores_reference(q_packed, q_scale, keys, weights, compress_len, pool_mask=None, *, bf16_rounding=False,
+                             exact=False):
+    """scores [B, S, G] f32; see `pallas_kernels.indexer_scores` for the contract.
+
+    exact: dots in float64, rounded once to f32 (then to bf16 with bf16_rounding)."""
+    # MXFP4 values are exact in bf16; products are exact and accumulate in f32 (float64 if exact)
     q = quant.dequant_fp4_mx(q_packed, q_scale, 32).astype(jnp.bfloat16)  # [B, S, Hi, Di]
     k = kv_layout.dequantize_index_keys(keys).astype(jnp.bfloat16)  # [B, G, Di]
-    dots = jnp.einsum("bshd,bgd->bshg", q, k, preferred_element_type=jnp.float32)
+    if exact:
+        dots = jnp.einsum("bshd,bgd->bshg", q.astype(jnp.float64), k.astype(jnp.float64),
+                          precision=jax.lax.Precision.HIGHEST).astype(jnp.float32)
+    else:
+        dots = jnp.einsum("bshd,bgd->bshg", q, k, preferred_element_type=jnp.float32)
     if bf16_rounding:
         dots = _round_bf16(dots)
     terms = jax.nn.relu(dots) * weights.astype(jnp.float32)[..., None]
     if bf16_rounding:
         terms = _round_bf16(terms)
-    scores = jnp.sum(terms, axis=2)
+    if exact:  # a fixed order (from zero, heads in order), the exact kernel's and torch's for <= 16 heads
+        scores = jnp.zeros(terms.shape[:2] + terms.shape[3:], jnp.float32)
+        for h in range(terms.shape[2]):
+            scores = scores + terms[:, :, h]
+    else:
+        scores = jnp.sum(terms, axis=2)
     if bf16_rounding:
         scores = _round_bf16(scores)
     return jnp.where(visibility_mask(compress_len, pool_mask, k.shape[1]), scores, -jnp.inf)

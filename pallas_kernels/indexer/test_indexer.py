@@ -150,3 +150,21 @@ def test_random_shape_sweep(platform, seed):
     qp, qs, keys, w, clen, pool = _inputs(rng, **shape)
     out = indexer_scores(qp, qs, keys, w, clen, pool, impl="pallas", interpret=True, platform=platform)
     _assert_scores(out, _oracle(qp, qs, keys, w, clen, pool), 1e-5)
+
+
+def test_exact_mode_is_bit_identical_to_the_reference():
+    """mode="exact" (interpreted TPU kernel): float64 dots rounded once, then the bf16 rounding points;
+    bit for bit the reference's exact mode, with and without a pool, at extreme scales too."""
+    with jax.enable_x64(True):
+        for seed, magnitude in ((7, 1.0), (8, [1e-6, 1e6])):
+            qp, qs, keys, w, clen, pool = _inputs(np.random.default_rng(seed), **SHAPE, magnitude=magnitude)
+            for pm in (None, pool):
+                got = indexer_scores(qp, qs, keys, w, clen, pm, impl="pallas", interpret=True, mode="exact")
+                ref = indexer_scores_reference(qp, qs, keys, w, clen, pm, bf16_rounding=True, exact=True)
+                np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+
+
+def test_exact_mode_needs_the_interpreted_tpu_kernel():
+    qp, qs, keys, w, clen, pool = _inputs(np.random.default_rng(9), **SHAPE)
+    with pytest.raises(ValueError, match="exact"):
+        indexer_scores(qp, qs, keys, w, clen, pool, impl="pallas", interpret=True, platform="gpu", mode="exact")

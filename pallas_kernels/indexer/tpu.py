@@ -5,6 +5,9 @@ Grid (batch, query tile, key tile). Keys stream through VMEM as 32-bit words
 lanes (element 8j + n in plane n, lane j); the queries are dequantized and permuted into the same
 plane order in XLA, so scores = sum_n q_n . k_n^T. Every grid step is independent ("parallel").
 Semantics and the optional bf16 rounding points: reference.py.
+exact=True (interpret mode only, float64 enabled; implies the bf16 rounding points) computes the
+dots in float64 and rounds them once through f32 to bf16, as the model's exact mode and the golden
+oracle do; Mosaic has no float64, so that variant cannot be compiled for a TPU.
 Untested on TPU hardware: CPU tests run it interpreted and lower it with jax.export.
 """
 from __future__ import annotations
@@ -24,7 +27,7 @@ def _round_bf16(x):
     return x.astype(jnp.bfloat16).astype(jnp.float32)
 
 
-def _kernel(q_ref, w_ref, len_ref, *refs, heads, key_tile, bf16_rounding, has_pool):
+def _kernel(q_ref, w_ref, len_ref, *refs, heads, key_tile, bf16_rounding, has_pool, exact=False):
     if has_pool:
         pool_ref, k_ref, ks_ref, o_ref = refs
     else:
@@ -34,17 +37,27 @@ def _kernel(q_ref, w_ref, len_ref, *refs, heads, key_tile, bf16_rounding, has_po
     scale = bits.e8m0_to_f32(lanes.scale_byte_per_lane(ks_ref[0], words.shape[-1], 32))
     q = q_ref[0]  # [8, ts*Hi, Di/8]
     dots = None
+    acc_t = jnp.float64 if exact else jnp.float32
     for n in range(8):
         k_n = (bits.e2m1_to_f32(bits.nibble_of_word(words, n)) * scale).astype(jnp.bfloat16)
-        part = jax.lax.dot_general(q[n], k_n, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        part = jax.lax.dot_general(q[n].astype(acc_t), k_n.astype(acc_t), (((1,), (1,)), ((), ())),
+                                   preferred_element_type=acc_t)
         dots = part if dots is None else dots + part
+    dots = dots.astype(jnp.float32)  # exact: float64 -> f32 -> bf16, the model's round_from_f64
     if bf16_rounding:
         dots = _round_bf16(dots)
     ts = dots.shape[0] // heads
     terms = jnp.maximum(dots, 0.0).reshape(ts, heads, key_tile) * w_ref[0]  # w: [ts, Hi, 1]
     if bf16_rounding:
         terms = _round_bf16(terms)
-    scores = jnp.sum(terms, axis=1)
+    if exact:
+        # a fixed order: from zero, heads in order; this is torch's order for the oracle's head
+        # sum (a strided-axis sum, folded only every 16 terms) whenever heads <= 16
+        scores = jnp.zeros((ts, key_tile), jnp.float32)
+        for h in range(heads):
+            scores = scores + terms[:, h]
+    else:
+        scores = jnp.sum(terms, axis=1)
     if bf16_rounding:
         scores = _round_bf16(scores)
     g = g0 + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
@@ -60,8 +73,17 @@ def _tile(n: int, preferred: int, multiple: int) -> int:
 
 
 def indexer_scores_tpu(q_packed, q_scale, keys, weights, compress_len, pool_mask=None, *, bf16_rounding=False,
-                       interpret=False, query_tile=8, key_tile=512):
-    """Mosaic TPU kernel; shapes and semantics as `pallas_kernels.indexer_scores`."""
+                       interpret=False, query_tile=8, key_tile=512, exact=False):
+    """Mosaic TPU kernel; shapes and semantics as `pallas_kernels.indexer_scores`.
+
+    exact: float64 dots (see the module docstring); needs interpret=True, bf16_rounding=True and
+    `jax.enable_x64(True)`.
+    """
+    if exact and not (interpret and bf16_rounding):
+        raise ValueError("indexer_scores_tpu(exact=True) needs interpret=True (Mosaic has no float64) and "
+                         "bf16_rounding=True (exact mode is the oracle's rounding points)")
+    if exact and jax.dtypes.canonicalize_dtype(jnp.float64) != jnp.float64:
+        raise RuntimeError("indexer_scores_tpu(exact=True) needs float64: wrap the call in `with jax.enable_x64(True):`")
     B, S, Hi, half = q_packed.shape
     Di = 2 * half
     G = int(keys.packed.shape[1])
@@ -95,7 +117,8 @@ def indexer_scores_tpu(q_packed, q_scale, keys, weights, compress_len, pool_mask
         pl.BlockSpec((1, tg, ks.shape[-1]), lambda b, i, j: (b, j, 0)),
     ]
     kernel = functools.partial(
-        _kernel, heads=Hi, key_tile=tg, bf16_rounding=bf16_rounding, has_pool=pool_mask is not None
+        _kernel, heads=Hi, key_tile=tg, bf16_rounding=bf16_rounding, has_pool=pool_mask is not None,
+        exact=bool(exact),
     )
     out = pl.pallas_call(
         kernel,

@@ -5,6 +5,9 @@ backward of their own: `jax.custom_vjp` differentiates the jnp reference (refere
 recomputing its forward in the backward pass. Gradients flow to q and the sink; the quantized
 caches and the index lists get zero cotangents (they are integer/FP8 storage, not trainable
 values; training that needs dK/dV uses impl="xla" on the dequantized KV).
+
+mode="exact" (the golden oracle's numerics, float64 dots) runs the TPU kernel's exact variant,
+which exists only in interpret mode; its VJP is the exact-mode reference's.
 """
 from __future__ import annotations
 
@@ -28,21 +31,23 @@ def _kernel_for(kind: str):
     return sparse_sink_attention_gpu
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _kernel_with_reference_vjp(kind, interpret, scale, q, window, compressed, window_idx, compressed_idx, sink):
-    return _kernel_for(kind)(q, window, compressed, window_idx, compressed_idx, sink, scale, interpret=interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _kernel_with_reference_vjp(kind, interpret, scale, mode, q, window, compressed, window_idx, compressed_idx, sink):
+    extra = {"exact": True} if mode == "exact" else {}
+    return _kernel_for(kind)(q, window, compressed, window_idx, compressed_idx, sink, scale, interpret=interpret, **extra)
 
 
-def _fwd(kind, interpret, scale, q, window, compressed, window_idx, compressed_idx, sink):
-    out = _kernel_with_reference_vjp(kind, interpret, scale, q, window, compressed, window_idx, compressed_idx, sink)
+def _fwd(kind, interpret, scale, mode, q, window, compressed, window_idx, compressed_idx, sink):
+    out = _kernel_with_reference_vjp(kind, interpret, scale, mode, q, window, compressed, window_idx, compressed_idx, sink)
     return out, (q, window, compressed, window_idx, compressed_idx, sink)
 
 
-def _bwd(kind, interpret, scale, residuals, g):
+def _bwd(kind, interpret, scale, mode, residuals, g):
     q, window, compressed, window_idx, compressed_idx, sink = residuals
 
     def reference(q_, sink_):
-        return sparse_sink_attention_reference(q_, window, compressed, window_idx, compressed_idx, sink_, scale)
+        return sparse_sink_attention_reference(q_, window, compressed, window_idx, compressed_idx, sink_, scale,
+                                               mode=mode)
 
     _, vjp = jax.vjp(reference, q, sink)
     dq, dsink = vjp(g)
@@ -93,6 +98,7 @@ def sparse_sink_attention(
     impl: str = "auto",
     interpret: bool | None = None,
     platform: str | None = None,
+    mode: str = "fast",
 ) -> jax.Array:
     """Attention of each query row over its window slots, then its compressed slots (K = V).
 
@@ -107,12 +113,20 @@ def sparse_sink_attention(
     impl: "xla" the jnp reference, "pallas" a kernel, "auto" the kernel on TPU/GPU and the
     reference on CPU. interpret: run the kernel in the Pallas interpreter (default: on CPU).
     platform: "tpu" / "gpu" kernel to use (default: the backend's; the TPU kernel on CPU).
+    mode: "fast" (f32 accumulation) or "exact" (the golden oracle's numerics: float64 dots, 64-slot
+    online-softmax blocks, SLEEF exp; needs `jax.enable_x64(True)`). With a kernel, "exact" needs
+    the TPU kernel in interpret mode (float64 cannot be compiled for TPU or Triton).
     The backward pass is the jnp reference's VJP (see the module docstring).
     """
+    if mode not in ("fast", "exact"):
+        raise ValueError(f"sparse_sink_attention: mode must be 'fast' or 'exact', got {mode!r}")
     _validate(q, window, compressed, window_idx, compressed_idx, sink)
     choice = resolve(impl, interpret, platform)
     if choice.kind == "xla":
-        return sparse_sink_attention_reference(q, window, compressed, window_idx, compressed_idx, sink, scale)
+        return sparse_sink_attention_reference(q, window, compressed, window_idx, compressed_idx, sink, scale, mode=mode)
+    if mode == "exact" and (choice.kind != "tpu" or not choice.interpret):
+        raise ValueError("sparse_sink_attention(mode='exact') with a kernel needs platform='tpu' (the default on "
+                         f"CPU) and interpret=True, got platform={choice.kind!r}, interpret={choice.interpret}")
     return _kernel_with_reference_vjp(
-        choice.kind, choice.interpret, float(scale), q, window, compressed, window_idx, compressed_idx, sink
+        choice.kind, choice.interpret, float(scale), mode, q, window, compressed, window_idx, compressed_idx, sink
     )

@@ -13,6 +13,12 @@ the word view (planes.py). The softmax is exact over all slots of a row (no onli
 
 P rounded to bf16 for P.V only (golden README, oracle choice 1); rows without a valid slot give 0.
 Grid steps are sequential ("arbitrary") because each step prefetches for the next.
+
+exact=True (interpret mode only, float64 enabled) keeps the gathers and the decode but computes
+the math of `dsv41_jax.sparse_attention(mode="exact")` (the golden oracle's sparse_attn): the
+slots of a row in order (window, then compressed) in 64-wide online-softmax blocks, float64
+dots rounded once to f32, SLEEF exp, P rounded to bf16 for P.V only, no FMA contraction, a true
+division at the end. Mosaic has no float64, so this variant cannot be compiled for a TPU.
 Untested on TPU hardware: the CPU tests run it in interpret mode and lower it for TPU with
 jax.export (Mosaic lowering rules only; Mosaic's layout passes run when a TPU compiles it).
 """
@@ -26,6 +32,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from dsv41_jax import kv_layout
+from dsv41_jax.exact_ops import no_fma, true_divide
+from dsv41_jax.sleef_exp import expf_u10
 from pallas_kernels.common import bits
 from pallas_kernels.common import lanes as lanes_mod
 from pallas_kernels.sparse_attention.planes import from_planes, to_planes
@@ -60,7 +68,51 @@ def _scores(q_planes, k_planes, scale: float) -> jax.Array:
     return acc * jnp.float32(scale)
 
 
-def _kernel(*refs, rows_per_batch, n_rows, n_win_rows, n_comp_rows, k_win, k_comp, scale):
+EXACT_BLOCK = 64  # online-softmax block of the oracle's sparse_attn (golden README, oracle choice 1)
+
+
+def _attend_exact(q_planes, parts, sink, scale):
+    """The oracle's blocked online softmax over the slots of one row, in float64/f32 as
+    `dsv41_jax.sparse_attention._exact`. parts: [(valid [1, K], 8 bf16 planes [K, D/8])] in slot
+    order. Returns 8 f32 output planes [H, D/8]."""
+    f32, f64 = jnp.float32, jnp.float64
+    valid = jnp.concatenate([v for v, _ in parts], axis=1) if len(parts) > 1 else parts[0][0]
+    planes = [jnp.concatenate([pl_[n] for _, pl_ in parts], axis=0) if len(parts) > 1 else parts[0][1][n]
+              for n in range(8)]
+    n_slots = valid.shape[1]
+    heads = q_planes[0].shape[0]
+    q64 = [qn.astype(f64) for qn in q_planes]
+    m = jnp.full((heads, 1), _NEG_INF, f32)
+    l = jnp.zeros((heads, 1), f32)
+    acc = [jnp.zeros((heads, qn.shape[1]), f32) for qn in q_planes]
+    for lo in range(0, n_slots, EXACT_BLOCK):
+        hi = min(lo + EXACT_BLOCK, n_slots)
+        k64 = [planes[n][lo:hi].astype(f64) for n in range(8)]
+        dots = None
+        for n in range(8):
+            part = jax.lax.dot_general(q64[n], k64[n], (((1,), (1,)), ((), ())), preferred_element_type=f64)
+            dots = part if dots is None else dots + part
+        mask = valid[:, lo:hi]
+        s = no_fma(dots.astype(f32) * f32(scale))
+        s = jnp.where(mask, s, _NEG_INF)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+        m_use = jnp.where(jnp.isfinite(m_new), m_new, f32(0.0))
+        alpha = expf_u10(m - m_use)
+        p = jnp.where(mask, expf_u10(s - m_use), f32(0.0))
+        p_sum = jnp.sum(p.astype(f64), axis=1, keepdims=True).astype(f32)
+        p64 = p.astype(jnp.bfloat16).astype(f64)
+        l = no_fma(l * alpha) + p_sum
+        for n in range(8):
+            pv = jnp.dot(p64, k64[n], preferred_element_type=f64).astype(f32)
+            acc[n] = no_fma(acc[n] * alpha) + pv
+        m = m_new
+    any_valid = jnp.isfinite(m)
+    m_use = jnp.where(any_valid, m, f32(0.0))
+    denom = l + expf_u10(sink - m_use)
+    return [jnp.where(any_valid, true_divide(a, denom), f32(0.0)) for a in acc]
+
+
+def _kernel(*refs, rows_per_batch, n_rows, n_win_rows, n_comp_rows, k_win, k_comp, scale, exact=False):
     """One query row: wait for its gathered rows, prefetch the next row's, attend."""
     has_win, has_comp = k_win > 0, k_comp > 0
     it = iter(refs)
@@ -122,6 +174,15 @@ def _kernel(*refs, rows_per_batch, n_rows, n_win_rows, n_comp_rows, k_win, k_com
     q = q_ref[0]
     q_planes = [q[n] for n in range(8)]
     sink = sink_ref[...]  # [H, 1]
+    if exact:
+        parts = []
+        if has_win:
+            parts.append((win_mask[0] >= 0, _window_planes(win_buf[0][slot], win_buf[1][slot], win_buf[2][slot])))
+        if has_comp:
+            parts.append((comp_mask[0] >= 0, _compressed_planes(comp_buf[0][slot], comp_buf[1][slot])))
+        for n, out in enumerate(_attend_exact(q_planes, parts, sink, scale)):
+            o_ref[0, n] = out.astype(o_ref.dtype)
+        return
     parts = []  # (scores [H, K], valid [1, K], value planes)
     if has_win:
         planes = _window_planes(win_buf[0][slot], win_buf[1][slot], win_buf[2][slot])
@@ -160,8 +221,19 @@ def sparse_sink_attention_tpu(
     scale: float,
     *,
     interpret: bool = False,
+    exact: bool = False,
 ) -> jax.Array:
-    """Mosaic TPU kernel; shapes and semantics as `pallas_kernels.sparse_sink_attention`."""
+    """Mosaic TPU kernel; shapes and semantics as `pallas_kernels.sparse_sink_attention`.
+
+    exact: the oracle's numerics in float64 (see the module docstring); needs interpret=True and
+    `jax.enable_x64(True)`.
+    """
+    if exact and not interpret:
+        raise ValueError("sparse_sink_attention_tpu(exact=True) computes in float64, which Mosaic cannot "
+                         "compile: run it with interpret=True (or use the fast kernel)")
+    if exact and jax.dtypes.canonicalize_dtype(jnp.float64) != jnp.float64:
+        raise RuntimeError("sparse_sink_attention_tpu(exact=True) needs float64: wrap the call in "
+                           "`with jax.enable_x64(True):`")
     B, S, H, D = q.shape
     R = B * S
     D8 = D // 8
@@ -226,6 +298,7 @@ def sparse_sink_attention_tpu(
         k_win=k_win,
         k_comp=k_comp,
         scale=float(scale),
+        exact=bool(exact),
     )
     out = pl.pallas_call(
         kernel,
