@@ -49,7 +49,6 @@ class Indexer(nnx.Module):
         vis = jnp.arange(G)[None, None] < visible_len[..., None]
         return jnp.where(vis, s.astype(jnp.float32), -jnp.inf)
 
-
     def scores_pallas(self, x, qr, keys: kv_layout.IndexKeys, cos, sin, visible_len, runtime, pool=None) -> jax.Array:
         """`scores` through the Pallas indexer kernel (impl="pallas"), reading the MXFP4 index-key cache.
 
