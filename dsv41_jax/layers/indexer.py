@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv41_jax import kv_layout, quant
-from dsv41_jax.exact_ops import no_fma
+from dsv41_jax.exact_ops import no_fma, torch_sum_axis
 from dsv41_jax.layers.basic import QLinear, RMSNorm, matmul, weight_kind
 from dsv41_jax.layers.rope import apply_rope
 
@@ -44,7 +44,9 @@ class Indexer(nnx.Module):
         # the bf16 rounding of each head's product is a reference rounding point; the fence keeps
         # XLA from computing product and sum in one fp32 pass
         s = no_fma(jax.nn.relu(s) * w[..., None])
-        s = jnp.sum(s.astype(jnp.float32), axis=2).astype(jnp.bfloat16)
+        s = s.astype(jnp.float32)
+        # the head sum runs over a strided axis in torch: in order, folded in levels of 16
+        s = (torch_sum_axis(s, 2) if mode == "exact" else jnp.sum(s, axis=2)).astype(jnp.bfloat16)
         G = keys_bf16.shape[1]
         vis = jnp.arange(G)[None, None] < visible_len[..., None]
         return jnp.where(vis, s.astype(jnp.float32), -jnp.inf)
