@@ -105,7 +105,7 @@ class CaseRunner:
         """
         cache = init_cache(self.cfg, 1)
         step = self._step(quirk, collect)
-        outs, agrees, traces = [], [], []
+        outs, traces = [], []
         per_layer: dict[int, bool] = {}
         for i, call in enumerate(schedule):
             s, n = call["start_pos"], call["n_tokens"]
@@ -118,13 +118,11 @@ class CaseRunner:
             logits, cache, aux = step(self.params, jnp.asarray(toks[None], jnp.int32), cache, eids, forced,
                                       replay if i == 0 else None)
             outs.append(np.asarray(logits[0, :n]))
-            flags = [np.asarray(v)[0, :n] for v in list(aux["topk_agree"].values()) + list(aux["experts_agree"].values())]
-            agrees.append(bool(all(np.all(f) for f in flags)))
             for kind in ("topk_agree", "experts_agree"):
                 for l, v in aux[kind].items():
                     per_layer[l] = per_layer.get(l, True) and bool(np.all(np.asarray(v)[0, :n]))
             traces.append(jax.tree.map(np.asarray, aux["trace"]) if collect else None)
-        return np.concatenate(outs, 0), {"agree": all(agrees), "per_layer": per_layer, "traces": traces}
+        return np.concatenate(outs, 0), {"agree": all(per_layer.values()), "per_layer": per_layer, "traces": traces}
 
     def _pad_forced(self, forced, T):
         k = self.cfg.n_activated_experts

@@ -3,23 +3,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from dsv41_jax import kv_layout
-from dsv41_jax.config import ModelConfig
-from dsv41_jax.model import Transformer, check_inputs, init_cache, make_step
+from dsv41_jax.model import check_inputs, init_cache, make_step
 from dsv41_jax.runtime import Runtime
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    # every role: SWA, Full r2, Reuse, Reindex r2, Full r1 + pool source, Reindex r1 in the pool, Reuse;
-    # a small window and few candidates make the window ring, pool and top-k all bind at these lengths
-    cfg = ModelConfig.tiny(engram_layer_ids=(), window_size=4, index_topk=4, candidate_topk_blocks=2,
-                           candidate_block_size=4, max_seq_len=32, max_batch_size=2)
-    model = Transformer(cfg, rngs=1)
-    graphdef, params = nnx.split(model)
-    return cfg, graphdef, params
+def tiny(tiny_every_role):
+    return tiny_every_role  # conftest.py: every layer role, window/pool/top-k binding early
 
 
 def _run(step, params, cfg, tokens, chunks):

@@ -23,9 +23,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dsv41_jax.config import ModelConfig
 from dsv41_jax.golden_check import FP32_ACCUMULATION_ROW
-from dsv41_jax.model import Transformer, forward, init_cache, make_step
+from dsv41_jax.model import forward, init_cache, make_step
 from dsv41_jax.runtime import Runtime
 
 LOGIT_TOL = FP32_ACCUMULATION_ROW["main_fp8"]["short_max"]
@@ -33,14 +32,8 @@ CHUNKS = (9, 1, 1)  # a prefill past the window (4) and the pool capacity, then 
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    # the same every-role config as tests/test_model.py: SWA, Full r2, Reuse, Reindex r2, Full r1 +
-    # pool source, Reindex r1 in the pool, Reuse; window, pool and top-k all bind at these lengths
-    cfg = ModelConfig.tiny(engram_layer_ids=(), window_size=4, index_topk=4, candidate_topk_blocks=2,
-                           candidate_block_size=4, max_seq_len=32, max_batch_size=2)
-    model = Transformer(cfg, rngs=1)
-    graphdef, params = nnx.split(model)
-    return cfg, graphdef, params
+def tiny(tiny_every_role):
+    return tiny_every_role  # conftest.py: every layer role, window/pool/top-k binding early
 
 
 def _run(tiny, runtime, tokens):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax.exact_ops import true_divide
+from dsv41_jax.exact_ops import exact_sqrt, true_divide
 from dsv41_jax.sleef_exp import expf_u10, log1pf_u10
 
 
@@ -36,3 +36,8 @@ def softplus(x: jax.Array, mode: str = "fast") -> jax.Array:
         x = x.astype(jnp.float32)
         return jnp.where(x > 20.0, x, log1pf_u10(expf_u10(jnp.minimum(x, 20.0))))
     return jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
+
+
+def sqrt(x: jax.Array, mode: str = "fast") -> jax.Array:
+    """float32 sqrt; exact mode guarantees IEEE rounding (see `exact_ops.exact_sqrt`)."""
+    return exact_sqrt(x) if mode == "exact" else jnp.sqrt(x)

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv41_jax import quant
-from dsv41_jax.exact_ops import exact_sqrt, no_fma, torch_sum_last
-from dsv41_jax.layers.activations import sigmoid
+from dsv41_jax.exact_ops import no_fma, torch_sum_last
+from dsv41_jax.layers.activations import sigmoid, sqrt
 from dsv41_jax.layers.basic import QLinear, inv_sqrt, mean_square, weight_kind
 
 
@@ -51,8 +51,7 @@ class Engram(nnx.Module):
             dot = no_fma(no_fma(dot * rstd) * jnp.float32(self.dim ** -0.5))
         else:
             dot = jnp.sum(x * w * key, -1) * rstd * jnp.float32(self.dim ** -0.5)
-        root = jnp.maximum(jnp.abs(dot), jnp.float32(1e-6))
-        root = exact_sqrt(root) if mode == "exact" else jnp.sqrt(root)
+        root = sqrt(jnp.maximum(jnp.abs(dot), jnp.float32(1e-6)), mode)
         gate = sigmoid(jnp.copysign(root, dot), mode)
         inject = gate[..., None] * value[..., None, :]
         if mode == "exact":

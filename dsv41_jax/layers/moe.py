@@ -13,8 +13,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv41_jax import gemm, quant
-from dsv41_jax.exact_ops import exact_sqrt, no_fma, torch_sum_last, true_divide
-from dsv41_jax.layers.activations import sigmoid, silu, softplus
+from dsv41_jax.exact_ops import no_fma, torch_sum_last, true_divide
+from dsv41_jax.layers.activations import sigmoid, silu, softplus, sqrt
 from dsv41_jax.layers.basic import QLinear, matmul, weight_kind
 
 
@@ -44,8 +44,7 @@ class Gate(nnx.Module):
             return jax.nn.softmax(s, axis=-1)
         if self.score_func == "sigmoid":
             return sigmoid(s, mode)
-        sp = softplus(s, mode)
-        return exact_sqrt(sp) if mode == "exact" else jnp.sqrt(sp)
+        return sqrt(softplus(s, mode), mode)
 
     def route(self, scores, forced=None, impose=True, mode: str = "fast"):
         """(weights [..., k], experts [..., k]) — experts ordered by descending biased score.
