@@ -33,7 +33,7 @@ def tiny_every_role():
     from flax import nnx
 
     from dsv41_jax.config import ModelConfig
-    from dsv41_jax.model import Transformer
+    from dsv41_jax.model.transformer import Transformer
 
     cfg = ModelConfig.tiny(engram_layer_ids=(), window_size=4, index_topk=4, candidate_topk_blocks=2,
                            candidate_block_size=4, max_seq_len=32, max_batch_size=2)

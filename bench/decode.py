@@ -64,7 +64,7 @@ def wall_time(cfg, context: int, batch: int, steps: int) -> float:
     import jax.numpy as jnp
     from flax import nnx
 
-    from dsv41_jax.model import COMPILER_OPTIONS
+    from dsv41_jax.model.transformer import COMPILER_OPTIONS
     from dsv41_jax.serving import cost
     from dsv41_jax.serving.buckets import empty_cache
     from dsv41_jax.serving.random_weights import random_model
@@ -106,8 +106,8 @@ def golden_rows(root, steps: int, random_length: int) -> list[dict]:
     import numpy as np
     from flax import nnx
 
-    from dsv41_jax.golden_data import discover
-    from dsv41_jax.model import COMPILER_OPTIONS
+    from dsv41_jax.golden.data import discover
+    from dsv41_jax.model.transformer import COMPILER_OPTIONS
     from dsv41_jax.serving import split_prefill as sp
     from dsv41_jax.serving.buckets import capacity_for, empty_cache
     from dsv41_jax.serving.layer_range import embed, head, run_layers
@@ -140,7 +140,7 @@ def golden_rows(root, steps: int, random_length: int) -> list[dict]:
             n_dec = min(steps, len(toks) - 1)
             ids = None
             if hasher is not None:
-                from dsv41_jax.engram_hash import hash_ids
+                from dsv41_jax.engram.hashing import hash_ids
 
                 ids = jnp.asarray(hash_ids(hasher[0], hasher[1], toks[None]).astype(np.int32))
             cut = lambda a, lo, hi: None if a is None else a[:, lo:hi]

@@ -35,7 +35,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dsv41_jax import kv_layout  # noqa: E402
+from dsv41_jax.numerics import kv_layout  # noqa: E402
 from pallas_kernels import fp8_block_gemm, grouped_fp4_gemm, indexer_scores, sparse_sink_attention  # noqa: E402
 from pallas_kernels.expert_gemm import specs as gemm_specs  # noqa: E402
 from pallas_kernels.indexer import specs as indexer_specs  # noqa: E402

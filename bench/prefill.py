@@ -100,7 +100,7 @@ def golden_rows(root, random_lengths, tail, only=None):
     import jax.numpy as jnp
     from flax import nnx
 
-    from dsv41_jax.golden_data import discover
+    from dsv41_jax.golden.data import discover
     from dsv41_jax.serving import split_prefill as sp
     from dsv41_jax.serving.buckets import capacity_for, empty_cache
 
@@ -125,7 +125,7 @@ def golden_rows(root, random_lengths, tail, only=None):
         for label, toks in prompts:
             ids = None
             if hasher is not None:
-                from dsv41_jax.engram_hash import hash_ids
+                from dsv41_jax.engram.hashing import hash_ids
 
                 ids = jnp.asarray(hash_ids(hasher[0], hasher[1], toks[None]).astype(np.int32))
             t = jnp.asarray(toks[None], jnp.int32)

@@ -7,7 +7,7 @@ value, so the sum is exact. The released tables (384,006,168 and 384,016,682 row
 divide by every device count, so sharded deployments pad them (`padded_rows`, `pad_tables`).
 
 Host memory (`HostEngramTables`), for when HBM cannot hold the ~196 GB of tables: the hash
-ids depend only on token ids (`dsv41_jax.engram_hash`, host numpy), so the rows a step needs
+ids depend only on token ids (`dsv41_jax.engram.hashing`, host numpy), so the rows a step needs
 are known before the step runs. What runs where:
   host CPU : hashing, `np.unique` of the step's ids, the row gather (numpy fancy indexing,
              or an XLA host computation over a `memory_kind="pinned_host"` array),
@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from dsv41_jax import quant
+from dsv41_jax.numerics import quant
 from dsv41_jax.layers.engram import Engram
 from sharding.compat import on_host, shard_map
 from sharding.rules import _path_tuple, get_rules
@@ -145,7 +145,7 @@ class HostEngramTables:
     @classmethod
     def from_params(cls, params, cfg, **kwargs) -> "HostEngramTables":
         """Copy the tables out of a params state (e.g. a loaded checkpoint) into host memory."""
-        from dsv41_jax.weights import flat_params
+        from dsv41_jax.checkpoint.weights import flat_params
 
         flat = flat_params(params)
         tables = {l: (np.asarray(flat[("layers", l, "engram", "embed")].get_value()),

@@ -40,7 +40,7 @@ def compile_one_layer(cfg: ModelConfig, mesh_spec, *, batch: int, context: int, 
     """Lower and compile one step (`tokens` new tokens per sequence) of a 1-layer model; a report dict."""
     from flax import nnx
 
-    from dsv41_jax.model import Transformer, engram_table_rows, init_cache
+    from dsv41_jax.model.transformer import Transformer, engram_table_rows, init_cache
     from sharding.step import make_sharded_step
 
     sizes = mesh_sizes(mesh_spec)

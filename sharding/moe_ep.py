@@ -232,7 +232,7 @@ def with_expert_parallel(model, mesh: Mesh, *, expert_axis: str = "expert", disp
     """A copy of `model` (sharing its arrays) whose MoE layers run expert-parallel on `mesh`.
 
     Works on abstract models (nnx.eval_shape) too. Use `nnx.split` on the result to get the
-    graphdef for `dsv41_jax.model.make_step`; the params pytree is the plain model's.
+    graphdef for `dsv41_jax.model.transformer.make_step`; the params pytree is the plain model's.
     """
     graphdef, state = nnx.split(model)
     copy = nnx.merge(graphdef, state)

@@ -54,15 +54,15 @@ def _nbytes(shape, dtype) -> int:
 @functools.lru_cache(maxsize=4)
 def _abstract_params(cfg: ModelConfig):
     """(path, shape, dtype) of every parameter of `info.abstract_model(cfg)`."""
-    from dsv41_jax.info import abstract_model
-    from dsv41_jax.weights import flat_params
+    from dsv41_jax.model.info import abstract_model
+    from dsv41_jax.checkpoint.weights import flat_params
 
     return tuple((path, tuple(v.shape), np.dtype(v.dtype)) for path, v in flat_params(abstract_model(cfg)).items())
 
 
 def weight_bytes(cfg: ModelConfig, sizes: Mapping[str, int], preset) -> dict:
     """Global and per-device parameter bytes by bucket, and the leaves the rules left replicated."""
-    from dsv41_jax.model import engram_table_rows
+    from dsv41_jax.model.transformer import engram_table_rows
 
     rules = get_rules(preset)
     n = table_shards(sizes, preset)
@@ -83,7 +83,7 @@ def weight_bytes(cfg: ModelConfig, sizes: Mapping[str, int], preset) -> dict:
 
 
 def cache_bytes(cfg: ModelConfig, sizes: Mapping[str, int], preset, batch: int) -> dict:
-    from dsv41_jax.model import init_cache
+    from dsv41_jax.model.transformer import init_cache
 
     rules = get_rules(preset)
     abstract = jax.eval_shape(lambda: init_cache(cfg, batch))

@@ -2,7 +2,7 @@
 
 Two steps, as in MaxText/t5x: each array dimension gets a *logical* name from what it means
 (``heads``, ``expert``, ``vocab``, ...), derived here from the parameter's path in
-`dsv41_jax.weights.flat_params`; a *rule table* (a preset) then says which mesh axes shard
+`dsv41_jax.checkpoint.weights.flat_params`; a *rule table* (a preset) then says which mesh axes shard
 each logical name. Changing the parallelism layout means changing a table, never the model.
 
 A rule lists mesh axes in priority order. When resolving one array, an axis is used only if it
@@ -75,7 +75,7 @@ _PARAM_AXES: dict[str, tuple[str, ...]] = {
     "hc_ffn.scale": ("hc_scale",),
 }
 
-# Cache arrays, keyed by the top-level cache entry (see `dsv41_jax.model.init_cache`).
+# Cache arrays, keyed by the top-level cache entry (see `dsv41_jax.model.transformer.init_cache`).
 _CACHE_AXES: dict[str, tuple[str, ...]] = {
     "length": ("batch",),
     "published": ("batch",),

@@ -9,9 +9,9 @@ import re
 import pytest
 from tiny_dsv41_tokenizer import SPECIAL_IDS, WORD_IDS, build_tokenizer_json
 
-from dsv41_jax import special_tokens as st
-from dsv41_jax.chat import encode_chat, encode_chat_ids, resolve_effort
-from dsv41_jax.tokenizer import load_tokenizer
+from dsv41_jax.text import special_tokens as st
+from dsv41_jax.text.chat import encode_chat, encode_chat_ids, resolve_effort
+from dsv41_jax.text.tokenizer import load_tokenizer
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"

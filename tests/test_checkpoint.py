@@ -21,7 +21,7 @@ from dsv41_jax.checkpoint.names import check_name_mapping, disk_tensors
 from dsv41_jax.checkpoint.safetensors_file import SafetensorsError, TensorEntry, read_header, write_file
 from dsv41_jax.checkpoint.synthetic import fake_extra_entries, model_from_params, random_entries, random_params
 from dsv41_jax.config import ConfigError, ModelConfig
-from dsv41_jax.weights import WeightError, flat_params
+from dsv41_jax.checkpoint.weights import WeightError, flat_params
 
 TINY = ModelConfig.tiny()  # 7 layers: every layer role, Engram on layers 1 and 3
 RUNTIME_FIELDS = {"max_seq_len": TINY.max_seq_len, "max_batch_size": TINY.max_batch_size}
@@ -102,7 +102,7 @@ def test_files_carry_the_release_dtypes_and_are_standard_safetensors(tiny_ckpt):
 
 def test_rewrite_orbax_and_cli_convert_round_trip(tiny_ckpt, tiny_params, tmp_path):
     from dsv41_jax.checkpoint.orbax_io import load_orbax_checkpoint, save_params
-    from dsv41_jax.cli import main
+    from dsv41_jax.cli.main import main
 
     cfg, model, _ = load_checkpoint(tiny_ckpt, progress=False)
     save_hf_checkpoint(model, tmp_path / "again", max_shard_bytes=1 << 20)
@@ -120,7 +120,7 @@ def test_rewrite_orbax_and_cli_convert_round_trip(tiny_ckpt, tiny_params, tmp_pa
 
 
 def test_cli_convert_rejects_bad_requests(tiny_ckpt, tmp_path, capsys):
-    from dsv41_jax.cli import main
+    from dsv41_jax.cli.main import main
 
     assert main(["convert", "--from", "orbax", str(tiny_ckpt), "--to", "hf", str(tmp_path / "x")]) == 2
     assert "is an hf checkpoint, not orbax" in capsys.readouterr().err
@@ -243,7 +243,7 @@ def test_loader_decodes_hand_made_fp8_and_fp4_blocks(tiny_params, tmp_path):
 
 # ------------------------------------------------------------------------------ census
 def test_full_size_census_matches_the_release():
-    from dsv41_jax.info import abstract_model
+    from dsv41_jax.model.info import abstract_model
 
     tensors = disk_tensors(abstract_model(ModelConfig.v41_flash()))
     check_name_mapping(tensors)  # weights._our_path maps every listed name back to its parameter
@@ -349,7 +349,7 @@ def _golden_as_hf(golden_root: pathlib.Path, out: pathlib.Path):
     leaves; the FP8 `wo_a` path is covered by the hand-made bytes test."""
     from safetensors import safe_open
 
-    from dsv41_jax.golden_data import discover
+    from dsv41_jax.golden.data import discover
 
     gc = next(g for g in discover(golden_root) if g.name == "main_fp8")
     logical = gc.raw["tensors"]
@@ -378,7 +378,7 @@ def test_golden_logits_through_the_hf_path_equal_the_reference_path(golden_root,
     import jax.numpy as jnp
     from flax import nnx
 
-    from dsv41_jax.model import init_cache, make_step
+    from dsv41_jax.model.transformer import init_cache, make_step
     from dsv41_jax.runtime import Runtime
 
     gc = _golden_as_hf(golden_root, tmp_path)

@@ -8,14 +8,14 @@ import unicodedata
 import numpy as np
 import pytest
 
-from dsv41_jax.engram_hash import (
+from dsv41_jax.engram.hashing import (
     NO_TOKEN,
     EngramLayout,
     consecutive_primes,
     hash_ids,
     next_history,
 )
-from dsv41_jax.engram_tokens import build_token_map, normalize_token_text, token_map_from_texts
+from dsv41_jax.engram.tokens import build_token_map, normalize_token_text, token_map_from_texts
 
 REFERENCE_CONFIG = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "inference_config.json"
 

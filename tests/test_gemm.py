@@ -1,12 +1,12 @@
-"""dsv41_jax.gemm.linear against the golden FP8/FP4 GEMM vectors and float64 numpy references."""
+"""dsv41_jax.numerics.gemm.linear against the golden FP8/FP4 GEMM vectors and float64 numpy references."""
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 
-from dsv41_jax import quant as Q
-from dsv41_jax.gemm import linear
+from dsv41_jax.numerics import quant as Q
+from dsv41_jax.numerics.gemm import linear
 from kernel_vectors import bits, kernel_vectors
 
 

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 from tiny_dsv41_tokenizer import WORD_IDS, build_tokenizer_json
 
-from dsv41_jax import special_tokens as st
+from dsv41_jax.text import special_tokens as st
 from dsv41_jax.checkpoint.hf_writer import save_hf_checkpoint
 from dsv41_jax.checkpoint.synthetic import fake_extra_entries, synthetic_model
-from dsv41_jax.cli import main
+from dsv41_jax.cli.main import main
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.generate import Sampling, TextStream, allowed_ids, sample
-from dsv41_jax.tokenizer import load_tokenizer
+from dsv41_jax.serving.generate import Sampling, TextStream, allowed_ids, sample
+from dsv41_jax.text.tokenizer import load_tokenizer
 
 # A contiguous tokenizer (ids 0..44) so the Engram token map covers every id.
 SMALL_SPECIALS = {st.BOS: 0, st.EOS: 1, st.PAD: 2, st.SYSTEM: 4, st.USER: 5, st.ASSISTANT: 6,
@@ -31,7 +31,7 @@ def small_config(compressed_vocab: int) -> ModelConfig:
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from dsv41_jax.engram_tokens import build_token_map
+    from dsv41_jax.engram.tokens import build_token_map
 
     root = tmp_path_factory.mktemp("gen")
     tok = build_tokenizer_json(root / "tok", sentinels=False, specials=SMALL_SPECIALS)
@@ -106,8 +106,8 @@ def test_text_stream_emits_new_text_and_skips_eos(ckpt):
 
 
 def test_messages_file_and_effort_reach_the_chat_encoder(ckpt, tmp_path):
-    from dsv41_jax.chat import encode_chat_ids
-    from dsv41_jax.cli_generate import _prompt_ids
+    from dsv41_jax.text.chat import encode_chat_ids
+    from dsv41_jax.cli.generate import _prompt_ids
 
     tok = load_tokenizer(ckpt)
     messages = [{"role": "system", "content": "ok"}, {"role": "user", "content": "what is the weather"}]

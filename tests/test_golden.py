@@ -2,7 +2,7 @@
 
 The default run checks the vectors, short prefills (free and forced) and single-layer replays of
 one config; the whole folder, every case and variant, runs as `dsv41 golden-check` in the slow
-test. Thresholds and their source: tests/README.md and dsv41_jax/golden_check.py.
+test. Thresholds and their source: tests/README.md and dsv41_jax/golden/check.py.
 """
 import json
 import subprocess
@@ -11,9 +11,9 @@ import sys
 import jax
 import pytest
 
-from dsv41_jax import golden_data
-from dsv41_jax.golden_check import CaseRunner, check_case, check_replays
-from dsv41_jax.golden_vectors import check_vectors
+from dsv41_jax.golden import data as golden_data
+from dsv41_jax.golden.check import CaseRunner, check_case, check_replays
+from dsv41_jax.golden.vectors import check_vectors
 
 
 def test_kernel_vectors_bit_exact(golden_root):
@@ -55,7 +55,7 @@ def test_single_layer_replays(fp8_runner):
 
 @pytest.mark.slow
 def test_golden_check_cli_whole_folder(golden_root):
-    out = subprocess.run([sys.executable, "-m", "dsv41_jax.cli", "golden-check", str(golden_root), "--json"],
+    out = subprocess.run([sys.executable, "-m", "dsv41_jax.cli.main", "golden-check", str(golden_root), "--json"],
                          capture_output=True, text=True)
     cases = json.loads(out.stdout)["cases"]
     failed = [c for c in cases if not c["passed"]]

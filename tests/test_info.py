@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.info import model_info
+from dsv41_jax.model.info import model_info
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +42,9 @@ def test_figures_follow_the_config(flash):
 
 
 def test_cli_json(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "dsv41_jax.cli", "info", "--config", "v41-flash", "--json"],
+    out = subprocess.run([sys.executable, "-m", "dsv41_jax.cli.main", "info", "--config", "v41-flash", "--json"],
                          capture_output=True, text=True, check=True)
     data = json.loads(out.stdout)
     assert data["global_kv_bytes_per_token"] == 890
-    bad = subprocess.run([sys.executable, "-m", "dsv41_jax.cli", "info", "--config", "nope"], capture_output=True, text=True)
+    bad = subprocess.run([sys.executable, "-m", "dsv41_jax.cli.main", "info", "--config", "nope"], capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown preset 'nope'" in bad.stderr

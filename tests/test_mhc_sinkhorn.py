@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv41_jax.mhc import sinkhorn_split
-from dsv41_jax.sleef_exp import expf_u10
+from dsv41_jax.layers.mhc import sinkhorn_split
+from dsv41_jax.numerics.sleef_exp import expf_u10
 from kernel_vectors import bits, kernel_vectors
 from sleef_reference import sleef_expf_reference
 

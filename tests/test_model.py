@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv41_jax import kv_layout
-from dsv41_jax.model import check_inputs, init_cache, make_step
+from dsv41_jax.numerics import kv_layout
+from dsv41_jax.model.transformer import check_inputs, init_cache, make_step
 from dsv41_jax.runtime import Runtime
 
 

@@ -11,7 +11,7 @@ and differ only in f32 summation order: the TPU kernels sum the head dimension a
 README measured what changing the accumulation of *every* GEMM from exact to f32 does to the
 logits of a short prefill of this model family: max |dlogit| 0.078 ("FP32 GEMM accumulation",
 main_fp8, L13 free). The kernels change a subset of those accumulations, so that bound applies
-(`golden_check.FP32_ACCUMULATION_ROW`); top-k and expert decisions must be identical (a flipped
+(`golden.check.FP32_ACCUMULATION_ROW`); top-k and expert decisions must be identical (a flipped
 decision would move logits by O(0.1-1), far outside it). In practice the two paths agree bit for
 bit on this config; the tolerance only keeps the test from depending on summation order.
 """
@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dsv41_jax.golden_check import FP32_ACCUMULATION_ROW
-from dsv41_jax.model import forward, init_cache, make_step
+from dsv41_jax.golden.check import FP32_ACCUMULATION_ROW
+from dsv41_jax.model.transformer import forward, init_cache, make_step
 from dsv41_jax.runtime import Runtime
 
 LOGIT_TOL = FP32_ACCUMULATION_ROW["main_fp8"]["short_max"]
@@ -121,8 +121,8 @@ SHORT_CASES = ["prefill_L1", "prefill_L2", "prefill_L3", "prefill_L5", "prefill_
 def test_golden_short_cases_with_pallas(golden_root):
     """`dsv41 golden-check --impl pallas` on main_fp8's short prefills (free and forced) and its
     single-layer replays: every entry passes, as it does with impl="xla"."""
-    from dsv41_jax import golden_data
-    from dsv41_jax.golden_check import CaseRunner, check_case, check_replays
+    from dsv41_jax.golden import data as golden_data
+    from dsv41_jax.golden.check import CaseRunner, check_case, check_replays
 
     configs = {gc.name: gc for gc in golden_data.discover(golden_root)}
     if "main_fp8" not in configs:

@@ -1,4 +1,4 @@
-"""dsv41_jax.quant against the golden kernel vectors, ml_dtypes and numpy float64 references."""
+"""dsv41_jax.numerics.quant against the golden kernel vectors, ml_dtypes and numpy float64 references."""
 import math
 
 import jax
@@ -7,7 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dsv41_jax import quant as Q
+from dsv41_jax.numerics import quant as Q
 from kernel_vectors import bits, kernel_vectors
 
 # Rows of fp4_e4m3.* whose E4M3 scale saturates at 448 (golden README: informative only).

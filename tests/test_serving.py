@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.model import Transformer, make_step
+from dsv41_jax.model.transformer import Transformer, make_step
 from dsv41_jax.runtime import Runtime
 from dsv41_jax.serving import buckets, prefix_cache, sampling
 from dsv41_jax.serving import split_prefill as sp
@@ -125,7 +125,7 @@ def test_lean_decode_exact_mode_ignores_packed_index(micro):
 def test_fast_index_keys_bitwise():
     """The table decode of packed index keys equals kv_layout's nibble arithmetic for every
     (byte, E8M0 scale) pair, NaN scale included."""
-    from dsv41_jax import kv_layout
+    from dsv41_jax.numerics import kv_layout
     from dsv41_jax.serving.fast_index import index_keys_f32
 
     packed = jnp.asarray(np.tile(np.arange(256, dtype=np.uint8), 256).reshape(256, 4, 64))
@@ -141,7 +141,7 @@ def test_fast_index_scores_track_the_reference_scoring(micro):
     Indexer.scores (the reference's bf16 rounding points) and the float64 math: same -inf
     pattern, error to the float64 scores no larger than the reference-rounded path's plus one
     bf16 rounding, same top-k on random keys."""
-    from dsv41_jax import kv_layout
+    from dsv41_jax.numerics import kv_layout
     from dsv41_jax.layers.rope import cos_sin, layer_frequencies
     from dsv41_jax.serving import fast_index
     from dsv41_jax.serving.layer_range import decode_index_keys
@@ -399,7 +399,7 @@ def test_engine_batch_matches_alone_and_resumes(micro, tmp_path):
 def test_info_cache_bytes_match_the_cache_layout():
     """`dsv41 info`'s window bytes per sequence and persistent bytes per token, recounted from the
     arrays init_cache allocates at the released shapes (abstractly, nothing is allocated)."""
-    from dsv41_jax.info import model_info
+    from dsv41_jax.model.info import model_info
 
     cfg = ModelConfig.v41_flash()
     info = model_info(cfg)
@@ -418,7 +418,7 @@ def test_prefix_file_holds_only_global_parts(micro, tmp_path):
     names = {e["name"].split(".")[0] for e in header["arrays"]}
     assert names == {"tokens", "compressed", "index_keys", "compressor"}
     rows = sum(e["nbytes"] for e in header["arrays"] if e["name"].split(".")[0] in ("compressed", "index_keys"))
-    from dsv41_jax.info import row_bytes
+    from dsv41_jax.model.info import row_bytes
 
     rb = row_bytes(cfg)
     want = sum(N // cfg.compress_ratios[s] * (rb["compressed_kv"] + (rb["index_key"] if s in cfg.index_source_layers else 0))
@@ -461,7 +461,7 @@ def test_cost_analysis_counts_a_loop_body_once():
 
 def test_info_text_reports_window_and_persistent_bytes():
     """`dsv41 info` prints the per-sequence window bytes and the persistent bytes per token."""
-    from dsv41_jax.info import format_info, model_info
+    from dsv41_jax.model.info import format_info, model_info
 
     text = format_info("v41-flash", model_info(ModelConfig.v41_flash()))
     assert "global KV per token             890.0 bytes  (persistent)" in text
@@ -482,8 +482,8 @@ def test_split_prefill_on_golden_configs(golden_root):
     """Golden weights (fast mode): encoder-side caches, layer decoder_start's caches, top-k and
     pool are identical between split and exact prefill; the last-position logits differ by a
     measured amount (bench/prefill.py --golden prints the table, docs/SERVING.md records it)."""
-    from dsv41_jax.engram_hash import hash_ids
-    from dsv41_jax.golden_data import discover
+    from dsv41_jax.engram.hashing import hash_ids
+    from dsv41_jax.golden.data import discover
 
     for gc in discover(golden_root):
         cfg = gc.cfg

@@ -26,9 +26,9 @@ from jax.sharding import PartitionSpec as P
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.layers.engram import Engram
 from dsv41_jax.layers.moe import MoE
-from dsv41_jax.model import Transformer, init_cache, make_step
+from dsv41_jax.model.transformer import Transformer, init_cache, make_step
 from dsv41_jax.runtime import Runtime
-from dsv41_jax.weights import flat_params
+from dsv41_jax.checkpoint.weights import flat_params
 from sharding import engram_shard, plan as plan_mod
 from sharding.mesh import MeshSpecError, make_mesh, mesh_shape, parse_mesh_spec, resolve_mesh_shape
 from sharding.moe_ep import expert_parallel_moe
@@ -331,7 +331,7 @@ def test_plan_without_expert_axis_replicates_experts():
 
 
 def test_plan_cli_with_compile(capsys):
-    from dsv41_jax.cli import main
+    from dsv41_jax.cli.main import main
 
     rc = main(["plan", "--config", "tiny", "--mesh", "data=2,expert=2,tensor=2", "--batch", "4", "--context", "64",
                "--device", "v6e", "--json"])

@@ -6,8 +6,8 @@ import unicodedata
 import pytest
 from tiny_dsv41_tokenizer import SPECIAL_IDS, WORD_IDS, build_tokenizer_json, placeholder
 
-from dsv41_jax import special_tokens as st
-from dsv41_jax.tokenizer import load_tokenizer, sentinel_ids
+from dsv41_jax.text import special_tokens as st
+from dsv41_jax.text.tokenizer import load_tokenizer, sentinel_ids
 
 
 @pytest.fixture(scope="module")

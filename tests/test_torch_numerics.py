@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dsv41_jax import golden_data
-from dsv41_jax.exact_ops import torch_sum_axis, torch_sum_last
+from dsv41_jax.golden import data as golden_data
+from dsv41_jax.numerics.exact_ops import torch_sum_axis, torch_sum_last
 
 
 def _sites(gc, t):

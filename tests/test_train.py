@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv41_jax import quant
-from dsv41_jax.model import COMPILER_OPTIONS, init_cache, make_step
+from dsv41_jax.numerics import quant
+from dsv41_jax.model.transformer import COMPILER_OPTIONS, init_cache, make_step
 from dsv41_jax.train import losses
 from dsv41_jax.train import params as P
 from dsv41_jax.train import qat_modules as Q
@@ -50,7 +50,7 @@ def _qat_logits_fn(cfg, formats, graphdef):
 
 def _unpacked_rows(cfg, n=2, seed=0):
     """n single-document rows filling the whole context (as a served prefill would see them)."""
-    from dsv41_jax.engram_hash import hash_ids
+    from dsv41_jax.engram.hashing import hash_ids
     from dsv41_jax.train.data import engram_setup
 
     rng = np.random.default_rng(seed)

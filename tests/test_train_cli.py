@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from dsv41_jax.cli import main
+from dsv41_jax.cli.main import main
 
 from train_fixtures import micro_config
 

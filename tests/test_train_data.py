@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv41_jax import special_tokens as st
+from dsv41_jax.text import special_tokens as st
 from dsv41_jax.train import data as D
 from dsv41_jax.train import forward as F
 from dsv41_jax.train import lora as L
@@ -83,7 +83,7 @@ def test_alignment_covers_ratios_and_candidate_blocks():
 
 def test_engram_ids_are_hashed_per_document():
     """A document's Engram rows do not depend on what precedes it in the packed row."""
-    from dsv41_jax.engram_hash import hash_ids
+    from dsv41_jax.engram.hashing import hash_ids
 
     cfg = micro_config(32)
     layout, token_map = D.engram_setup(cfg, TOKENIZER)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
-from dsv41_jax import special_tokens as st
+from dsv41_jax.text import special_tokens as st
 
 UNK_ID = 3
 WORDS = [

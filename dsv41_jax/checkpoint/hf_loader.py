@@ -24,7 +24,7 @@ from dsv41_jax.checkpoint import fp8_tiles, placement
 from dsv41_jax.checkpoint.names import DiskTensor, disk_tensors, is_wo_a, wo_a_scale_shape
 from dsv41_jax.checkpoint.safetensors_file import SafetensorsFile, TensorInfo, normalize_index, read_header
 from dsv41_jax.config import ConfigError, ModelConfig
-from dsv41_jax.weights import WeightError, flat_params, is_ignored
+from dsv41_jax.checkpoint.weights import WeightError, flat_params, is_ignored
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -227,7 +227,7 @@ def load_checkpoint(folder, *, shardings: placement.ShardingSpec = None, progres
     """
     from tqdm.auto import tqdm
 
-    from dsv41_jax.info import abstract_model
+    from dsv41_jax.model.info import abstract_model
 
     folder = pathlib.Path(folder)
     if not folder.is_dir():

@@ -27,7 +27,7 @@ from dsv41_jax.checkpoint.hf_loader import INDEX_FILE
 from dsv41_jax.checkpoint.names import DiskTensor, disk_tensors, is_compressor_weight, is_wo_a, wo_a_scale_shape
 from dsv41_jax.checkpoint.safetensors_file import DTYPES, TensorEntry, write_file
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.weights import flat_params
+from dsv41_jax.checkpoint.weights import flat_params
 
 DEFAULT_SHARD_BYTES = 5 << 30
 NARROW_POLICIES = ("auto", "strict", "round")

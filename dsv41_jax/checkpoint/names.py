@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dsv41_jax.checkpoint.fp8_tiles import BLOCK
-from dsv41_jax.weights import _our_path, _reference_name, flat_params
+from dsv41_jax.checkpoint.weights import _our_path, _reference_name, flat_params
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from flax import nnx
 
 from dsv41_jax.checkpoint import placement
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.weights import flat_params
+from dsv41_jax.checkpoint.weights import flat_params
 
 PARAMS_DIR = "params"
 CONFIG_FILE = "config.json"
@@ -37,7 +37,7 @@ def to_pure(params) -> dict:
 
 def abstract_target(cfg: ModelConfig, shardings: placement.ShardingSpec = None):
     """(graphdef, abstract state, pure dict of ShapeDtypeStructs carrying their target shardings)."""
-    from dsv41_jax.info import abstract_model
+    from dsv41_jax.model.info import abstract_model
 
     graphdef, state = nnx.split(abstract_model(cfg))
     where = placement.resolve(shardings)

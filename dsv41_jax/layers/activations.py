@@ -10,8 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax.exact_ops import exact_sqrt, true_divide
-from dsv41_jax.sleef_exp import expf_u10, log1pf_u10
+from dsv41_jax.numerics.exact_ops import exact_sqrt, true_divide
+from dsv41_jax.numerics.sleef_exp import expf_u10, log1pf_u10
 
 
 def sigmoid(x: jax.Array, mode: str = "fast") -> jax.Array:

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv41_jax import quant
+from dsv41_jax.numerics import quant
 from dsv41_jax.layers.basic import QLinear, RMSNorm, matmul, weight_kind
 from dsv41_jax.layers.compressor import Compressor
 from dsv41_jax.layers.indexer import Indexer

@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv41_jax import gemm, quant
-from dsv41_jax.exact_ops import exact_sqrt, no_fma, torch_mean_last, true_divide
+from dsv41_jax.numerics import gemm, quant
+from dsv41_jax.numerics.exact_ops import exact_sqrt, no_fma, torch_mean_last, true_divide
 
 
 def round_from_f64(y: jax.Array, dtype) -> jax.Array:

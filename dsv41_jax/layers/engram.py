@@ -1,6 +1,6 @@
 """Engram: an n-gram memory written into every residual copy through a learned gate (SPEC §3).
 
-The hash ids are computed on the host in int64 (`dsv41_jax.engram_hash`) and arrive here as
+The hash ids are computed on the host in int64 (`dsv41_jax.engram.hashing`) and arrive here as
 row ids; this module owns the FP8 table, the key/value projection and the per-copy gate.
 """
 from __future__ import annotations
@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv41_jax import quant
-from dsv41_jax.exact_ops import no_fma, torch_sum_last
+from dsv41_jax.numerics import quant
+from dsv41_jax.numerics.exact_ops import no_fma, torch_sum_last
 from dsv41_jax.layers.activations import sigmoid, sqrt
 from dsv41_jax.layers.basic import QLinear, inv_sqrt, mean_square, weight_kind
 

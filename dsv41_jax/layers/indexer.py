@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv41_jax import kv_layout, quant
-from dsv41_jax.exact_ops import no_fma, torch_sum_axis
+from dsv41_jax.numerics import kv_layout, quant
+from dsv41_jax.numerics.exact_ops import no_fma, torch_sum_axis
 from dsv41_jax.layers.basic import QLinear, RMSNorm, matmul, weight_kind
 from dsv41_jax.layers.rope import apply_rope
 

@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv41_jax.exact_ops import no_fma, sum_in_order
+from dsv41_jax.numerics.exact_ops import no_fma, sum_in_order
 from dsv41_jax.layers.basic import inv_sqrt, matmul, mean_square
-from dsv41_jax.mhc import sinkhorn_split
+from dsv41_jax.layers.mhc import sinkhorn_split
 
 
 class HyperSite(nnx.Module):

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv41_jax import gemm, quant
-from dsv41_jax.exact_ops import no_fma, torch_sum_last, true_divide
+from dsv41_jax.numerics import gemm, quant
+from dsv41_jax.numerics.exact_ops import no_fma, torch_sum_last, true_divide
 from dsv41_jax.layers.activations import sigmoid, silu, softplus, sqrt
 from dsv41_jax.layers.basic import QLinear, matmul, weight_kind
 

@@ -15,7 +15,7 @@ import math
 import jax.numpy as jnp
 
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.model import init_cache
+from dsv41_jax.model.transformer import init_cache
 
 
 def capacity_for(cfg: ModelConfig, n_tokens: int, minimum: int = 256, maximum: int | None = None) -> int:

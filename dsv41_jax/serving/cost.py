@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.model import COMPILER_OPTIONS
+from dsv41_jax.model.transformer import COMPILER_OPTIONS
 from dsv41_jax.runtime import Runtime
 from dsv41_jax.serving.buckets import empty_cache
 
@@ -37,7 +37,7 @@ def arithmetic_config(cfg: ModelConfig) -> ModelConfig:
 
 
 def abstract_params(cfg: ModelConfig):
-    from dsv41_jax.info import abstract_model
+    from dsv41_jax.model.info import abstract_model
 
     return nnx.split(abstract_model(cfg))
 
@@ -180,7 +180,7 @@ def indexer_scoring_flops(cfg: ModelConfig, positions: int, batch: int = 1, pack
     key decode, the FP4 query and head weights, the dots, the ReLU-weighted head sum and the
     masking (no top-k). packed: the lean fast step's `fast_index.scores_packed` (what decode
     runs); False: `Indexer.scores` on `decode_index_keys` (reference rounding points)."""
-    from dsv41_jax import kv_layout
+    from dsv41_jax.numerics import kv_layout
     from dsv41_jax.layers.rope import cos_sin, layer_frequencies
     from dsv41_jax.serving.fast_index import scores_packed
     from dsv41_jax.serving.layer_range import decode_index_keys
@@ -220,7 +220,7 @@ def positions_scored(cfg: ModelConfig, context: int) -> dict[int, int]:
 def arithmetic_decode(cfg: ModelConfig, context: int, batch: int = 1) -> dict:
     """The textbook count of a decode step: 2 x active matrix parameters, attention over
     window + selected slots, and the indexer term positions x 2 x heads x dim."""
-    from dsv41_jax.info import model_info
+    from dsv41_jax.model.info import model_info
 
     info = model_info(cfg)
     rows = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads * cfg.engram_head_dim * len(cfg.engram_layer_ids)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsv41_jax.model import COMPILER_OPTIONS
+from dsv41_jax.model.transformer import COMPILER_OPTIONS
 from dsv41_jax.runtime import Runtime
 from dsv41_jax.serving import prefix_cache
 from dsv41_jax.serving.buckets import capacity_for, capacity_of, empty_cache, resize_cache
@@ -98,7 +98,7 @@ class Engine:
         self.tail = cfg.window_size + tail_slack
         if cfg.engram_layer_ids and engram is None:
             raise ValueError("this config has Engram layers: pass engram=(layout, token_map) "
-                             "(dsv41_jax.engram_hash.EngramLayout and the token map)")
+                             "(dsv41_jax.engram.hashing.EngramLayout and the token map)")
         self.engram = engram
         self.banned = jnp.asarray(banned_mask(cfg.vocab_size, banned_ids))
         self.fingerprint = fingerprint or prefix_cache.model_fingerprint(self.params)
@@ -163,7 +163,7 @@ class Engine:
     def _engram_ids(self, history: list[int], new: list[int]):
         if self.engram is None:
             return None
-        from dsv41_jax.engram_hash import hash_ids
+        from dsv41_jax.engram.hashing import hash_ids
 
         layout, token_map = self.engram
         depth = layout.max_ngram_size - 1

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv41_jax import kv_layout, quant
+from dsv41_jax.numerics import kv_layout, quant
 from dsv41_jax.layers.rope import apply_rope
 
 # byte b of a packed row holds element 2i in its low nibble and 2i+1 in its high nibble

@@ -22,14 +22,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv41_jax import kv_layout, quant
+from dsv41_jax.numerics import kv_layout, quant
 from dsv41_jax.layers.indexer import candidate_pool, select_topk
 from dsv41_jax.layers.mhc_site import collapse, expand
 from dsv41_jax.layers.rope import apply_rope, cos_sin, layer_frequencies
-from dsv41_jax.model import _impl, _index_keys_for, _scatter_container, _window_indices, _write_ring
+from dsv41_jax.model.transformer import _impl, _index_keys_for, _scatter_container, _window_indices, _write_ring
 from dsv41_jax.runtime import Runtime
 from dsv41_jax.serving import fast_index
-from dsv41_jax.sparse_attention import sparse_attention
+from dsv41_jax.layers.sparse_attention import sparse_attention
 
 
 def embed(model, tokens: jax.Array):
@@ -94,7 +94,7 @@ def project_ced(model, h: jax.Array, pre: jax.Array, start: jax.Array, cache: di
     block = model.layers[d]
     if block.engram is not None:
         if engram_ids is None:
-            raise ValueError(f"layer {d} has Engram: pass engram_ids (see dsv41_jax.engram_hash.hash_ids)")
+            raise ValueError(f"layer {d} has Engram: pass engram_ids (see dsv41_jax.engram.hashing.hash_ids)")
         h, _ = block.engram(h, engram_ids[:, :, cfg.engram_layer_ids.index(d)], runtime.mode)
     x = block.attn_norm(collapse(h, pre), runtime.mode)
     cache = copy_cache(cache)
@@ -183,7 +183,7 @@ def run_layers(model, h: jax.Array, pre: jax.Array, cache: dict, *, start: jax.A
         role = block.role
         if block.engram is not None:
             if engram_ids is None:
-                raise ValueError(f"layer {l} has Engram: pass engram_ids (see dsv41_jax.engram_hash.hash_ids)")
+                raise ValueError(f"layer {l} has Engram: pass engram_ids (see dsv41_jax.engram.hashing.hash_ids)")
             h, _ = block.engram(h, engram_ids[:, :, cfg.engram_layer_ids.index(l)], mode)
         a_pre, a_post, a_comb = block.hc_attn.mixes(h, mode)
         x = block.attn_norm(collapse(h, pre), runtime.mode)

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv41_jax import kv_layout
+from dsv41_jax.numerics import kv_layout
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.serving.buckets import capacity_for, empty_cache
 

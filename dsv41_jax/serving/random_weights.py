@@ -18,7 +18,7 @@ from dsv41_jax.config import ModelConfig
 
 def random_model(cfg: ModelConfig, seed: int = 0):
     """A Transformer of `cfg` with seeded random weights (not the module's own init)."""
-    from dsv41_jax.model import Transformer
+    from dsv41_jax.model.transformer import Transformer
 
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=0))
     graphdef, state = nnx.split(abstract)

@@ -40,7 +40,7 @@ class SamplingParams:
 
 
 def banned_mask(vocab_size: int, banned_ids) -> np.ndarray:
-    """Boolean [V] mask of ids never to sample (e.g. `dsv41_jax.tokenizer.sentinel_ids`)."""
+    """Boolean [V] mask of ids never to sample (e.g. `dsv41_jax.text.tokenizer.sentinel_ids`)."""
     mask = np.zeros((vocab_size,), bool)
     ids = np.asarray(list(banned_ids), np.int64)
     if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv41_jax.model import COMPILER_OPTIONS
+from dsv41_jax.model.transformer import COMPILER_OPTIONS
 from dsv41_jax.runtime import Runtime
 from dsv41_jax.serving.layer_range import embed, head, project_ced, run_layers
 

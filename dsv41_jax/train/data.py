@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dsv41_jax import special_tokens as st
+from dsv41_jax.text import special_tokens as st
 
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".c", ".h", ".json", ".toml", ".cfg"}
 
@@ -82,13 +82,13 @@ def load_tokenizer(path: str | None):
     """The checkpoint's tokenizer.json (file or folder), or the byte-level fallback when None."""
     if path is None:
         return ByteTokenizer()
-    from dsv41_jax.tokenizer import load_tokenizer as load
+    from dsv41_jax.text.tokenizer import load_tokenizer as load
 
     return load(path)
 
 
 def engram_token_map(tokenizer) -> tuple[np.ndarray, int]:
-    from dsv41_jax.engram_tokens import build_token_map
+    from dsv41_jax.engram.tokens import build_token_map
 
     if isinstance(tokenizer, ByteTokenizer):
         return build_token_map(tokenizer.token_texts())
@@ -111,7 +111,7 @@ def text_document(tokenizer, text: str) -> Document:
 
 def chat_document(tokenizer, messages, thinking: bool = False) -> Document:
     """A conversation; only the assistant replies (through their EOS) are trained on."""
-    from dsv41_jax.chat import encode_chat
+    from dsv41_jax.text.chat import encode_chat
 
     full = tokenizer.encode(encode_chat(messages, thinking=thinking))
     mask = np.zeros(len(full), bool)
@@ -219,7 +219,7 @@ def pack(docs: list[Document], seq_len: int, align: int, pad_id: int, seed: int 
 def engram_ids(layout, token_map, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """int32 [B, T, n_layers, cols] Engram rows, hashed per document (n-grams never reach
     back into the previous document of a packed row)."""
-    from dsv41_jax.engram_hash import hash_ids
+    from dsv41_jax.engram.hashing import hash_ids
 
     B, T = tokens.shape
     out = np.zeros((B, T, len(layout.layer_ids), layout.n_hash_cols), np.int64)
@@ -265,7 +265,7 @@ def engram_setup(cfg, tokenizer):
     """(layout, token map) for configs with Engram layers, else None."""
     if not cfg.engram_layer_ids:
         return None
-    from dsv41_jax.engram_hash import EngramLayout
+    from dsv41_jax.engram.hashing import EngramLayout
 
     token_map, size = engram_token_map(tokenizer)
     if size > cfg.engram_compressed_vocab_size:

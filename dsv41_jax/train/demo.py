@@ -49,7 +49,7 @@ def stdlib_corpus(max_bytes: int = 2_000_000) -> list[pathlib.Path]:
 
 def cache_figures(cfg: ModelConfig, context: int) -> dict:
     """Per-sequence cache bytes at `context` tokens and the CED split's prefill saving."""
-    from dsv41_jax.info import model_info
+    from dsv41_jax.model.info import model_info
 
     info = model_info(cfg)
     exact = context * info["active_params_decode"]
@@ -132,7 +132,7 @@ def run_demo(out_dir=None, *, steps: int = 50, batch_size: int = 8, seq_len: int
                    engram=engram, stop_ids=(tok.eos_id,))
     text = prompt + tok.decode(ids, skip_special=True)
     print_fn("-" * 60 + "\n" + text + "\n" + "-" * 60)
-    print_fn("cache memory and prefill savings (dsv41_jax.info.model_info):")
+    print_fn("cache memory and prefill savings (dsv41_jax.model.info.model_info):")
     figures = {"demo_model_1k": cache_figures(cfg, 1024),
                "v41_flash_128k": cache_figures(ModelConfig.v41_flash(), 131072)}
     print_fn(format_figures("this demo model", cfg, 1024, figures["demo_model_1k"]))

@@ -33,7 +33,7 @@ def export_checkpoint(out_dir, cfg: ModelConfig, master: dict, formats: dict[str
     """Write config.json + model.safetensors for fp32 masters; returns the folder."""
     from safetensors.flax import save_file
 
-    from dsv41_jax.weights import to_reference_state_dict
+    from dsv41_jax.checkpoint.weights import to_reference_state_dict
 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -65,7 +65,7 @@ def read_safetensors(path) -> dict[str, np.ndarray]:
 def load_exported(folder, cfg: ModelConfig | None = None):
     """(config, served model) from a checkpoint folder (one or many safetensors files, e.g. the
     release's shards), through `weights.load_reference_state_dict`."""
-    from dsv41_jax.weights import load_reference_state_dict
+    from dsv41_jax.checkpoint.weights import load_reference_state_dict
 
     folder = pathlib.Path(folder)
     cfg = cfg or ModelConfig.from_file(folder / "config.json")

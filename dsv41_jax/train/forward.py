@@ -24,12 +24,12 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax import quant
+from dsv41_jax.numerics import quant
 from dsv41_jax.layers.indexer import candidate_pool
 from dsv41_jax.layers.mhc_site import collapse, expand
 from dsv41_jax.layers.basic import matmul
 from dsv41_jax.layers.rope import apply_rope, cos_sin, layer_frequencies
-from dsv41_jax.sparse_attention import sparse_attention
+from dsv41_jax.layers.sparse_attention import sparse_attention
 
 sg = jax.lax.stop_gradient
 

@@ -55,7 +55,7 @@ def merge_model(graphdef, flat: dict[str, jax.Array]):
 
 def serving_graph(cfg: ModelConfig):
     """(graphdef, abstract flat params) of the served model, without allocating it."""
-    from dsv41_jax.model import Transformer
+    from dsv41_jax.model.transformer import Transformer
 
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=0))
     graphdef, state = nnx.split(abstract)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsv41_jax.model import check_inputs, init_cache, make_step
+from dsv41_jax.model.transformer import check_inputs, init_cache, make_step
 
 
 def generate(model, prompt_ids: list[int], max_new: int, *, temperature: float = 0.0, seed: int = 0,
@@ -28,7 +28,7 @@ def generate(model, prompt_ids: list[int], max_new: int, *, temperature: float =
         chunk = np.asarray([[feed.pop(0)]], np.int64)
         ids = None
         if engram is not None:
-            from dsv41_jax.engram_hash import hash_ids, next_history
+            from dsv41_jax.engram.hashing import hash_ids, next_history
 
             layout, token_map = engram
             ids = jnp.asarray(hash_ids(layout, token_map, chunk, history).astype(np.int32))

@@ -17,7 +17,7 @@ import optax
 from flax import nnx
 
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.model import COMPILER_OPTIONS
+from dsv41_jax.model.transformer import COMPILER_OPTIONS
 from dsv41_jax.train import losses
 from dsv41_jax.train.forward import ForwardOptions, train_forward
 from dsv41_jax.train.lora import apply_lora, init_lora

@@ -18,7 +18,7 @@ PEAK_BF16 = {
 
 
 def flops_per_token(cfg, seq_len: int) -> float:
-    from dsv41_jax.info import model_info
+    from dsv41_jax.model.info import model_info
 
     info = model_info(cfg)
     active = info["active_params_decode"] - cfg.dim  # the embedding row is a lookup

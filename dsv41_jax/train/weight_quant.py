@@ -16,7 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax import quant
+from dsv41_jax.numerics import quant
 from dsv41_jax.train.params import BF16, F32, FP4_WEIGHT, FP8_ROWS, FP8_WEIGHT, Format
 
 

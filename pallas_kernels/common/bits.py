@@ -1,9 +1,9 @@
 """Number-format decoders built only from 32-bit integer and float ops.
 
-Kernels cannot call `dsv41_jax.quant` (its table lookups and float8 casts do not lower to Mosaic
+Kernels cannot call `dsv41_jax.numerics.quant` (its table lookups and float8 casts do not lower to Mosaic
 TPU on every generation, nor to Triton), so they decode raw bytes with shifts, masks and float
 bit patterns. Every function takes int32 codes and returns float32, and lowers on Mosaic TPU,
-Triton and the interpreter. Tests check each one against `dsv41_jax.quant` and ml_dtypes over all
+Triton and the interpreter. Tests check each one against `dsv41_jax.numerics.quant` and ml_dtypes over all
 256 (or 16) codes. Formats: SPEC §4 and golden README "Weights".
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv41_jax import kv_layout, quant
+from dsv41_jax.numerics import kv_layout, quant
 
 
 def _close(out, ref, rtol, what):

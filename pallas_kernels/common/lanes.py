@@ -1,6 +1,6 @@
 """Spreading per-block scale bytes over the lanes of the 8-plane word view (TPU kernels).
 
-In the word view (dsv41_jax.kv_layout, "kernel views") lane j of every plane holds elements
+In the word view (dsv41_jax.numerics.kv_layout, "kernel views") lane j of every plane holds elements
 8j..8j+7, so with blocks of 16 or 32 elements all eight planes share one scale per lane:
 byte 8j // block of the row. A matmul with a one-hot matrix is the cheap lane broadcast on TPU
 (bytes <= 255 are exact in bf16, and each output sums exactly one non-zero product).

@@ -5,7 +5,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dsv41_jax import kv_layout
+from dsv41_jax.numerics import kv_layout
 from pallas_kernels.common import bits
 from pallas_kernels.common.backend import resolve
 

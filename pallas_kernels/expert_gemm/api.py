@@ -1,7 +1,7 @@
 """`grouped_fp4_gemm`, `fp8_block_gemm` and the routed-expert FFN built on them, with the impl switch.
 
 No custom VJP: the weights are packed MXFP4 / FP8 storage (not differentiable here), and QAT
-trains through the model's jnp path (dsv41_jax.gemm) instead.
+trains through the model's jnp path (dsv41_jax.numerics.gemm) instead.
 """
 from __future__ import annotations
 

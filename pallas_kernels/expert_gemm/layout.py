@@ -2,7 +2,7 @@
 
 The TPU kernels decode weights from uint32 words (Mosaic is safest on 32-bit data) into 8 planes:
 element k = 8j + n of a weight row lands in plane n, lane j (the same order as the cache views in
-`dsv41_jax.kv_layout`). The activations are split the same way along K (`activation_planes`), so
+`dsv41_jax.numerics.kv_layout`). The activations are split the same way along K (`activation_planes`), so
 the product is sum_n x_n . w_n^T. Weights are static, so a serving stack should build the word
 view once at load time and pass it in (the kernels accept words directly); on TPU converting
 uint8 to uint32 is a relayout copy.

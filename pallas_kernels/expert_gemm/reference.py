@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax import gemm, quant
+from dsv41_jax.numerics import gemm, quant
 
 
 def dequantized_activation(x) -> jax.Array:
@@ -37,7 +37,7 @@ def grouped_fp4_gemm_reference(x_sorted, group_sizes, w_packed, w_scale) -> jax.
 
 
 def fp8_block_gemm_reference(x, w_e4m3, w_scale) -> jax.Array:
-    """y [M, N] f32 = FP8(x) @ dequant(W)^T with 32x32 E8M0 weight tiles (dsv41_jax.gemm, fast mode)."""
+    """y [M, N] f32 = FP8(x) @ dequant(W)^T with 32x32 E8M0 weight tiles (dsv41_jax.numerics.gemm, fast mode)."""
     if isinstance(x, (tuple, list)):
         xd = dequantized_activation(x)
         wd = quant.dequant_fp8_weight(w_e4m3, w_scale).astype(jnp.bfloat16)

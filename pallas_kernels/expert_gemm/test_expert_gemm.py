@@ -7,7 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dsv41_jax import quant
+from dsv41_jax.numerics import quant
 from pallas_kernels import fp8_block_gemm, grouped_fp4_gemm
 from pallas_kernels.expert_gemm.reference import fp8_block_gemm_reference, grouped_fp4_gemm_reference
 
@@ -155,10 +155,10 @@ def test_grouped_random_sweep(platform, seed):
 
 
 def test_expert_gemm_moe_matches_per_row_linear():
-    """The routed-expert FFN helper the model calls, against per-row dsv41_jax.gemm.linear calls."""
+    """The routed-expert FFN helper the model calls, against per-row dsv41_jax.numerics.gemm.linear calls."""
     from types import SimpleNamespace
 
-    from dsv41_jax import gemm
+    from dsv41_jax.numerics import gemm
     from dsv41_jax.layers.moe import swiglu
     from pallas_kernels import expert_gemm_moe
 

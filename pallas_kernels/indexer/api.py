@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import jax
 
-from dsv41_jax import kv_layout
+from dsv41_jax.numerics import kv_layout
 from pallas_kernels.common.backend import resolve
 from pallas_kernels.indexer.reference import candidate_pool, indexer_scores_reference, topk_indices
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from dsv41_jax import kv_layout, quant
+from dsv41_jax.numerics import kv_layout, quant
 from pallas_kernels.common import bits
 
 

@@ -5,7 +5,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dsv41_jax import kv_layout, quant
+from dsv41_jax.numerics import kv_layout, quant
 from pallas_kernels import candidate_pool, indexer_scores, topk_indices
 from pallas_kernels.indexer.reference import indexer_scores_reference
 

@@ -3,7 +3,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from dsv41_jax import kv_layout
+from dsv41_jax.numerics import kv_layout
 from pallas_kernels import indexer_scores
 from pallas_kernels.common.lowering import custom_call_targets, lower_for
 from pallas_kernels.indexer.specs import FLASH

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from dsv41_jax import kv_layout, quant
+from dsv41_jax.numerics import kv_layout, quant
 from pallas_kernels.common import bits, lanes
 
 

@@ -16,7 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax import kv_layout
+from dsv41_jax.numerics import kv_layout
 from pallas_kernels.common.backend import resolve
 from pallas_kernels.sparse_attention.reference import sparse_sink_attention_reference
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from dsv41_jax import kv_layout
+from dsv41_jax.numerics import kv_layout
 from pallas_kernels.common import bits
 
 _NEG_INF = float("-inf")

@@ -1,6 +1,6 @@
 """The plane order of the TPU kernels' head dimension, and how queries and outputs move in and out.
 
-The TPU kernels decode 32-bit words of cached rows into 8 "planes" (dsv41_jax.kv_layout, "kernel
+The TPU kernels decode 32-bit words of cached rows into 8 "planes" (dsv41_jax.numerics.kv_layout, "kernel
 views"): element 8j + n of a row lands in plane n, lane j. Attention is invariant under a common
 permutation of the head dimension of q, K and V, so the kernels work in that order throughout and
 only the query (in) and the output (out) are permuted, here in XLA.

@@ -1,9 +1,9 @@
 """Plain-jnp sparse sink attention over the quantized caches: the oracle and the XLA path.
 
-It dequantizes both caches with `dsv41_jax.kv_layout`, concatenates them (window rows first, then
+It dequantizes both caches with `dsv41_jax.numerics.kv_layout`, concatenates them (window rows first, then
 compressed rows, as the reference's `torch.cat([kv, compress_kv])` does; reference model.py:
 Attention.forward), shifts the compressed indices past the window rows, and calls the model's
-`dsv41_jax.sparse_attention.sparse_attention`, so the kernels share one definition of the math.
+`dsv41_jax.layers.sparse_attention.sparse_attention`, so the kernels share one definition of the math.
 When the index lists are shorter than the caches (decode at long context), it gathers the
 selected quantized rows first and dequantizes only those; dequantization is exact, so both
 orders give the same numbers, but a 1M-entry cache is never expanded to bf16.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax import kv_layout
+from dsv41_jax.numerics import kv_layout
 
 
 def combined_kv_and_indices(window, compressed, window_idx, compressed_idx, dtype):
@@ -64,7 +64,7 @@ def _slots(idx):
 
 def sparse_sink_attention_reference(q, window, compressed, window_idx, compressed_idx, sink, scale, *, mode="fast"):
     """o[B, S, H, D] in q.dtype; see `pallas_kernels.sparse_sink_attention` for the contract."""
-    from dsv41_jax.sparse_attention import sparse_attention
+    from dsv41_jax.layers.sparse_attention import sparse_attention
 
     has_win = window is not None and window_idx is not None and window_idx.shape[-1] > 0
     has_comp = compressed is not None and compressed_idx is not None and compressed_idx.shape[-1] > 0

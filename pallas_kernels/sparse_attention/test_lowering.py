@@ -3,7 +3,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from dsv41_jax import kv_layout
+from dsv41_jax.numerics import kv_layout
 from pallas_kernels import sparse_sink_attention
 from pallas_kernels.common.lowering import custom_call_targets, lower_for
 from pallas_kernels.sparse_attention.specs import FLASH

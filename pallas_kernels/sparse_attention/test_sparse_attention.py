@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv41_jax import kv_layout
+from dsv41_jax.numerics import kv_layout
 from pallas_kernels import sparse_sink_attention
 from pallas_kernels.sparse_attention.reference import sparse_sink_attention_reference
 from pallas_kernels.sparse_attention.testing import assert_close, make_inputs, oracle
@@ -145,7 +145,7 @@ def test_random_shape_sweep(platform, seed):
 
 def test_reference_gathers_first_at_long_context():
     """Decode at long context takes the gather-then-dequantize path; it must equal dequantize-then-gather."""
-    from dsv41_jax.sparse_attention import sparse_attention
+    from dsv41_jax.layers.sparse_attention import sparse_attention
     from pallas_kernels.sparse_attention.reference import combined_kv_and_indices
 
     rng = np.random.default_rng(8)

@@ -5,7 +5,7 @@ import ml_dtypes
 import numpy as np
 import jax.numpy as jnp
 
-from dsv41_jax import kv_layout
+from dsv41_jax.numerics import kv_layout
 
 
 def make_inputs(rng, B, S, H, D, Nw, G, Kw, Kc, *, kv_scale=1.0, q_scale=1.0, empty_frac=0.25):

@@ -85,7 +85,7 @@ def load_reference_state_dict(cfg: ModelConfig, get: Callable[[str], np.ndarray]
     get(name) returns a numpy array (only called for names we use). Raises WeightError naming
     every missing, unexpected or mis-shaped tensor. Returns (model, skipped names).
     """
-    from dsv41_jax.model import Transformer
+    from dsv41_jax.model.transformer import Transformer
 
     abstract = model if model is not None else nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsv41_jax import kv_layout
+from dsv41_jax.numerics import kv_layout
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.layers.attention import Attention
 from dsv41_jax.layers.basic import KeyStream, RMSNorm, matmul
@@ -26,7 +26,7 @@ from dsv41_jax.layers.mhc_site import HyperSite, collapse, expand
 from dsv41_jax.layers.moe import MoE
 from dsv41_jax.layers.rope import cos_sin, layer_frequencies
 from dsv41_jax.runtime import Runtime
-from dsv41_jax.sparse_attention import sparse_attention
+from dsv41_jax.layers.sparse_attention import sparse_attention
 
 
 COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
@@ -69,7 +69,7 @@ def engram_table_rows(cfg: ModelConfig) -> tuple[int, ...]:
         return ()
     if cfg.engram_num_embeddings:
         return tuple(cfg.engram_num_embeddings)
-    from dsv41_jax.engram_hash import EngramLayout
+    from dsv41_jax.engram.hashing import EngramLayout
 
     return EngramLayout.build(cfg.engram_layer_ids, cfg.engram_max_ngram_size, cfg.engram_n_heads, cfg.engram_head_dim,
                               cfg.engram_vocab_size, cfg.engram_compressed_vocab_size, cfg.engram_pad_id).num_embeddings
@@ -157,7 +157,7 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
     """Run `tokens` [B, T] on top of `cache`. Returns (logits [B,T,V] fp32, new cache, aux).
 
     engram_ids: [B, T, n_engram_layers, n_cols] table rows (host int64 hashing, see
-      `dsv41_jax.engram_hash`); required when the config has Engram layers.
+      `dsv41_jax.engram.hashing`); required when the config has Engram layers.
     forced: optional {"topk": {layer: [B,T,K]}, "experts": {layer: [B,T,k]}, "impose": bool} decisions
       compared (tie-aware) with the model's own, agreement returned in aux, then imposed when
       `impose` (a traced bool, default True) holds, so free and forced runs share one compilation.
@@ -187,7 +187,7 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
         l, role = block.layer, block.role
         if block.engram is not None:
             if engram_ids is None:
-                raise ValueError(f"layer {l} has Engram: pass engram_ids (see dsv41_jax.engram_hash.hash_ids)")
+                raise ValueError(f"layer {l} has Engram: pass engram_ids (see dsv41_jax.engram.hashing.hash_ids)")
             h, gate = block.engram(h, engram_ids[:, :, cfg.engram_layer_ids.index(l)], mode)
             if collect:
                 trace[f"engram.{l}.gate"] = gate

@@ -43,7 +43,7 @@ def read_messages(path: str) -> tuple[list, list | None]:
 
 
 def _prompt_ids(args, tokenizer) -> list[int]:
-    from dsv41_jax.chat import encode_chat_ids
+    from dsv41_jax.text.chat import encode_chat_ids
 
     messages, tools = (read_messages(args.messages) if args.messages is not None
                        else ([{"role": "user", "content": args.prompt}], None))
@@ -68,9 +68,9 @@ def _mesh_shardings(n_devices: int):
 def _run(args) -> int:
     from dsv41_jax.checkpoint import checkpoint_format, load
     from dsv41_jax.checkpoint.hf_loader import read_config
-    from dsv41_jax.generate import Generator, Sampling, TextStream
+    from dsv41_jax.serving.generate import Generator, Sampling, TextStream
     from dsv41_jax.runtime import Runtime
-    from dsv41_jax.tokenizer import load_tokenizer
+    from dsv41_jax.text.tokenizer import load_tokenizer
 
     folder = pathlib.Path(args.checkpoint)
     if not folder.is_dir():

@@ -27,8 +27,8 @@ import numbers
 import types
 from collections.abc import Mapping, Sequence
 
-from dsv41_jax import chat_dsml
-from dsv41_jax import special_tokens as st
+from dsv41_jax.text import dsml as chat_dsml
+from dsv41_jax.text import special_tokens as st
 
 # The reference encoder's table (checkpoint encoding.py, as pinned by vLLM's conformance test)
 # and the DeepSeek API's; SGLang ships 25/50/75/100 with "xhigh", hence `effort_table`.
@@ -285,7 +285,7 @@ def encode_chat(
 
 
 def encode_chat_ids(tokenizer, messages, **kwargs) -> list[int]:
-    """Token ids of `encode_chat(messages, **kwargs)` with a dsv41_jax.tokenizer.Tokenizer.
+    """Token ids of `encode_chat(messages, **kwargs)` with a dsv41_jax.text.tokenizer.Tokenizer.
 
     Fails if the tokenizer lacks a role/reasoning marker as an added token (the prompt would
     silently become plain text), and if the image id shows up (escaping must prevent that).

@@ -40,37 +40,37 @@ class IndexKeys(NamedTuple):
 
 
 def quantize_window(x: jax.Array) -> WindowKV:
-    from dsv41_jax import quant
+    from dsv41_jax.numerics import quant
 
     return WindowKV(*quant.quant_fp8_act(x, 32))
 
 
 def dequantize_window(w: WindowKV) -> jax.Array:
-    from dsv41_jax import quant
+    from dsv41_jax.numerics import quant
 
     return quant.dequant_fp8_act(w.values, w.scales, 32)
 
 
 def quantize_compressed(x: jax.Array) -> CompressedKV:
-    from dsv41_jax import quant
+    from dsv41_jax.numerics import quant
 
     return CompressedKV(*quant.quant_fp4_kv(x, 16))
 
 
 def dequantize_compressed(c: CompressedKV) -> jax.Array:
-    from dsv41_jax import quant
+    from dsv41_jax.numerics import quant
 
     return quant.dequant_fp4_kv(c.packed, c.scales, 16)
 
 
 def quantize_index_keys(x: jax.Array) -> IndexKeys:
-    from dsv41_jax import quant
+    from dsv41_jax.numerics import quant
 
     return IndexKeys(*quant.quant_fp4_mx(x, 32))
 
 
 def dequantize_index_keys(k: IndexKeys) -> jax.Array:
-    from dsv41_jax import quant
+    from dsv41_jax.numerics import quant
 
     return quant.dequant_fp4_mx(k.packed, k.scales, 32)
 

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsv41_jax import golden_data
-from dsv41_jax.model import init_cache, make_step
+from dsv41_jax.golden import data as golden_data
+from dsv41_jax.model.transformer import init_cache, make_step
 from dsv41_jax.runtime import Runtime
 
 # Thresholds: golden/README.md "Tolerances", row "FP32 GEMM accumulation" (the smallest numerical
@@ -88,7 +88,7 @@ class CaseRunner:
     def _engram_ids(self, tokens: np.ndarray, start: int, all_tokens: np.ndarray):
         if self.engram is None:
             return None
-        from dsv41_jax.engram_hash import hash_ids
+        from dsv41_jax.engram.hashing import hash_ids
 
         layout, token_map = self.engram
         hist = all_tokens[max(0, start - (layout.max_ngram_size - 1)):start][None] if start else None
@@ -257,7 +257,7 @@ def check_replays(runner: CaseRunner, case: dict) -> list[Entry]:
 
 def run_all(root, *, impl="xla", interpret=False, only=None, log=sys.stderr) -> list[Entry]:
     """Every entry of a golden folder; `only` restricts to named config folders (and "quant")."""
-    from dsv41_jax.golden_vectors import check_vectors
+    from dsv41_jax.golden.vectors import check_vectors
 
     entries: list[Entry] = []
     with jax.enable_x64(True):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping, Sequence
 
-from dsv41_jax import special_tokens as st
+from dsv41_jax.text import special_tokens as st
 
 CALLS_TAG = st.DSML + " calls"
 INVOKE_TAG = st.DSML + " invoke"

@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv41_jax import gemm, quant
-from dsv41_jax.mhc import sinkhorn_split
-from dsv41_jax.sparse_attention import sparse_attention
+from dsv41_jax.numerics import gemm, quant
+from dsv41_jax.layers.mhc import sinkhorn_split
+from dsv41_jax.layers.sparse_attention import sparse_attention
 
 _INFORMATIVE = ("huge", "large (300")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax.exact_ops import no_fma
+from dsv41_jax.numerics.exact_ops import no_fma
 
 # SLEEF constants (sleef/src/libm/misc.h and sleefsimdsp.c)
 _R_LN2 = 1.442695040888963407359924681001892137426645954152985934135449406931

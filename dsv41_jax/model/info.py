@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv41_jax import kv_layout
+from dsv41_jax.numerics import kv_layout
 from dsv41_jax.config import ModelConfig
 
 
@@ -29,7 +29,7 @@ def _param_elems(path: tuple, var) -> int:
 
 
 def abstract_model(cfg: ModelConfig):
-    from dsv41_jax.model import Transformer
+    from dsv41_jax.model.transformer import Transformer
 
     return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
 
@@ -46,7 +46,7 @@ def row_bytes(cfg: ModelConfig) -> dict[str, int]:
 
 
 def model_info(cfg: ModelConfig) -> dict:
-    from dsv41_jax.weights import flat_params
+    from dsv41_jax.checkpoint.weights import flat_params
 
     model = abstract_model(cfg)
     params = flat_params(model)
@@ -106,7 +106,7 @@ def model_info(cfg: ModelConfig) -> dict:
 
 def _ced_projection_params(cfg: ModelConfig, model) -> int:
     """Graph A also runs the first decoder layer's mHC pre-mix, attn_norm, compressor and index-key projection."""
-    from dsv41_jax.weights import flat_params
+    from dsv41_jax.checkpoint.weights import flat_params
 
     d = cfg.decoder_start
     if d >= cfg.n_layers:

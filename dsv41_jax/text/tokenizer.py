@@ -2,7 +2,7 @@
 
 SPEC §9: users supply `tokenizer.json` with the weights; it is read with the `tokenizers`
 library, never through transformers. The wrapper is deliberately thin: the chat encoder
-builds prompt *text* (dsv41_jax.chat), and this module only turns text into ids and back.
+builds prompt *text* (dsv41_jax.text.chat), and this module only turns text into ids and back.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import tokenizers
 
-from dsv41_jax import special_tokens as st
+from dsv41_jax.text import special_tokens as st
 
 TOKENIZER_FILENAME = "tokenizer.json"
 
@@ -23,7 +23,7 @@ class Tokenizer:
     """A loaded tokenizer plus the special ids resolved from its own file.
 
     `backend_tokenizer` carries the same name as in HF fast tokenizers so code that accepts
-    either (e.g. dsv41_jax.engram_tokens) can reach the Rust tokenizer uniformly.
+    either (e.g. dsv41_jax.engram.tokens) can reach the Rust tokenizer uniformly.
     """
 
     backend_tokenizer: tokenizers.Tokenizer

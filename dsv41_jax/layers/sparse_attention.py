@@ -21,8 +21,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax.exact_ops import no_fma, true_divide
-from dsv41_jax.sleef_exp import expf_u10
+from dsv41_jax.numerics.exact_ops import no_fma, true_divide
+from dsv41_jax.numerics.sleef_exp import expf_u10
 
 MODES = ("fast", "exact")
 

@@ -50,7 +50,7 @@ class GoldenConfig:
         """The model with this folder's weights (reference state-dict names)."""
         from safetensors import safe_open
 
-        from dsv41_jax.weights import load_reference_state_dict
+        from dsv41_jax.checkpoint.weights import load_reference_state_dict
 
         with safe_open(str(self.weights_path), "flax") as f:
             names = list(f.keys())
@@ -61,7 +61,7 @@ class GoldenConfig:
         """(layout, token_map) for Engram configs, else None."""
         if not self.cfg.engram_layer_ids:
             return None
-        from dsv41_jax.engram_hash import EngramLayout
+        from dsv41_jax.engram.hashing import EngramLayout
 
         eng = self.raw["engram"]
         layout = EngramLayout.from_golden_json(eng, self.raw["model_args"])

@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax import quant
+from dsv41_jax.numerics import quant
 
 BLOCK = 32
 KINDS = ("dense", "fp8", "fp4")

@@ -8,7 +8,7 @@ import sys
 
 def _cmd_info(args) -> int:
     from dsv41_jax.config import ConfigError, ModelConfig
-    from dsv41_jax.info import format_info, model_info
+    from dsv41_jax.model.info import format_info, model_info
 
     try:
         cfg = ModelConfig.load(args.config)
@@ -26,7 +26,7 @@ def _cmd_info(args) -> int:
 def _cmd_golden_check(args) -> int:
     import pathlib
 
-    from dsv41_jax.golden_check import format_table, run_all
+    from dsv41_jax.golden.check import format_table, run_all
 
     root = pathlib.Path(args.dir)
     if not root.is_dir():
@@ -66,7 +66,7 @@ def _extra_commands():
     import importlib
 
     out = []
-    for mod in ("dsv41_jax.cli_generate", "dsv41_jax.cli_convert", "sharding.cli_plan", "dsv41_jax.cli_train"):
+    for mod in ("dsv41_jax.cli.generate", "dsv41_jax.cli.convert", "sharding.cli_plan", "dsv41_jax.cli.train"):
         try:
             out.append(importlib.import_module(mod).register)
         except ModuleNotFoundError as e:

@@ -16,9 +16,9 @@ import numpy as np
 from flax import nnx
 
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.model import check_inputs, init_cache, make_step
+from dsv41_jax.model.transformer import check_inputs, init_cache, make_step
 from dsv41_jax.runtime import Runtime
-from dsv41_jax.tokenizer import Tokenizer, sentinel_ids
+from dsv41_jax.text.tokenizer import Tokenizer, sentinel_ids
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ class Generator:
     def _engram_ids(self, tokens: np.ndarray, history):
         if self.engram is None:
             return None, None
-        from dsv41_jax.engram_hash import hash_ids, next_history
+        from dsv41_jax.engram.hashing import hash_ids, next_history
 
         layout, token_map = self.engram
         ids = hash_ids(layout, token_map, tokens, history)
@@ -129,8 +129,8 @@ class Generator:
 
 def _engram_tables(cfg: ModelConfig, tokenizer: Tokenizer):
     """(layout, token map) for Engram hashing; the tokenizer's map must match the config."""
-    from dsv41_jax.engram_hash import EngramLayout
-    from dsv41_jax.engram_tokens import build_token_map
+    from dsv41_jax.engram.hashing import EngramLayout
+    from dsv41_jax.engram.tokens import build_token_map
 
     layout = EngramLayout.build(cfg.engram_layer_ids, cfg.engram_max_ngram_size, cfg.engram_n_heads, cfg.engram_head_dim,
                                 cfg.engram_vocab_size, cfg.engram_compressed_vocab_size, cfg.engram_pad_id)

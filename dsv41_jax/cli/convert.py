@@ -30,7 +30,7 @@ def _cmd_convert(args) -> int:
     from dsv41_jax.checkpoint.hf_writer import save_hf_checkpoint
     from dsv41_jax.checkpoint.orbax_io import save_params
     from dsv41_jax.config import ConfigError
-    from dsv41_jax.weights import WeightError
+    from dsv41_jax.checkpoint.weights import WeightError
 
     try:
         src_fmt, src = _endpoint(args.src, "--from")

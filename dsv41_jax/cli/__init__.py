@@ -1,0 +1,1 @@
+"""The `dsv41` command line, one module per command."""

@@ -1,0 +1,1 @@
+"""Golden checking: reading the oracle folder, comparing, the kernel vectors."""

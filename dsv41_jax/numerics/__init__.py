@@ -1,0 +1,1 @@
+"""Number formats and exact float32 numerics: the leaf package (kernels may import it)."""

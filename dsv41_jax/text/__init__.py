@@ -1,0 +1,1 @@
+"""Text in and out: tokenizer, special tokens, chat encoding, DSML."""
