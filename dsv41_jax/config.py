@@ -2,7 +2,7 @@
 
 Field names follow the reference `ModelArgs` (the flat `inference/config.json`), so the golden
 configs pass through unchanged; the HF `config.json` (nested `text_config`, transformers key
-names) is mapped onto them. Layer roles (SPEC §2) are derived once, and a malformed config is
+names) is mapped onto them. Layer roles (docs/REFERENCE.md §2) are derived once, and a malformed config is
 refused with a message that names the field and the layer.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class LayerRole:
-    """What one layer owns and reads (SPEC §2)."""
+    """What one layer owns and reads (docs/REFERENCE.md §2)."""
 
     layer: int
     kind: Literal["swa", "full", "reindex", "reuse"]

@@ -15,7 +15,7 @@ class Runtime:
       and rounds once, mirroring the golden oracle (needs `jax.enable_x64(True)`).
     impl: "xla" plain jnp, "pallas" the kernels in `pallas_kernels/` (sparse sink attention, the
       indexer scores and the routed-expert GEMMs), "auto" the kernels on TPU/GPU and plain jnp on CPU.
-    index_k_quirk: reproduce the reference's index-key publishing bug (SPEC §6); False = intended.
+    index_k_quirk: reproduce the reference's index-key publishing bug (docs/REFERENCE.md §6); False = intended.
     interpret: run the Pallas kernels in the Pallas interpreter. None (default): exactly when the
       default backend is the CPU, so impl="pallas" works everywhere.
 

@@ -77,7 +77,7 @@ def test_files_carry_the_release_dtypes_and_are_standard_safetensors(tiny_ckpt):
     for shard in set(index["weight_map"].values()):
         infos.update(read_header(tiny_ckpt / shard)[0])
     assert set(infos) == set(index["weight_map"])
-    expected = {  # SPEC §9 tensor families
+    expected = {  # docs/REFERENCE.md §9 tensor families
         "layers.1.attn.wq_a.weight": "F8_E4M3", "layers.1.attn.wq_a.scale": "F8_E8M0",
         "layers.1.attn.wo_a.weight": "F8_E4M3", "layers.1.attn.wo_a.scale": "F8_E8M0",
         "layers.1.ffn.experts.5.w2.weight": "I8", "layers.1.ffn.experts.5.w2.scale": "F8_E8M0",
@@ -260,7 +260,7 @@ def test_full_size_census_matches_the_release():
     def spec(name):
         return by_name[name].dtype, by_name[name].shape
 
-    assert spec("layers.7.ffn.experts.100.w1.weight") == ("I8", (2304, 2560))  # SPEC §9
+    assert spec("layers.7.ffn.experts.100.w1.weight") == ("I8", (2304, 2560))  # docs/REFERENCE.md §9
     assert spec("layers.7.ffn.experts.100.w2.weight") == ("I8", (5120, 1152))
     assert spec("layers.7.ffn.experts.100.w1.scale") == ("F8_E8M0", (2304, 5120 // 32))
     assert spec("layers.7.attn.wq_a.weight") == ("F8_E4M3", (1280, 5120))

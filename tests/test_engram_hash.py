@@ -58,7 +58,7 @@ def _is_prime(n: int) -> bool:
 
 
 def _scalar_hash_ids(layout, token_map, tokens, mask=None):
-    """Oracle straight from SPEC §3 with Python ints (no overflow possible), one position at a time."""
+    """Oracle straight from docs/REFERENCE.md §3 with Python ints (no overflow possible), one position at a time."""
     n_layers, n_max = len(layout.layer_ids), layout.max_ngram_size
     pad = int(token_map[layout.pad_id])
     out = np.zeros((len(tokens), n_layers, layout.n_hash_cols), dtype=object)
@@ -265,7 +265,7 @@ def test_bad_inputs_raise(engram_golden):
 
 
 def _normalize_oracle(text: str) -> str:
-    """SPEC §3 normalisation with the standard library."""
+    """docs/REFERENCE.md §3 normalisation with the standard library."""
     text = unicodedata.normalize("NFD", unicodedata.normalize("NFKC", text))
     text = "".join(c for c in text if unicodedata.category(c) != "Mn").lower()
     text = re.sub(r"[ \t\r\n]+", " ", text)

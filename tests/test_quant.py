@@ -83,7 +83,7 @@ def test_fp4_kv_value_division_is_what_golden_needs(vec, rows):
 
 
 def test_fp4_kv_scale_variants_agree_on_every_bf16_amax():
-    """amax/6 and amax*f32(1/6) give the same E4M3 scale for every finite bf16 amax (SPEC §6)."""
+    """amax/6 and amax*f32(1/6) give the same E4M3 scale for every finite bf16 amax (docs/REFERENCE.md §6)."""
     amax = np.arange(0, 0x7F80, dtype=np.uint16).view(ml_dtypes.bfloat16)
     x = jnp.asarray(amax)[:, None] * jnp.ones((1, 16), jnp.bfloat16)
     _, s_div = Q.quant_fp4_kv(x, scale_by="divide")
@@ -273,7 +273,7 @@ def _nbytes(fn, shape):
 
 
 def test_cache_row_bytes_match_spec():
-    """SPEC §4 cache rows: FP4 KV 288 B, index key 68 B, FP8 window 528 B."""
+    """docs/REFERENCE.md §4 cache rows: FP4 KV 288 B, index key 68 B, FP8 window 528 B."""
     assert _nbytes(Q.quant_fp4_kv, (512,)) == 288
     assert _nbytes(Q.quant_fp4_mx, (128,)) == 68
     assert _nbytes(Q.quant_fp8_act, (512,)) == 528

@@ -1,5 +1,5 @@
 """Serving: CED split prefill vs exact prefill, encoder replay, prefix cache on disk, buckets,
-sampling and the continuous-batching engine (SPEC §5).
+sampling and the continuous-batching engine (docs/REFERENCE.md §5).
 
 A five-layer config carries every decoder role (Full r1 pool source, in-pool Reindex, Reuse)
 after an SWA and a Full r2 encoder layer; compile time dominates, so compiled functions and

@@ -88,7 +88,7 @@ def test_missing_special_token_is_reported(tmp_path):
 
 def test_sentinels_match_spec_when_the_file_declares_them(tok):
     ids = sentinel_ids(tok)
-    expected = tuple(range(128847, 129271)) + (129279,)  # SPEC §9, written out independently
+    expected = tuple(range(128847, 129271)) + (129279,)  # docs/REFERENCE.md §9, written out independently
     assert ids == expected
     assert len(ids) == 425
     assert 129264 in ids  # the image placeholder is input-only

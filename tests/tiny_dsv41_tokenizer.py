@@ -2,7 +2,7 @@
 
 Words split on \\w+ / punctuation runs (the `Whitespace` pre-tokenizer), so expected ids can
 be worked out by hand. Special tokens sit at fixed ids: BOS/EOS/pad 0/1/2, <｜System｜> 128799,
-<think>/</think> 128821/128822 and the image token 129264 follow SPEC §9 and public engine
+<think>/</think> 128821/128822 and the image token 129264 follow docs/REFERENCE.md §9 and public engine
 notes; <｜User｜>/<｜Assistant｜> use DeepSeek-V3's 128803/128804 (only their being single
 added tokens matters here). Every SPEC sentinel id gets a place-holder added token.
 """

@@ -1,5 +1,5 @@
 """Host-side FP8 weights with 32x32 E8M0 tiles, for the one tensor the model keeps wider than
-the release stores it: `attn.wo_a` (FP8 + scale on disk, bf16 in use; SPEC §4).
+the release stores it: `attn.wo_a` (FP8 + scale on disk, bf16 in use; docs/REFERENCE.md §4).
 
 numpy rather than `dsv41_jax.numerics.quant` because this runs per tensor while reading or writing
 shards, where eager JAX would compile a program per shape.

@@ -1,6 +1,6 @@
 """Load a released-format HF folder (config.json, index, safetensors shards) into the model.
 
-No conversion step: the bare names of SPEC §9 map onto the parameter tree (`names.py`), the
+No conversion step: the bare names of docs/REFERENCE.md §9 map onto the parameter tree (`names.py`), the
 quantized tensors keep their storage (E4M3 as float8_e4m3fn, E8M0 scales and packed E2M1 as
 uint8 bytes), and each parameter is placed with its target sharding while it is read, one
 block at a time (`placement.place`), so a 500 GB checkpoint never sits whole in host RAM.
@@ -8,7 +8,7 @@ block at a time (`placement.place`), so a 500 GB checkpoint never sits whole in 
 Everything that can be checked from the headers is checked before any data is read: missing,
 unexpected, mis-shaped and mis-typed tensors are reported together, by name. DSpark (`mtp.*`),
 vision and aligner tensors are skipped and listed in the report. A V4 config is refused by
-`ModelConfig` (its compressors are per layer; V4.1 shares them, SPEC §9).
+`ModelConfig` (its compressors are per layer; V4.1 shares them, docs/REFERENCE.md §9).
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ class LoadReport:
     shards: int = 0
     skipped: list[str] = field(default_factory=list)  # DSpark / vision / aligner: not modelled
     skipped_bytes: int = 0
-    dequantized: list[str] = field(default_factory=list)  # FP8 wo_a -> bf16 (SPEC §4)
+    dequantized: list[str] = field(default_factory=list)  # FP8 wo_a -> bf16 (docs/REFERENCE.md §4)
     upcast: list[str] = field(default_factory=list)  # bf16 on disk -> fp32 parameter (exact)
 
     def summary(self) -> str:
@@ -128,7 +128,7 @@ def _accepted(t: DiskTensor, param_dtype: np.dtype) -> tuple[str, ...]:
 
 
 def _v4_hint(unexpected: list[str], cfg: ModelConfig) -> str:
-    """Per-layer compressor tensors outside the KV sources are the V4 census (SPEC §9)."""
+    """Per-layer compressor tensors outside the KV sources are the V4 census (docs/REFERENCE.md §9)."""
     layers = sorted({int(m.group(1)) for n in unexpected if (m := re.match(r"layers\.(\d+)\.attn\.compressor\.", n))})
     if not layers:
         return ""

@@ -1,4 +1,4 @@
-"""Write a model as an HF-format folder in the release's layout (SPEC §9), for tests and export.
+"""Write a model as an HF-format folder in the release's layout (docs/REFERENCE.md §9), for tests and export.
 
 The folder holds `config.json` (`cfg.to_hf_dict()`), `model.safetensors.index.json` and shards
 `model-0000i-of-0000n.safetensors` with the release's names and dtype strings: F8_E4M3 weights

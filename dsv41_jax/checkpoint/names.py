@@ -1,8 +1,8 @@
 """The HF checkpoint's tensor census, derived from a (possibly abstract) parameter tree.
 
-Each model parameter maps to one or more bare checkpoint names (SPEC §9 "Files"): routed
+Each model parameter maps to one or more bare checkpoint names (docs/REFERENCE.md §9 "Files"): routed
 experts are stacked in the model and stored one tensor per expert on disk, and `attn.wo_a`,
-kept in bf16 by the model, is stored as FP8 + scale in the release (SPEC §4). This module lists
+kept in bf16 by the model, is stored as FP8 + scale in the release (docs/REFERENCE.md §4). This module lists
 those names with their on-disk dtype strings and shapes without touching any values, so the
 full-size census works on `nnx.eval_shape` output, and the loader and writer agree on names.
 """
@@ -46,7 +46,7 @@ def is_compressor_weight(path: tuple) -> bool:
 
 
 def release_dtype(name: str, path: tuple, dtype) -> str:
-    """The safetensors dtype the release uses for a parameter of this dtype (SPEC §9 table)."""
+    """The safetensors dtype the release uses for a parameter of this dtype (docs/REFERENCE.md §9 table)."""
     dt = np.dtype(dtype)
     if dt.name == "float8_e4m3fn":
         return "F8_E4M3"

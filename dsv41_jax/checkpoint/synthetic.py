@@ -91,7 +91,7 @@ def synthetic_model(cfg: ModelConfig, seed: int = 0) -> nnx.Module:
 
 def fake_extra_entries(cfg: ModelConfig, seed: int = 0) -> list[TensorEntry]:
     """Small stand-ins for tensors a V4.1 release carries but the text model skips:
-    DSpark (`mtp.*`), vision, aligner and the VL gate bias (SPEC §9 "Files")."""
+    DSpark (`mtp.*`), vision, aligner and the VL gate bias (docs/REFERENCE.md §9 "Files")."""
     rng = np.random.default_rng(seed)
     d, kb = cfg.dim, -(-2 * cfg.dim // 32)
 

@@ -1,4 +1,4 @@
-"""Engram n-gram hashing on the host, exact in int64 (SPEC §3 "Engram").
+"""Engram n-gram hashing on the host, exact in int64 (docs/REFERENCE.md §3 "Engram").
 
 The hash ids depend only on token ids, so they are computed here with numpy before the
 device step and passed in as int64 indices into the Engram tables. Products of compressed

@@ -1,4 +1,4 @@
-"""The Engram token map: raw tokenizer ids -> compressed ids (SPEC §3 "Engram").
+"""The Engram token map: raw tokenizer ids -> compressed ids (docs/REFERENCE.md §3 "Engram").
 
 Tokens whose text normalises alike ("The", " the", "THE") share one compressed id, and the
 n-gram hashes are taken over those ids. The compressed vocabulary size also fixes the hash

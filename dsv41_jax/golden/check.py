@@ -1,6 +1,6 @@
 """`dsv41 golden-check DIR`: run every case of a golden folder and compare with the oracle.
 
-Entries (SPEC §8 contract): `quant/<vector>`, `<config>/<case>[free]`, `[forced]`, decode cases
+Entries (docs/REFERENCE.md §8 contract): `quant/<vector>`, `<config>/<case>[free]`, `[forced]`, decode cases
 as `[published]`/`[corrected]` (+ `-forced`), and `<config>/replay_layer<l>` single-layer replays.
 
 Pass criteria (justified in tests/README.md from golden/README.md's sensitivity table):

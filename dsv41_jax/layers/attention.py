@@ -2,7 +2,7 @@
 
 The cross-layer parts (which compressed entries, whose cache) are decided by the model's
 layer loop; this module owns only what every layer has: its query path, its window KV,
-its sink and its output projection (SPEC §3 "Attention").
+its sink and its output projection (docs/REFERENCE.md §3 "Attention").
 """
 from __future__ import annotations
 

@@ -103,7 +103,7 @@ class QLinear(nnx.Module):
 
 
 def weight_kind(cfg, *, expert: bool = False) -> str:
-    """Storage kind of a quantizable Linear under this config (SPEC §4 table)."""
+    """Storage kind of a quantizable Linear under this config (docs/REFERENCE.md §4 table)."""
     if expert:
         return "fp4" if cfg.expert_dtype == "fp4" else ("fp8" if cfg.dtype == "fp8" else "dense")
     return "fp8" if cfg.dtype == "fp8" else "dense"

@@ -1,4 +1,4 @@
-"""The compressor: pools `ratio` consecutive tokens into one KV latent (SPEC §3, KV sources only).
+"""The compressor: pools `ratio` consecutive tokens into one KV latent (docs/REFERENCE.md §3, KV sources only).
 
 Works on a chunk of tokens that continues a sequence at per-row start positions, so prefill,
 chunked prefill and single-token decode are one code path. The tokens of a group that is not

@@ -1,4 +1,4 @@
-"""Engram: an n-gram memory written into every residual copy through a learned gate (SPEC §3).
+"""Engram: an n-gram memory written into every residual copy through a learned gate (docs/REFERENCE.md §3).
 
 The hash ids are computed on the host in int64 (`dsv41_jax.engram.hashing`) and arrive here as
 row ids; this module owns the FP8 table, the key/value projection and the per-copy gate.

@@ -1,4 +1,4 @@
-"""The indexer: picks the compressed positions each query attends to (SPEC §3 "Indexer").
+"""The indexer: picks the compressed positions each query attends to (docs/REFERENCE.md §3 "Indexer").
 
 FP4 query heads score every visible index key with a weighted ReLU sum; the candidate-pool
 source also ranks absolute blocks of positions, and Reindex layers after it search only

@@ -1,4 +1,4 @@
-"""Manifold-constrained hyper-connections: splitting the 24 mixes into pre / post / comb (SPEC §3).
+"""Manifold-constrained hyper-connections: splitting the 24 mixes into pre / post / comb (docs/REFERENCE.md §3).
 
 `sinkhorn_split` reproduces the golden oracle's ``hc_split_sinkhorn`` (golden README, oracle
 choice 1) bit for bit on its kernel vectors, which requires mirroring torch's CPU float32

@@ -1,7 +1,7 @@
 """Single-pass mHC at one sublayer site: mixes from the stream, collapse (pre) and expand (post).
 
 Each site computes pre/post/comb from the residual stream; its `pre` is used by the *next*
-site (SPEC §3 "Single-pass"), so a site collapses with the pre it was handed.
+site (docs/REFERENCE.md §3 "Single-pass"), so a site collapses with the pre it was handed.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Mixture of experts: sqrt-softplus gate with a selection-only bias, 6 of N routed experts with
-clamped SwiGLU, and a shared expert on every token (SPEC §3 "MoE").
+clamped SwiGLU, and a shared expert on every token (docs/REFERENCE.md §3 "MoE").
 
 Routed expert weights are stacked [E, out, in] (packed MXFP4 on the checkpoint), so expert
 parallelism and grouped GEMM kernels see one array per matrix.

@@ -1,4 +1,4 @@
-"""Rotary embeddings on interleaved pairs of the last `rope_head_dim` dims, with YaRN (SPEC §1)."""
+"""Rotary embeddings on interleaved pairs of the last `rope_head_dim` dims, with YaRN (docs/REFERENCE.md §1)."""
 from __future__ import annotations
 
 import math

@@ -1,4 +1,4 @@
-"""Sparse attention with a per-head sink over gathered KV slots: the XLA reference (SPEC §3).
+"""Sparse attention with a per-head sink over gathered KV slots: the XLA reference (docs/REFERENCE.md §3).
 
     o_h = sum_j e^{s_j} v_j / (sum_j e^{s_j} + e^{a_h}),  s_j = scale * q_h . kv[idx_j],  K = V
 

@@ -3,7 +3,7 @@
 `forward(model, tokens, cache, ...)` continues every sequence of the batch from its own
 position (`cache["length"]`): prefill is a forward over an empty cache, chunked prefill a
 forward over a partly filled one, decode a forward of one token. The cache goes in and comes
-back; nothing is mutated. Cross-layer sharing (CSA2, SPEC §2) is plain dataflow inside the
+back; nothing is mutated. Cross-layer sharing (CSA2, docs/REFERENCE.md §2) is plain dataflow inside the
 layer loop: KV sources write compressed entries and index keys, index sources publish top-k,
 the candidate source publishes its pool.
 """
@@ -77,7 +77,7 @@ def engram_table_rows(cfg: ModelConfig) -> tuple[int, ...]:
 
 # ---------------------------------------------------------------------------------------- cache
 def init_cache(cfg: ModelConfig, batch: int | None = None) -> dict:
-    """An empty cache with fixed shapes (SPEC §5): window rings, per-source compressed KV, index
+    """An empty cache with fixed shapes (docs/REFERENCE.md §5): window rings, per-source compressed KV, index
     keys and compressor partial groups, per-sequence lengths."""
     B = batch or cfg.max_batch_size
     cache = {
@@ -308,7 +308,7 @@ def _impl(runtime: Runtime) -> str:
 def _index_keys_for(cfg: ModelConfig, cache: dict, role, runtime: Runtime) -> jax.Array:
     """The index keys an index source scores (dequantized [B, G, Di]).
 
-    Intended: its own KV source's keys. Reference quirk (SPEC §6): whatever KV source published
+    Intended: its own KV source's keys. Reference quirk (docs/REFERENCE.md §6): whatever KV source published
     last, truncated/padded to this layer's cache length.
     """
     own = kv_layout.dequantize_index_keys(cache["index_keys"][f"layer{role.kv_source}"])

@@ -1,6 +1,6 @@
 """The kernel-facing cache layout: the one place that says how cached KV is stored.
 
-Every cached tensor is stored quantized, in the byte formats of SPEC §4, so that
+Every cached tensor is stored quantized, in the byte formats of docs/REFERENCE.md §4, so that
 the model, the Pallas kernels and the byte accounting all read the same thing:
 
 - window ring (per layer): E4M3 values + one E8M0 byte per 32 dims  -> 512 + 16 = 528 B

@@ -1,4 +1,4 @@
-"""Number formats of DeepSeek-V4.1 (SPEC §4): E8M0 scales, E4M3 and E2M1 values, FP4 packing.
+"""Number formats of DeepSeek-V4.1 (docs/REFERENCE.md §4): E8M0 scales, E4M3 and E2M1 values, FP4 packing.
 
 Every quantiser here reproduces the golden oracle bit for bit (golden README "What the reference run
 includes", oracle choice 1); they are model semantics, not an approximation, because FP4/FP8
@@ -200,7 +200,7 @@ def quant_fp4_kv(
     """E2M1 with an E4M3 scale per `block` (compressed KV entries).
 
     scale = e4m3(amax / 6) (saturating at 448), amax floored at 6*2^-9; codes = e2m1_rne(x / scale).
-    SPEC §6 lists two unconfirmed details; the defaults are the ones the golden vectors match:
+    docs/REFERENCE.md §6 lists two unconfirmed details; the defaults are the ones the golden vectors match:
       scale_by:       "divide" -> amax / 6;  "reciprocal" -> amax * f32(1/6).  Both give the same
                       E4M3 scale for every finite bf16 amax (checked exhaustively in the tests),
                       so the vectors cannot and need not tell them apart.
@@ -258,17 +258,17 @@ _fake_fp4_kv = _straight_through("fake_fp4_kv", quant_fp4_kv, dequant_fp4_kv)
 
 
 def fake_fp8_act(x: jax.Array, block: int = 32) -> jax.Array:
-    """Q8 of SPEC §3: E4M3/E8M0 round trip in x.dtype; gradient passes straight through."""
+    """Q8 of docs/REFERENCE.md §3: E4M3/E8M0 round trip in x.dtype; gradient passes straight through."""
     return _fake_fp8_act(x, block)
 
 
 def fake_fp4_mx(x: jax.Array, block: int = 32) -> jax.Array:
-    """Q4_32 of SPEC §3 (indexer): MXFP4 round trip in x.dtype; straight-through gradient."""
+    """Q4_32 of docs/REFERENCE.md §3 (indexer): MXFP4 round trip in x.dtype; straight-through gradient."""
     return _fake_fp4_mx(x, block)
 
 
 def fake_fp4_kv(x: jax.Array, block: int = 16) -> jax.Array:
-    """Q4_16 of SPEC §3 (compressed KV): E2M1/E4M3 round trip in x.dtype; straight-through grad."""
+    """Q4_16 of docs/REFERENCE.md §3 (compressed KV): E2M1/E4M3 round trip in x.dtype; straight-through grad."""
     return _fake_fp4_kv(x, block)
 
 

@@ -1,4 +1,4 @@
-"""The serving engine: continuous batching over a fixed set of slots (SPEC §5).
+"""The serving engine: continuous batching over a fixed set of slots (docs/REFERENCE.md §5).
 
 Each slot holds one sequence with its own position. Between decode steps the engine admits
 waiting requests into free slots (their prompts are prefilled alone, in chunks, and the

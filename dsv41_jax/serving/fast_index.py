@@ -1,4 +1,4 @@
-"""Fast-mode decode scoring straight from the packed index keys (SPEC §3 "Indexer", §5).
+"""Fast-mode decode scoring straight from the packed index keys (docs/REFERENCE.md §3 "Indexer", §5).
 
     I[b,t,g] = sum_h w[b,t,h] * ReLU(q[b,t,h] . k[b,g]),   -inf where g >= visible_len[b,t]
 

@@ -2,8 +2,8 @@
 
 It is deliberately minimal (batch 1, host-side sampling) until the serving engine owns
 sampling. Greedy at temperature 0, otherwise temperature + top-p with a seeded numpy
-generator. The input-only sentinel ids (SPEC §9) and ids the tokenizer does not have are
-never sampled. Engram ids are hashed on the host from the token history (SPEC §3).
+generator. The input-only sentinel ids (docs/REFERENCE.md §9) and ids the tokenizer does not have are
+never sampled. Engram ids are hashed on the host from the token history (docs/REFERENCE.md §3).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A forward over a range of layers, with the knobs serving needs (SPEC §5).
+"""A forward over a range of layers, with the knobs serving needs (docs/REFERENCE.md §5).
 
 `model.forward` runs every layer over a chunk. The CED split, encoder replay and a lean decode
 step need three things it does not offer, so this module re-states its per-layer body (same
@@ -64,7 +64,7 @@ def topk_width(cfg, cache: dict, src: int) -> int:
 
 def write_global(model, layer: int, x: jax.Array, start: jax.Array, cache: dict, runtime: Runtime) -> None:
     """A KV source's global writes for a chunk (in place on the dict `cache`): compressor groups,
-    their index keys and their FP4 compressed entries (SPEC §3 "Compressor", "Indexer")."""
+    their index keys and their FP4 compressed entries (docs/REFERENCE.md §3 "Compressor", "Indexer")."""
     cfg = model.cfg
     block = model.layers[layer]
     attn, role = block.attn, block.role
@@ -86,7 +86,7 @@ def write_global(model, layer: int, x: jax.Array, start: jax.Array, cache: dict,
 
 def project_ced(model, h: jax.Array, pre: jax.Array, start: jax.Array, cache: dict, runtime: Runtime,
                 engram_ids: jax.Array | None = None) -> dict:
-    """Graph A's last step (SPEC §5): the first decoder layer's attention input from the encoder
+    """Graph A's last step (docs/REFERENCE.md §5): the first decoder layer's attention input from the encoder
     output (after that layer's Engram, if it has one), and its global writes only. Its
     compressed KV and index keys come out exact."""
     cfg = model.cfg

@@ -1,4 +1,4 @@
-"""Persistent prefix cache: one sequence's global cache on disk (SPEC §5 "Persistent storage").
+"""Persistent prefix cache: one sequence's global cache on disk (docs/REFERENCE.md §5 "Persistent storage").
 
 Only the global parts are stored: each KV source's compressed entries and index keys (the
 packed 288 B / 68 B rows, exactly as cached), its compressor's partial group, and the token

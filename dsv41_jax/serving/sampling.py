@@ -16,7 +16,7 @@ import numpy as np
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 means greedy; top_k 0 and top_p 1 switch those filters off.
-    SPEC §9 recommends temperature 1.0, top_p 0.95 for the released model."""
+    docs/REFERENCE.md §9 recommends temperature 1.0, top_p 0.95 for the released model."""
 
     temperature: float = 0.0
     top_p: float = 1.0

@@ -1,4 +1,4 @@
-"""CED split prefill, exact prefill and encoder replay (SPEC §5), as pure functions of the cache.
+"""CED split prefill, exact prefill and encoder replay (docs/REFERENCE.md §5), as pure functions of the cache.
 
 - Graph A (`encoder_pass`): the encoder layers over every prompt token, then the first decoder
   layer's Engram (if any), pre-mix collapse, attn_norm, compressor and index-key projection
@@ -110,7 +110,7 @@ def exact_prefill(model, tokens: jax.Array, cache: dict, *, runtime: Runtime = R
 
 
 def replay_window(model, tokens: jax.Array, cache: dict, *, runtime: Runtime = Runtime(), engram_ids=None):
-    """Encoder replay (SPEC §5 "Prefix-cache hit"): rerun the last T cached tokens (positions
+    """Encoder replay (docs/REFERENCE.md §5 "Prefix-cache hit"): rerun the last T cached tokens (positions
     length-T ..) through every layer, window truncated to them, global caches read-only.
     Returns (logits [B,T,V], cache) with the window rings rebuilt and the length unchanged."""
     cfg = model.cfg

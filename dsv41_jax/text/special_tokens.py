@@ -2,7 +2,7 @@
 
 The strings use FULLWIDTH VERTICAL LINE (U+FF5C) and LOWER ONE EIGHTH BLOCK (U+2581), not
 ASCII '|' and '_'; a look-alike spelling tokenizes as plain text, so every module takes
-them from here. Sources: SPEC §9 and the DeepSeek-V4.1 reference encoder as vendored by
+them from here. Sources: docs/REFERENCE.md §9 and the DeepSeek-V4.1 reference encoder as vendored by
 vLLM (vllm/tokenizers/deepseek_v41_encoding.py) and SGLang
 (python/sglang/srt/entrypoints/openai/encoding_dsv41.py).
 """
@@ -24,13 +24,13 @@ STRUCTURAL = (BOS, EOS, SYSTEM, USER, ASSISTANT, THINK_START, THINK_END)
 # Tokens the model has to be able to emit, so they must never be masked at sampling.
 GENERATED = (EOS, THINK_START, THINK_END)
 
-# SPEC §9: config.json says BOS 0, EOS 1, pad 2, image_token_id 129264.
+# docs/REFERENCE.md §9: config.json says BOS 0, EOS 1, pad 2, image_token_id 129264.
 DEFAULT_BOS_ID = 0
 DEFAULT_EOS_ID = 1
 DEFAULT_PAD_ID = 2
 IMAGE_TOKEN_ID = 129264
 
-# SPEC §9 "Safety": input-only ids, as public engines list them. Inclusive range plus extras.
+# docs/REFERENCE.md §9 "Safety": input-only ids, as public engines list them. Inclusive range plus extras.
 SENTINEL_FIRST_ID = 128847
 SENTINEL_LAST_ID = 129270
 SENTINEL_EXTRA_IDS = (129279,)

@@ -1,6 +1,6 @@
 """Load the checkpoint's tokenizer.json and name the ids that sampling and prompting need.
 
-SPEC §9: users supply `tokenizer.json` with the weights; it is read with the `tokenizers`
+docs/REFERENCE.md §9: users supply `tokenizer.json` with the weights; it is read with the `tokenizers`
 library, never through transformers. The wrapper is deliberately thin: the chat encoder
 builds prompt *text* (dsv41_jax.text.chat), and this module only turns text into ids and back.
 """
@@ -104,7 +104,7 @@ def load_tokenizer(
     """Read tokenizer.json (a folder or the file) and resolve BOS/EOS/pad ids from it.
 
     The ids come from the file, not from constants: in the released tokenizer they are
-    0, 1 and 2 (SPEC §9), and a file that disagrees is reported by `bos_id` etc. as-is.
+    0, 1 and 2 (docs/REFERENCE.md §9), and a file that disagrees is reported by `bos_id` etc. as-is.
     """
     path = _resolve_file(path_or_dir)
     text = _read_text(path)
@@ -122,7 +122,7 @@ def load_tokenizer(
 
 
 def sentinel_ids(tokenizer: Tokenizer) -> tuple[int, ...]:
-    """Input-only ids to mask at sampling: SPEC's list, confirmed against the file.
+    """Input-only ids to mask at sampling: the list in docs/REFERENCE.md §9, confirmed against the file.
 
     How the SPEC list (128847-129270 and 129279) is confirmed:
     - an id the tokenizer does not have at all is dropped: its vocabulary is smaller (a test
@@ -142,7 +142,7 @@ def sentinel_ids(tokenizer: Tokenizer) -> tuple[int, ...]:
         if token_id not in added:
             raise ValueError(
                 f"sentinel id {token_id} is the ordinary vocabulary token {token!r} in "
-                f"{tokenizer.path}, not an added token; SPEC §9's sentinel list does not "
+                f"{tokenizer.path}, not an added token; docs/REFERENCE.md §9's sentinel list does not "
                 "match this tokenizer, so masking it would forbid real text"
             )
         kept.append(token_id)
@@ -152,6 +152,6 @@ def sentinel_ids(tokenizer: Tokenizer) -> tuple[int, ...]:
         if token_id is not None and token_id in kept_set:
             raise ValueError(
                 f"{token!r} (id {token_id}) must be generatable but falls in the sentinel "
-                f"set of {tokenizer.path}; this tokenizer's ids do not match SPEC §9"
+                f"set of {tokenizer.path}; this tokenizer's ids do not match docs/REFERENCE.md §9"
             )
     return tuple(kept)

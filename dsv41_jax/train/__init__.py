@@ -1,4 +1,4 @@
-"""QAT fine-tuning of V4.1 with optax and orbax (SPEC §7).
+"""QAT fine-tuning of V4.1 with optax and orbax (docs/REFERENCE.md §7).
 
 Modules, in data-flow order:
   data          text / JSONL / chat files -> packed rows with loss masks (+ Engram ids)

@@ -4,7 +4,7 @@ Each row carries, per position: the input token, its document-relative position,
 (next token), a loss mask (0 for padding, document ends and chat prompts) and a validity mask
 (0 for padding). Documents start at multiples of `align` (the compression ratios times the
 candidate block, see `alignment`), so compression groups and candidate blocks in a packed row
-are exactly the document-relative ones serving computes (SPEC §7). Documents longer than a
+are exactly the document-relative ones serving computes (docs/REFERENCE.md §7). Documents longer than a
 row are cut into row-sized pieces, each its own document.
 
 Batch i of a run is a pure function of (rows, seed, i): resume needs only the batch index.

@@ -2,18 +2,18 @@
 
 `model.forward` runs on a cache whose entries are stored quantized (integer codes: no
 gradient) and continues one sequence per row. Training needs neither the cache nor the
-continuation, but needs gradients through every format of SPEC §4 and several documents per
+continuation, but needs gradients through every format of docs/REFERENCE.md §4 and several documents per
 row, so this module runs the same layer loop with:
   * window K=V, compressed KV and index keys fake-quantized in place (`quant.fake_*`, identity
     backward) instead of stored and re-read;
-  * packed documents (SPEC §7): positions restart at every document (`batch["positions"]`);
+  * packed documents (docs/REFERENCE.md §7): positions restart at every document (`batch["positions"]`);
     a window slot, compressed group or candidate block is visible only inside the query's own
     document, and a compression group that straddles two documents (or padding) is invisible
     to everyone; with document starts aligned to the ratios (see `data.pack`), groups and
     candidate blocks are exactly the document-relative ones serving computes;
   * optional replay-aware windows: decoder layers see only window slots >= a per-row tail
-    start s (for queries at or after s), as split prefill runs them (SPEC §5);
-  * the indexer's KL objective (SPEC §7) on sampled query positions, from detached inputs.
+    start s (for queries at or after s), as split prefill runs them (docs/REFERENCE.md §5);
+  * the indexer's KL objective (docs/REFERENCE.md §7) on sampled query positions, from detached inputs.
 On unpacked rows with T = max_seq_len the logits equal `model.forward`'s bit for bit (with the
 training model built with exact_mhc=True; see qat_modules.LoopedHyperSite).
 """
@@ -62,7 +62,7 @@ def _legal_groups(positions, seg_start, m: int):
     """[B, T, G] visibility of compressed group g to query t, document-aware.
 
     Group g (tokens gm..gm+m-1) is pure iff its last token's document started at or before gm;
-    it is visible to t iff complete by t (g < (t+1)//m, SPEC §3) and in t's document.
+    it is visible to t iff complete by t (g < (t+1)//m, docs/REFERENCE.md §3) and in t's document.
     """
     B, T = positions.shape
     G = T // m
@@ -89,7 +89,7 @@ def _gather_rows(a, pos):
 
 
 def _attention_target(q_s, win, win_idx_s, comp, allowed_s, sink, scale):
-    """Head-summed main-attention mass on the compressed entries, renormalised (SPEC §7).
+    """Head-summed main-attention mass on the compressed entries, renormalised (docs/REFERENCE.md §7).
 
     q_s [B,P,H,D] (detached queries at the sampled positions), win [B,T,D] window keys,
     win_idx_s [B,P,W], comp [B,G,D] compressed entries, allowed_s [B,P,G] the legal (and
@@ -226,7 +226,7 @@ def train_forward(model, batch: dict, opts: ForwardOptions = ForwardOptions(), *
 
 
 def _indexer_kl(attn, x, qr, q, win, win_idx, comp, ikeys, allowed, cos, sin, visible, kl_pos, cfg, mode):
-    """KL(main-attention mass || softmax(index scores)) at the sampled positions (SPEC §7)."""
+    """KL(main-attention mass || softmax(index scores)) at the sampled positions (docs/REFERENCE.md §7)."""
     pick = lambda a: _gather_rows(a, kl_pos)
     allowed_s = pick(allowed)
     target = sg(_attention_target(sg(pick(q)), sg(win), pick(win_idx), sg(comp), allowed_s,

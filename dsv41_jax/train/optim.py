@@ -1,5 +1,5 @@
 """The optimizer: AdamW (default) or optax's Muon, warmup + cosine decay, global-norm clipping,
-and per-group learning rates (SPEC §7: tables and embeddings may need their own).
+and per-group learning rates (docs/REFERENCE.md §7: tables and embeddings may need their own).
 
 Groups, by parameter key:
   embed   - the token embedding;

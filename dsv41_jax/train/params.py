@@ -4,7 +4,7 @@ Training keeps parameters as flat dicts keyed by dotted paths ("layers.3.attn.wq
 string keys suit orbax, optax labels, LoRA targets and sharding rules alike, and turn back
 into a module with `merge_model`. The storage formats are read from the serving model's own
 shapes (`nnx.eval_shape` of the checkpoint config), so QAT, import and export follow whatever
-`layers/` builds rather than a second copy of the SPEC §4 table.
+`layers/` builds rather than a second copy of the docs/REFERENCE.md §4 table.
 """
 from __future__ import annotations
 

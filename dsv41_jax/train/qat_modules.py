@@ -102,7 +102,7 @@ class LoopedHyperSite(HyperSite):
 
     Why: the served site unrolls all (20) iterations and evaluates exp with the torch-exact
     SLEEF polynomial; with their gradients these dominate the training step's compile time.
-    The loop repeats the served row/column normalisations (SPEC §3 mHC; mhc.sinkhorn_split),
+    The loop repeats the served row/column normalisations (docs/REFERENCE.md §3 mHC; mhc.sinkhorn_split),
     so values are unchanged; XLA's exp differs from SLEEF by <= 1 ulp in ~1% of calls, which
     training does not notice. exact_exp=True keeps SLEEF (the parity tests use it).
     """

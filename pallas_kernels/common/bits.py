@@ -4,7 +4,7 @@ Kernels cannot call `dsv41_jax.numerics.quant` (its table lookups and float8 cas
 TPU on every generation, nor to Triton), so they decode raw bytes with shifts, masks and float
 bit patterns. Every function takes int32 codes and returns float32, and lowers on Mosaic TPU,
 Triton and the interpreter. Tests check each one against `dsv41_jax.numerics.quant` and ml_dtypes over all
-256 (or 16) codes. Formats: SPEC §4 and golden README "Weights".
+256 (or 16) codes. Formats: docs/REFERENCE.md §4 and golden README "Weights".
 """
 from __future__ import annotations
 

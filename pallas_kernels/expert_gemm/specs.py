@@ -1,4 +1,4 @@
-"""Benchmark shapes for the expert GEMMs (V4.1-Flash, SPEC §1 and §9)."""
+"""Benchmark shapes for the expert GEMMs (V4.1-Flash, docs/REFERENCE.md §1 and §9)."""
 from __future__ import annotations
 
 FLASH = {"experts": 384, "top_k": 6, "dim": 5120, "inter": 2304}

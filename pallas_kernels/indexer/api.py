@@ -1,7 +1,7 @@
 """`indexer_scores` with the impl switch, plus the XLA candidate pool and top-k.
 
 The scores take packed MXFP4 queries and index keys, so they carry no gradient (the indexer's
-training loss, SPEC §7, differentiates the model's own jnp scoring path instead).
+training loss, docs/REFERENCE.md §7, differentiates the model's own jnp scoring path instead).
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def indexer_scores(
     platform: str | None = None,
     mode: str = "fast",
 ) -> jax.Array:
-    """I[b, s, g] = sum_h weights[b,s,h] * ReLU(q[b,s,h] . k[b,g]) as f32 [B, S, G] (SPEC §3).
+    """I[b, s, g] = sum_h weights[b,s,h] * ReLU(q[b,s,h] . k[b,g]) as f32 [B, S, G] (docs/REFERENCE.md §3).
 
     q_packed uint8 [B, S, Hi, Di/2] + q_scale uint8 E8M0 [B, S, Hi, Di/32] (MXFP4 queries, as
     `quant.quant_fp4_mx` makes them); keys: IndexKeys [B, G, Di]; weights f32 [B, S, Hi];

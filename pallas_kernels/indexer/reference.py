@@ -1,4 +1,4 @@
-"""Plain-jnp indexer: scores, the candidate pool and the top-k (SPEC §3 "Indexer").
+"""Plain-jnp indexer: scores, the candidate pool and the top-k (docs/REFERENCE.md §3 "Indexer").
 
     I[b,s,g] = sum_h w[b,s,h] * ReLU(q[b,s,h] . k[b,g]),  -inf where g >= compress_len[b,s]
                or outside the pool.

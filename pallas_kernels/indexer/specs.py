@@ -1,4 +1,4 @@
-"""Benchmark shapes for the indexer (V4.1-Flash: 32 heads x 128 dims, SPEC §1)."""
+"""Benchmark shapes for the indexer (V4.1-Flash: 32 heads x 128 dims, docs/REFERENCE.md §1)."""
 from __future__ import annotations
 
 FLASH = {"heads": 32, "head_dim": 128}

@@ -107,7 +107,7 @@ def sparse_sink_attention(
     [B, S, Kc] int32 row indices, -1 = empty slot (indices must be < Nw / G; the kernels clamp
     larger ones); sink [H] f32 logits; scale the softmax scale. Returns [B, S, H, D] in q.dtype:
     o_h = sum_j e^{s_j} v_j / (sum_j e^{s_j} + e^{sink_h}), s_j = scale * q_h . k_j, and 0 for a
-    row without a valid slot (SPEC §3 "Attention"). Duplicated slots count twice (as in the
+    row without a valid slot (docs/REFERENCE.md §3 "Attention"). Duplicated slots count twice (as in the
     reference). S = 1 is decode; any S is prefill / training.
 
     impl: "xla" the jnp reference, "pallas" a kernel, "auto" the kernel on TPU/GPU and the
