@@ -4,8 +4,9 @@ The inverse of the chat encoder's assistant rendering (dsv41_jax.text.chat, dsv4
 `reasoning</think>content\\n\\n<｜DSML｜ calls>...</｜DSML｜ calls><｜end▁of▁sentence｜>`.
 `ReplyParser` works on streamed text: `feed(delta)` returns only what is certain, holding back
 any tail that could still become `</think>` or a DSML tag, so a tag split across deltas is never
-shown as text. A tool call is emitted when its `</｜DSML｜ invoke>` closes; an unterminated
-calls block (a reply cut by max_tokens) is dropped at `finish()`, never shown as content.
+shown as text. Tool calls are emitted when their `</｜DSML｜ calls>` block closes; an unterminated
+block (a reply cut by max_tokens) is dropped at `finish()` with all its calls, never shown as
+content.
 """
 from __future__ import annotations
 
@@ -115,21 +116,17 @@ class ReplyParser:
                 self.pending_ws = ""  # whitespace before the calls block is layout, not content
                 self.buf = self.buf[at + len(CALLS_OPEN):]
                 self.state = "calls"
-            elif self.state == "calls":
-                m = _INVOKE.search(self.buf)
+            elif self.state == "calls":  # calls are released when the block closes
                 end = self.buf.find(CALLS_CLOSE)
-                if m and (end < 0 or m.start() < end):
+                if end < 0:
+                    return out
+                for m in _INVOKE.finditer(self.buf[:end]):
                     call = ToolCall(len(self.calls), m["name"],
                                     json.dumps(parse_invoke(m["name"], m["body"]), ensure_ascii=False))
                     self.calls.append(call)
                     out.tool_calls.append(call)
-                    self.buf = self.buf[m.end():]
-                    continue
-                if end >= 0:
-                    self.buf = self.buf[end + len(CALLS_CLOSE):]
-                    self.state = "after"
-                    continue
-                return out
+                self.buf = self.buf[end + len(CALLS_CLOSE):]
+                self.state = "after"
             else:  # text after the calls block: the model should stop here; it is not content
                 self.buf = ""
                 return out
