@@ -25,8 +25,10 @@ def export_checkpoint(out_dir, cfg: ModelConfig, master: dict, formats: dict[str
     """Write fp32 masters as an HF checkpoint folder (`hf_writer.write_hf_folder`: config.json,
     shards, index; atomically). A non-empty out_dir is refused unless overwrite=True (CLI:
     --force), which replaces it as a whole. Returns the folder."""
+    from dsv41_jax.checkpoint.atomic import check_destination
     from dsv41_jax.checkpoint.hf_writer import model_entries, write_hf_folder
 
+    check_destination(out_dir, overwrite=overwrite)  # before the masters are quantized
     model = serving_model(cfg, master, formats)
     write_hf_folder(out_dir, cfg, model_entries(model), overwrite=overwrite)
     return pathlib.Path(out_dir)
