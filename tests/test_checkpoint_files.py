@@ -405,3 +405,53 @@ def test_training_killed_mid_save_resumes_with_identical_losses(tmp_path):
     want, got = losses(full.stderr), losses(resumed.stderr)
     assert sorted(got) == list(range(start + 1, 9))
     assert {s: want[s] for s in got} == got
+
+
+# ------------------------------------------------------------ runtime guard: masked vs NaN rows
+@pytest.mark.parametrize("mode", ["fast", pytest.param("exact", marks=pytest.mark.slow)])
+def test_attention_guard_tells_masked_rows_from_nan_rows(mode):
+    """Row 0 attends nothing (masked), row 1 attends a NaN key. By default both come out as zeros
+    (the probe: NaN hidden as if masked); with keep_nonfinite only the masked row is zero."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsv41_jax.layers.sparse_attention import sparse_attention
+
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((1, 2, 2, 32)), jnp.bfloat16)
+    kv = np.asarray(rng.standard_normal((1, 4, 32)), np.float32)
+    kv[0, 2] = np.nan
+    idx = jnp.asarray([[[-1, -1], [2, 3]]], jnp.int32)
+    sink = jnp.zeros((2,), jnp.float32)
+    with jax.enable_x64(mode == "exact"):
+        hidden = np.asarray(sparse_attention(q, jnp.asarray(kv, jnp.bfloat16), sink, idx, 0.2, mode=mode), np.float32)
+        shown = np.asarray(sparse_attention(q, jnp.asarray(kv, jnp.bfloat16), sink, idx, 0.2, mode=mode,
+                                            keep_nonfinite=True), np.float32)
+    assert np.all(hidden == 0)
+    assert np.all(shown[0, 0] == 0) and np.all(np.isnan(shown[0, 1]))
+
+
+@pytest.mark.slow
+def test_all_nan_fp8_weight_gives_finite_logits_unless_guarded(params_a):
+    """The probe end to end: an all-NaN FP8 `wkv` (loaded with the value check off) still gives
+    finite logits; `Runtime(check_finite=True)` lets the NaN reach them, and Generator's check
+    raises naming the position."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dsv41_jax.model.transformer import init_cache, make_step
+    from dsv41_jax.runtime import Runtime
+    from dsv41_jax.serving.generate import _check_finite_logits
+
+    cfg = micro_config(32, engram_layer_ids=())
+    params = random_params(cfg, seed=1)
+    path = next(p for p in params if p[-2:] == ("wkv", "weight") and p[1] == 0)
+    params[path] = np.full_like(params[path], np.nan)
+    graphdef, state = nnx.split(model_from_params(cfg, params))
+    tokens = jnp.asarray([[1, 2, 3, 4]], jnp.int32)
+    plain = np.asarray(make_step(graphdef, Runtime())(state, tokens, init_cache(cfg, 1))[0], np.float32)
+    guarded = np.asarray(make_step(graphdef, Runtime(check_finite=True))(state, tokens, init_cache(cfg, 1))[0], np.float32)
+    assert np.all(np.isfinite(plain))
+    assert not np.all(np.isfinite(guarded))
+    with pytest.raises(FloatingPointError, match="non-finite logits for position 4"):
+        _check_finite_logits(guarded[0, -1], 4)
