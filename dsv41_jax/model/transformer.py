@@ -267,7 +267,8 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
             o = attn.attend_pallas(q, kv_layout.concat_rows(ring, win_new), win_idx, comp_kv, comp_sel,
                                    cfg.head_dim ** -0.5, runtime)
         else:
-            o = sparse_attention(q, keys.astype(q.dtype), attn.attn_sink[...], idx, cfg.head_dim ** -0.5, mode=mode)
+            o = sparse_attention(q, keys.astype(q.dtype), attn.attn_sink[...], idx, cfg.head_dim ** -0.5, mode=mode,
+                                 keep_nonfinite=runtime.check_finite)
         a_out = attn.output(o, cos, sin, mode)
         h = expand(a_out, h, a_post, a_comb)
         if collect:

@@ -252,7 +252,8 @@ def run_layers(model, h: jax.Array, pre: jax.Array, cache: dict, *, start: jax.A
                 keys = jnp.concatenate([keys, comp], 1)
                 idx = jnp.concatenate([idx, jnp.where(sel >= 0, sel + off, -1)], -1)
 
-        o = sparse_attention(q, keys.astype(q.dtype), attn.attn_sink[...], idx, cfg.head_dim ** -0.5, mode=mode)
+        o = sparse_attention(q, keys.astype(q.dtype), attn.attn_sink[...], idx, cfg.head_dim ** -0.5, mode=mode,
+                             keep_nonfinite=runtime.check_finite)
         a_out = attn.output(o, cos, sin, mode)
         h = expand(a_out, h, a_post, a_comb)
         f_pre, f_post, f_comb = block.hc_ffn.mixes(h, mode)
