@@ -63,7 +63,9 @@ def build(model, tokenizer, opts: ServeOptions):
         conversations = ConversationStore(opts.cache_dir, opts.cache_bytes, engine, metrics)
     scfg = ServerConfig(opts.model_name, max_len, api_key=opts.api_key, test_hooks=opts.test_hooks,
                         conversations=conversations)
-    return build_app(worker, tokenizer, scfg), worker
+    app = build_app(worker, tokenizer, scfg)
+    app.state.conversations = conversations
+    return app, worker
 
 
 def free_port() -> int:
@@ -78,7 +80,7 @@ class BackgroundServer:
     def __init__(self, app, worker: EngineWorker, host: str = "127.0.0.1", port: int | None = None):
         import uvicorn
 
-        self.worker, self.host, self.port = worker, host, port or free_port()
+        self.app, self.worker, self.host, self.port = app, worker, host, port or free_port()
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level="warning",
                                                     timeout_graceful_shutdown=1))
         self.thread = threading.Thread(target=self.server.run, name="dsv41-http", daemon=True)

@@ -143,10 +143,10 @@ class EngineWorker:
             except Exception as e:  # noqa: BLE001 - the step's requests fail, the server stays up
                 traceback.print_exc()
                 self.metrics.engine_errors.inc()
-                for rid in self.engine.reset():
-                    job = self.jobs.pop(rid, None)
-                    if job is not None:
-                        self._post(job, ("error", 500, f"internal error in the engine step: {type(e).__name__}: {e}"))
+                self.engine.reset()  # every request the engine held is gone, including one being admitted
+                for job in self.jobs.values():
+                    self._post(job, ("error", 500, f"internal error in the engine step: {type(e).__name__}: {e}"))
+                self.jobs.clear()
                 continue
             for result in finished:
                 job = self.jobs.pop(result.request_id, None)
