@@ -334,3 +334,12 @@ def test_conversation_cache_thinking_mode_and_corrupt_file(server, client):
     assert metrics(server)["dsv41_prefix_cache_misses_total"] == before + 1 and path not in store.files
     m = metrics(server)
     assert m["dsv41_prefix_cache_files"] == len(store.files) and 0 < m["dsv41_prefix_cache_bytes"] <= 1 << 20
+
+
+def test_serve_cli_refuses_bad_folders(tmp_path, capsys):
+    from dsv41_jax.cli.main import main
+
+    assert main(["serve", "--checkpoint", str(tmp_path / "nope")]) == 2
+    assert "no such folder" in capsys.readouterr().err
+    assert main(["serve", "--checkpoint", str(tmp_path)]) == 2
+    assert "no tokenizer.json" in capsys.readouterr().err
