@@ -416,7 +416,7 @@ def test_attention_guard_tells_masked_rows_from_nan_rows(mode):
     import jax
     import jax.numpy as jnp
 
-    from dsv41_jax.layers.sparse_attention import sparse_attention
+    from pallas_kernels.sparse_attention.dense_reference import sparse_attention
 
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((1, 2, 2, 32)), jnp.bfloat16)
