@@ -120,7 +120,8 @@ async def main_async(args) -> dict:
                                 timeout=3600)
     rng = np.random.default_rng(args.seed)
     lengths, outputs = [5, 20, 60, 120], [4, 16, 32]
-    await _one(client, args.model, _prompt(rng, 5), 2)  # compile outside the measurements
+    for n in (*lengths, 60):  # compile every prefill shape the levels use outside the measurements
+        await _one(client, args.model, _prompt(rng, n), 2)
     out = {"url": args.url, "levels": []}
     for c in args.concurrency:
         level = await load_level(client, args.model, c, args.requests or max(2 * c, 8), rng, lengths, outputs)
