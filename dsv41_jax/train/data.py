@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dsv41_jax.text import pieces as P
 from dsv41_jax.text import special_tokens as st
 
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".c", ".h", ".json", ".toml", ".cfg"}
@@ -37,24 +38,30 @@ class ByteTokenizer:
         self.bos_id, self.eos_id, self.pad_id = 0, 1, 2
         self.n_special = len(self.SPECIALS)
         self._special_ids = {s: i for i, s in enumerate(self.SPECIALS)}
+        self._pattern = P.control_pattern(self.SPECIALS)
 
     @property
     def vocab_size(self) -> int:
         return self.n_special + 256
 
     def encode(self, text: str, add_special: bool = False) -> list[int]:
-        ids: list[int] = []
-        rest = text
-        while rest:
-            hits = [(rest.find(s), s) for s in self.SPECIALS if s in rest]
-            if not hits:
-                ids.extend(b + self.n_special for b in rest.encode("utf-8"))
-                break
-            at, s = min(hits)
-            ids.extend(b + self.n_special for b in rest[:at].encode("utf-8"))
-            ids.append(self._special_ids[s])
-            rest = rest[at + len(s):]
-        return ids
+        """Plain text as bytes: special-token text in a document stays characters (as in
+        dsv41_jax.text.tokenizer.Tokenizer.encode); only `encode_pieces` emits control ids."""
+        return [b + self.n_special for b in text.encode("utf-8")]
+
+    def encode_pieces(self, pieces) -> list[int]:
+        """A chat-encoder prompt (dsv41_jax.text.pieces): markers only where the encoder wrote them."""
+        return P.encode_pieces(pieces, self._special_ids, self._pattern, self.encode)
+
+    @property
+    def path(self) -> str:
+        return "the byte-level fallback tokenizer"
+
+    def added_tokens(self) -> dict[int, str]:
+        return dict(enumerate(self.SPECIALS))
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._special_ids.get(token)
 
     def decode(self, ids, skip_special: bool = False) -> str:
         out, buf = [], bytearray()
@@ -111,15 +118,15 @@ def text_document(tokenizer, text: str) -> Document:
 
 def chat_document(tokenizer, messages, thinking: bool = False) -> Document:
     """A conversation; only the assistant replies (through their EOS) are trained on."""
-    from dsv41_jax.text.chat import encode_chat
+    from dsv41_jax.text.chat import encode_chat_ids
 
-    full = tokenizer.encode(encode_chat(messages, thinking=thinking))
+    full = encode_chat_ids(tokenizer, messages, thinking=thinking)
     mask = np.zeros(len(full), bool)
     for i, msg in enumerate(messages):
         if msg.get("role") != "assistant":
             continue
-        before = tokenizer.encode(encode_chat(messages[:i], thinking=thinking))
-        upto = tokenizer.encode(encode_chat(messages[: i + 1], thinking=thinking))
+        before = encode_chat_ids(tokenizer, messages[:i], thinking=thinking)
+        upto = encode_chat_ids(tokenizer, messages[: i + 1], thinking=thinking)
         if full[: len(upto)] != upto or upto[: len(before)] != before:
             raise ValueError(f"chat turn {i}: the tokenizer does not split the conversation at turn boundaries, "
                              "so the loss mask cannot be placed; use turn texts that end cleanly")
