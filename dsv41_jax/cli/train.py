@@ -36,6 +36,9 @@ def register(subparsers) -> None:
     s.add_argument("--kl-positions", type=non_negative_int, default=8)
     s.add_argument("--replay-prob", type=float, default=0.0, help="replay-aware decoder windows with this probability")
     s.add_argument("--ckpt-dir", help="orbax checkpoint folder (resumes from its latest step)")
+    s.add_argument("--accept-changed-settings", action="store_true",
+                   help="resume even though the corpus, batch size, learning rate, seed or other settings differ "
+                        "from the checkpoint's (shape-changing differences are always refused)")
     s.add_argument("--keep", type=positive_int, default=3, help="checkpoints to keep")
     s.add_argument("--save-every", type=positive_int, default=100)
     s.add_argument("--export", metavar="DIR", help="write the trained model in the served FP8/FP4 formats here")
@@ -59,6 +62,14 @@ def register(subparsers) -> None:
 
 
 def _cmd_train(args) -> int:
+    from dsv41_jax.train.ckpt_dir import check_directory
+
+    try:  # before the heavy imports and any work: a bad --ckpt-dir costs a second, not a run
+        if args.ckpt_dir:
+            check_directory(args.ckpt_dir)
+    except ValueError as e:
+        print(f"dsv41 train: {e}", file=sys.stderr)
+        return 2
     from dsv41_jax.config import ConfigError, ModelConfig
     from dsv41_jax.train import data as D
     from dsv41_jax.train.checkpoint import Checkpointer
@@ -89,8 +100,11 @@ def _cmd_train(args) -> int:
                                              lr_embed_mult=args.lr_embed_mult, lr_engram_mult=args.lr_engram_mult))
         init = masters_from_checkpoint(args.init_from, serving_formats(cfg), cfg) if args.init_from else None
         ckpt = Checkpointer(args.ckpt_dir, keep=args.keep) if args.ckpt_dir else None
-        # bad --mesh, a batch the mesh cannot split, a checkpoint of another model: usage errors
-        run = prepare(cfg, tcfg, mesh_spec=args.mesh, init_master=init, checkpointer=ckpt)
+        # the tokenized corpus (so also the tokenizer), not its paths: moving the files is no change
+        settings = {"corpus": f"{len(docs)} documents, sha256 {D.corpus_digest(docs)[:16]}"}
+        # bad --mesh, a batch the mesh cannot split, a checkpoint of another run: usage errors
+        run = prepare(cfg, tcfg, mesh_spec=args.mesh, init_master=init, checkpointer=ckpt, settings=settings,
+                      accept_changes=args.accept_changed_settings)
     except (ConfigError, ValueError, OSError) as e:
         print(f"dsv41 train: {e}", file=sys.stderr)
         return 2

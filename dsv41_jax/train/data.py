@@ -11,6 +11,7 @@ Batch i of a run is a pure function of (rows, seed, i): resume needs only the ba
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import pathlib
@@ -132,6 +133,16 @@ def chat_document(tokenizer, messages, thinking: bool = False) -> Document:
                              "so the loss mask cannot be placed; use turn texts that end cleanly")
         mask[len(before): len(upto)] = True
     return Document(np.asarray(full, np.int32), mask)
+
+
+def corpus_digest(docs) -> str:
+    """SHA-256 of the tokenized corpus (ids and target masks, in order): what a resume compares."""
+    h = hashlib.sha256()
+    for doc in docs:
+        h.update(np.int64(doc.ids.size).tobytes())
+        h.update(np.ascontiguousarray(doc.ids, np.int32).tobytes())
+        h.update(np.packbits(doc.target_mask).tobytes())
+    return h.hexdigest()
 
 
 def read_documents(paths, tokenizer, *, max_files: int | None = None) -> list[Document]:
