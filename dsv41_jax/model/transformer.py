@@ -24,7 +24,7 @@ from dsv41_jax.layers.engram import Engram
 from dsv41_jax.layers.indexer import candidate_pool, index_key_container, select_topk
 from dsv41_jax.layers.mhc_site import HyperSite, collapse, expand
 from dsv41_jax.layers.moe import MoE
-from dsv41_jax.layers.rope import cos_sin, layer_frequencies
+from dsv41_jax.layers.rope import cos_sin, layer_rope
 from dsv41_jax.runtime import Runtime
 from dsv41_jax.layers.sparse_attention import sparse_attention
 
@@ -198,7 +198,7 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
         a_pre, a_post, a_comb = block.hc_attn.mixes(h, mode)
         x = block.attn_norm(collapse(h, pre), mode)
         attn = block.attn
-        freqs = layer_frequencies(cfg, role.ratio)
+        freqs = layer_rope(cfg, role.ratio)
         cos, sin = cos_sin(positions, freqs)
         qr, q = attn.queries(x, cos, sin, mode)
         win_new = kv_layout.quantize_window(attn.window_kv(x, cos, sin, mode))
