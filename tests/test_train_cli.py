@@ -59,7 +59,16 @@ def test_train_cli_usage_errors_exit_2(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(cfg.to_flat_dict()))
     (tmp_path / "data.txt").write_text("def f(x):\n    return x\n" * 20)
     base = ["train", "--config", str(tmp_path / "config.json"), "--no-progress"]
+    junk = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes()
+    (tmp_path / "junk.bin").write_bytes(junk.replace(b"\0", b"\1") + b"\0")
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9 ol\u00e9\n".encode("latin-1"))
+    (tmp_path / "ctrl.txt").write_bytes(bytes(range(1, 9)) * 50 + b"text")
+    (tmp_path / "junk.jsonl").write_bytes(b'{"text": "ok"}\n' + junk[:64].replace(b"\0", b"\xff"))
     cases = [
+        (["--data", str(tmp_path / "junk.bin")], "junk.bin is not text (a NUL byte at offset 4096)"),
+        (["--data", str(tmp_path / "latin1.txt")], "latin1.txt is not UTF-8 text (byte 0xe9 at offset 3"),
+        (["--data", str(tmp_path / "ctrl.txt")], "ctrl.txt is not text (400 of 404 bytes are control characters)"),
+        (["--data", str(tmp_path / "junk.jsonl")], "junk.jsonl is not"),
         (["--data", str(tmp_path / "missing.txt")], "does not exist"),
         (["--data", str(tmp_path / "data.txt"), "--mesh", "data=64"], "devices"),
         (["--data", str(tmp_path / "data.txt"), "--mesh", "rows=2"], "axis=size"),

@@ -26,12 +26,22 @@ def _cmd_info(args) -> int:
 def _cmd_golden_check(args) -> int:
     import pathlib
 
-    from dsv41_jax.golden.check import format_table, run_all
-
     root = pathlib.Path(args.dir)
     if not root.is_dir():
         print(f"dsv41 golden-check: {root} is not a folder", file=sys.stderr)
         return 2
+    from dsv41_jax.golden import data as golden_data
+
+    found = [gc.name for gc in golden_data.discover(root)]
+    found += ["quant"] if (root / "quant_vectors.safetensors").is_file() else []
+    unknown = sorted(set(args.only or ()) - set(found))
+    if not found or unknown:
+        what = f"no case set named {unknown}" if found else "no golden cases"
+        print(f"dsv41 golden-check: found {what} in {root} (it holds {found or 'none'}); a golden folder holds "
+              "config folders with cases.json and config.json, and/or quant_vectors.safetensors", file=sys.stderr)
+        return 2
+    from dsv41_jax.golden.check import format_table, run_all
+
     entries = run_all(root, impl=args.impl, interpret=args.impl == "pallas", only=args.only)
     if args.json:
         print(json.dumps({"cases": [e.to_json() for e in entries]}, indent=1))

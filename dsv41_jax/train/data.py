@@ -145,6 +145,29 @@ def corpus_digest(docs) -> str:
     return h.hexdigest()
 
 
+_CONTROL_BYTES = bytes(b for b in range(32) if b not in b"\t\n\r\f")
+
+
+def read_text_file(path: pathlib.Path) -> str:
+    """The file as UTF-8 text; a ValueError naming the file when it is binary (NUL bytes,
+    invalid UTF-8, or mostly control characters), which would otherwise train on junk."""
+    raw = path.read_bytes()
+    where = raw.find(b"\0")
+    if where >= 0:
+        raise ValueError(f"training data {path} is not text (a NUL byte at offset {where}); pass UTF-8 text, "
+                         ".jsonl or chat files")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"training data {path} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start} "
+                         f"does not decode); convert it to UTF-8 or leave it out") from None
+    control = len(raw) - len(raw.translate(None, _CONTROL_BYTES))
+    if control > 0.1 * len(raw):
+        raise ValueError(f"training data {path} is not text ({control} of {len(raw)} bytes are control "
+                         "characters); pass UTF-8 text, .jsonl or chat files")
+    return text
+
+
 def read_documents(paths, tokenizer, *, max_files: int | None = None) -> list[Document]:
     """Documents from files or folders: .jsonl lines ({"text"} or {"messages"[, "thinking"]}),
     anything else as one text document per file. Folders are walked in sorted order."""
@@ -162,7 +185,7 @@ def read_documents(paths, tokenizer, *, max_files: int | None = None) -> list[Do
     docs = []
     for f in files:
         if f.suffix == ".jsonl":
-            for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+            for n, line in enumerate(read_text_file(f).splitlines(), 1):
                 if not line.strip():
                     continue
                 try:
@@ -176,7 +199,7 @@ def read_documents(paths, tokenizer, *, max_files: int | None = None) -> list[Do
                 else:
                     raise ValueError(f"{f}:{n}: a JSONL record needs a \"text\" or a \"messages\" field, got {sorted(rec)}")
         else:
-            text = f.read_text(encoding="utf-8", errors="replace")
+            text = read_text_file(f)
             if text.strip():
                 docs.append(text_document(tokenizer, text))
     if not docs:
