@@ -4,17 +4,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 
 
 def _cmd_info(args) -> int:
     from dsv41_jax.config import ConfigError, ModelConfig
-    from dsv41_jax.model.info import format_info, model_info
 
     try:
         cfg = ModelConfig.load(args.config)
     except ConfigError as e:
         print(f"dsv41 info: {e}", file=sys.stderr)
         return 2
+    from dsv41_jax.model.info import format_info, model_info
+
     info = model_info(cfg)
     if args.json:
         print(json.dumps({"config": args.config, **info}, indent=1))
@@ -85,7 +87,15 @@ def _extra_commands():
     return out
 
 
+def _format_warning(message, category, filename, lineno, line=None, _default=warnings.formatwarning):
+    """Config warnings (a misspelt key) as one `dsv41: warning: ...` line; others as Python prints them."""
+    if category.__name__ == "ConfigWarning":
+        return f"dsv41: warning: {message}\n"
+    return _default(message, category, filename, lineno, line)
+
+
 def main(argv=None) -> int:
+    warnings.formatwarning = _format_warning
     args = build_parser().parse_args(argv)
     return args.func(args)
 
