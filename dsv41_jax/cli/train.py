@@ -41,7 +41,10 @@ def register(subparsers) -> None:
                         "from the checkpoint's (shape-changing differences are always refused)")
     s.add_argument("--keep", type=positive_int, default=3, help="checkpoints to keep")
     s.add_argument("--save-every", type=positive_int, default=100)
-    s.add_argument("--export", metavar="DIR", help="write the trained model in the served FP8/FP4 formats here")
+    s.add_argument("--export", metavar="DIR", help="write the trained model in the served FP8/FP4 formats here "
+                                                   "(an HF checkpoint folder; checked before training starts)")
+    s.add_argument("--force", action="store_true",
+                   help="let --export replace a non-empty checkpoint folder (atomically, once the new one is complete)")
     s.add_argument("--seed", type=non_negative_int, default=0)
     s.add_argument("--log-every", type=int, default=10)
     s.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for the MFU estimate")
@@ -70,6 +73,7 @@ def _cmd_train(args) -> int:
     except ValueError as e:
         print(f"dsv41 train: {e}", file=sys.stderr)
         return 2
+    from dsv41_jax.checkpoint.atomic import check_destination
     from dsv41_jax.config import ConfigError, ModelConfig
     from dsv41_jax.train import data as D
     from dsv41_jax.train.checkpoint import Checkpointer
@@ -80,6 +84,8 @@ def _cmd_train(args) -> int:
     from dsv41_jax.train.step import TrainConfig
 
     try:
+        if args.export:  # found now, not after the training steps are spent
+            check_destination(args.export, overwrite=args.force)
         cfg = ModelConfig.load(args.config)
         tok = D.load_tokenizer(args.tokenizer)
         if tok.vocab_size > cfg.vocab_size:
@@ -117,7 +123,7 @@ def _cmd_train(args) -> int:
         ckpt.close()
     out = None
     if args.export:
-        out = export_checkpoint(args.export, cfg, run.master(), run.formats)
+        out = export_checkpoint(args.export, cfg, run.master(), run.formats, overwrite=args.force)
         print(f"dsv41 train: exported the served FP8/FP4 checkpoint to {out}", file=sys.stderr)
     if args.json:
         print(json.dumps({"start_step": start, "step": run.step, "documents": len(docs),
