@@ -349,7 +349,8 @@ def test_killed_export_leaves_the_old_checkpoint(ckpt_a, params_a, tmp_path):
         import sys; sys.path.insert(0, {str(REPO / 'tests')!r})
         from train_fixtures import micro_config
         from dsv41_jax.train.export import export_checkpoint
-        from dsv41_jax.train.params import build_training_model, serving_formats
+        from dsv41_jax.train.params import serving_formats
+        from dsv41_jax.train.qat_modules import build_training_model
         cfg = micro_config(32)
         formats = serving_formats(cfg)
         _, master = build_training_model(cfg, formats, seed=5)
@@ -415,7 +416,7 @@ def test_attention_guard_tells_masked_rows_from_nan_rows(mode):
     import jax
     import jax.numpy as jnp
 
-    from dsv41_jax.layers.sparse_attention import sparse_attention
+    from pallas_kernels.sparse_attention.dense_reference import sparse_attention
 
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((1, 2, 2, 32)), jnp.bfloat16)
