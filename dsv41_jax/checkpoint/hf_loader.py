@@ -139,9 +139,9 @@ def _v4_hint(unexpected: list[str], cfg: ModelConfig) -> str:
 def _plan(cfg: ModelConfig, params: dict, infos: dict[str, TensorInfo]):
     """Group the checkpoint tensors by parameter; raise WeightError naming every problem."""
     expected = {t.name: t for t in disk_tensors(params, wo_a_fp8=False)}
-    skipped = [n for n in infos if is_ignored(n)]
+    skipped = [n for n in infos if is_ignored(n, cfg.vision_enabled)]
     wo_a_scales = {_scale_of(n) for n, t in expected.items() if is_wo_a(t.path)}
-    unexpected = [n for n in infos if n not in expected and n not in wo_a_scales and not is_ignored(n)]
+    unexpected = [n for n in infos if n not in expected and n not in wo_a_scales and not is_ignored(n, cfg.vision_enabled)]
     missing = [n for n in expected if n not in infos]
     problems = []
     by_path: dict[tuple, list[DiskTensor]] = {}
@@ -218,9 +218,11 @@ class _Reader:
 
 
 def load_checkpoint(folder, *, shardings: placement.ShardingSpec = None, progress: bool = True,
-                    config_overrides: dict | None = None):
+                    config_overrides: dict | None = None, language_model_only: bool = False):
     """Load an HF-format folder. Returns (cfg, model, report).
 
+    language_model_only: leave the vision tower, aligner, delimiters and `bias_vl` on disk (they
+      are skipped and listed in the report); the model then refuses image inputs.
     shardings: None (first device), a Sharding for every parameter, or a callable
       (param path, shape, dtype) -> Sharding; each device reads only its block.
     config_overrides: runtime fields to change (e.g. {"max_seq_len": 8192}); they size caches only.
@@ -233,6 +235,8 @@ def load_checkpoint(folder, *, shardings: placement.ShardingSpec = None, progres
     if not folder.is_dir():
         raise CheckpointError(f"checkpoint folder {folder} does not exist")
     cfg = read_config(folder, config_overrides)
+    if language_model_only:
+        cfg = cfg.language_model_only()
     wm = weight_map(folder)
     infos = _headers(folder, wm)
     graphdef, state = nnx.split(abstract_model(cfg))

@@ -37,6 +37,10 @@ def _our_path(name: str) -> tuple | None:
         return (name.split(".")[0],), None
     if name == "norm.weight":
         return ("norm", "weight"), None
+    if name in VISION_DELIMITERS:
+        return (name,), None
+    if name.startswith(("vision.", "aligner.")):  # the tower's modules mirror the checkpoint names
+        return tuple(int(p) if p.isdigit() else p for p in name.split(".")), None
     m = _EXPERT.match(name)
     if m:
         l, e, w, kind = m.groups()
@@ -52,9 +56,17 @@ def _our_path(name: str) -> tuple | None:
     return ("layers", l, *[int(p) if p.isdigit() else p for p in rest.split(".")]), None
 
 
-def is_ignored(name: str) -> bool:
-    """Tensors outside the text backbone: DSpark (mtp.*), vision, aligner, image delimiters, VL bias."""
-    return name.startswith(("mtp.", "vision.", "aligner.", "image_")) or name.endswith("gate.bias_vl")
+VISION_DELIMITERS = ("image_start", "image_end", "image_newline")
+
+
+def is_vision_name(name: str) -> bool:
+    """The VL part of a checkpoint: tower, aligner, span delimiters and the per-layer `gate.bias_vl`."""
+    return name.startswith(("vision.", "aligner.")) or name in VISION_DELIMITERS or name.endswith("gate.bias_vl")
+
+
+def is_ignored(name: str, vision: bool = False) -> bool:
+    """Tensors a model does not hold: DSpark (mtp.*), and the VL part unless `vision` (the model has the tower)."""
+    return name.startswith("mtp.") or (not vision and is_vision_name(name))
 
 
 def flat_params(model_or_state) -> dict[tuple, nnx.Variable]:
@@ -94,7 +106,7 @@ def load_reference_state_dict(cfg: ModelConfig, get: Callable[[str], np.ndarray]
     expert_parts: dict[tuple, dict[int, np.ndarray]] = {}
     skipped, unexpected, problems = [], [], []
     for name in names:
-        if is_ignored(name):
+        if is_ignored(name, cfg.vision_enabled):
             skipped.append(name)
             continue
         mapped = _our_path(name)
@@ -144,6 +156,8 @@ def _reference_name(path: tuple) -> str:
         return f"{path[0]}.weight"
     if path == ("norm", "weight"):
         return "norm.weight"
+    if path[0] in VISION_DELIMITERS or path[0] in ("vision", "aligner"):
+        return ".".join(map(str, path))
     rest = ".".join(map(str, path[2:]))
     rest = re.sub(r"^hc_(attn|ffn)\.(fn|base|scale)$", r"hc_\1_\2", rest)
     rest = {"engram.embed": "engram.embed.weight", "engram.embed_scale": "engram.embed.scale"}.get(rest, rest)

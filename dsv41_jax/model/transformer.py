@@ -61,6 +61,14 @@ class Transformer(nnx.Module):
         ])
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.head = nnx.Param((jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.dim), jnp.float32) * 2 / cfg.dim ** 0.5).astype(jnp.bfloat16))
+        if cfg.vision_enabled:  # the VL path (docs/VISION.md); dsv41_jax.vision.merge builds the span rows
+            from dsv41_jax.vision.tower import ViT, Aligner
+
+            delim = lambda: nnx.Param(jax.random.normal(rngs.params(), (cfg.dim,), jnp.float32).astype(jnp.bfloat16))
+            self.vision, self.aligner = ViT(cfg, rngs=rngs), Aligner(cfg, rngs=rngs)
+            self.image_start, self.image_end, self.image_newline = delim(), delim(), delim()
+        else:
+            self.vision = self.aligner = self.image_start = self.image_end = self.image_newline = None
 
 
 def engram_table_rows(cfg: ModelConfig) -> tuple[int, ...]:
@@ -178,6 +186,10 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
     trace = aux["trace"]
 
     h = model.embed[...][tokens]
+    in_span = None
+    if spans is not None:
+        in_span = spans[1] >= 0
+        h = jnp.where(in_span[..., None], spans[0].astype(h.dtype), h)
     h = jnp.broadcast_to(h[:, :, None, :], (B, T, cfg.hc_mult, cfg.dim))
     pre = jnp.zeros((B, T, cfg.hc_mult), jnp.float32).at[..., 0].set(1.0)
     topk_of: dict[int, jax.Array] = {}
@@ -188,7 +200,11 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
         if block.engram is not None:
             if engram_ids is None:
                 raise ValueError(f"layer {l} has Engram: pass engram_ids (see dsv41_jax.engram.hashing.hash_ids)")
+            h_in = h
             h, gate = block.engram(h, engram_ids[:, :, cfg.engram_layer_ids.index(l)], mode)
+            if in_span is not None:  # the reference shuts the gate at image-span positions
+                h = jnp.where(in_span[..., None, None], h_in, h)
+                gate = jnp.where(in_span[..., None], 0.0, gate)
             if collect:
                 trace[f"engram.{l}.gate"] = gate
         if replay is not None and l in replay:
@@ -278,10 +294,11 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
         x = block.ffn_norm(collapse(h, a_pre), mode)
         forced_e = None if forced is None else forced.get("experts", {}).get(l)
         y, info = block.ffn(x, mode, forced=forced_e, impl=_impl(runtime),
-                            impose=True if forced is None else forced.get("impose", True))
+                            impose=True if forced is None else forced.get("impose", True), vl_mask=in_span)
         if forced_e is not None:
-            own = jax.lax.top_k(info["scores"] + block.ffn.gate.bias[...], cfg.n_activated_experts)[1]
-            aux["experts_agree"][l] = tie_aware_equal(info["scores"] + block.ffn.gate.bias[...], own, forced_e.astype(own.dtype))
+            biased = info["scores"] + block.ffn.gate.selection_bias(in_span)
+            own = jax.lax.top_k(biased, cfg.n_activated_experts)[1]
+            aux["experts_agree"][l] = tie_aware_equal(biased, own, forced_e.astype(own.dtype))
         aux["experts"][l] = info["experts"]
         h = expand(y, h, f_post, f_comb)
         if collect:
@@ -341,14 +358,14 @@ def check_inputs(cfg: ModelConfig, tokens: np.ndarray, lengths: np.ndarray) -> N
 
 
 def make_step(graphdef, runtime: Runtime = Runtime(), collect: bool = False):
-    """A jitted pure step: (params, tokens, cache, engram_ids, forced, replay) -> (logits, cache, aux)."""
+    """A jitted pure step: (params, tokens, cache, engram_ids, forced, replay, spans) -> (logits, cache, aux)."""
 
     # bf16 rounding points are model semantics (they move FP8/FP4 roundings and top-k): forbid
     # XLA from keeping excess precision across them.
     @functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
-    def step(params, tokens, cache, engram_ids=None, forced=None, replay=None):
+    def step(params, tokens, cache, engram_ids=None, forced=None, replay=None, spans=None):
         model = nnx.merge(graphdef, params)
         return forward(model, tokens, cache, runtime=runtime, engram_ids=engram_ids, forced=forced,
-                       collect=collect, replay=replay)
+                       collect=collect, replay=replay, spans=spans)
 
     return step
