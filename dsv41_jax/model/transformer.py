@@ -161,7 +161,7 @@ def _write_ring(ring: kv_layout.WindowKV, new: kv_layout.WindowKV, start, W) -> 
 
 def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runtime = Runtime(),
             engram_ids: jax.Array | None = None, forced: dict | None = None, collect: bool = False,
-            replay: dict | None = None):
+            replay: dict | None = None, spans: tuple | None = None):
     """Run `tokens` [B, T] on top of `cache`. Returns (logits [B,T,V] fp32, new cache, aux).
 
     engram_ids: [B, T, n_engram_layers, n_cols] table rows (host int64 hashing, see
@@ -172,6 +172,10 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
     collect: also return per-layer intermediates in aux["trace"].
     replay: optional {layer: (stream [B,T,hc,d], pre_mix [B,T,hc])} substituted as that layer's
       input (after its Engram), to replay single layers from traced inputs.
+    spans: optional (rows [B, T, dim] bf16, token_types [B, T] int) from
+      `dsv41_jax.vision.merge.span_rows`: at image-span positions (type >= 0) the token
+      embedding is replaced by the row before the hc expansion, the MoE selects with
+      `gate.bias_vl`, and Engram leaves the stream untouched (docs/VISION.md).
     """
     cfg = model.cfg
     mode = runtime.mode
