@@ -166,8 +166,17 @@ class ModelConfig:
         return cls(**base).validated()
 
     @classmethod
+    def tiny_vision(cls, **overrides) -> "ModelConfig":
+        """`tiny` with a 2-layer vision tower (patch 4, grids up to 64 span tokens)."""
+        base = dict(vision_n_layers=2, vision_dim=32, vision_n_heads=2, vision_inter_dim=48, vision_patch_size=4,
+                    vision_max_n_token=64, vision_min_pixels=256, image_token_id=511)
+        base.update(overrides)
+        return cls.tiny(**base)
+
+    @classmethod
     def preset(cls, name: str) -> "ModelConfig":
-        presets = {"v41-flash": cls.v41_flash, "tiny": cls.tiny, "tiny-noengram": lambda: cls.tiny(engram_layer_ids=())}
+        presets = {"v41-flash": cls.v41_flash, "tiny": cls.tiny, "tiny-noengram": lambda: cls.tiny(engram_layer_ids=()),
+                   "tiny-vision": cls.tiny_vision}
         if name not in presets:
             raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(presets)} or pass a config.json path")
         return presets[name]()

@@ -24,6 +24,18 @@ def test_released_figures(flash):
     assert flash["window_bytes_per_sequence"] == 40 * 128 * 528
 
 
+def test_vision_parameters_are_counted_apart(flash):
+    d, f, p, D = 1024, 2816, 14, 5120  # the released vision_config
+    block = (d * 3 * d + 3 * d) + (d * d + d) + (d * 2 * f) + (f * d) + 2 * d
+    tower = (3 * p * p * d + d) + 32 * block + d
+    aligner = (9 * d * D + D) + (D * D + D)
+    assert flash["vision_params"] == tower + aligner + 3 * D + 40 * 384  # + delimiters + bias_vl
+    assert flash["vision"]["layers"] == 32 and flash["vision"]["max_image_tokens"] == 1024
+    text_only = model_info(ModelConfig.v41_flash().language_model_only())
+    assert text_only["vision_params"] == 0 and text_only["vision"] is None
+    assert text_only["backbone_params"] == flash["backbone_params"]
+
+
 def test_figures_follow_the_config(flash):
     base = ModelConfig.v41_flash()
     fewer_experts = model_info(base.replace(n_routed_experts=192))

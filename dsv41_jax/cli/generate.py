@@ -89,7 +89,7 @@ def _run(args) -> int:
         raise InputError(f"the prompt is {len(prompt)} tokens but the cache holds max_seq_len={cfg.max_seq_len}; "
                          "shorten the prompt or pass a larger --max-seq-len")
     cfg, model, report = load(folder, shardings=_mesh_shardings(args.devices), progress=not args.quiet,
-                              config_overrides=overrides)
+                              config_overrides=overrides, language_model_only=args.language_model_only)
     if not args.quiet:
         print(report.summary(), file=sys.stderr)
     gen = Generator(cfg, model, tokenizer, runtime=Runtime(mode="fast", impl=args.impl))
@@ -149,4 +149,6 @@ def register(subparsers) -> None:
     s.add_argument("--impl", choices=("xla", "pallas", "auto"), default="xla", help="attention/MoE implementation")
     s.add_argument("--json", action="store_true", help="print one JSON object (tokens, text, finish_reason) instead of streaming")
     s.add_argument("--quiet", action="store_true", help="no progress bar or load summary on stderr")
+    s.add_argument("--language-model-only", action="store_true",
+                   help="skip the vision tower, aligner and bias_vl tensors (text prompts only; docs/VISION.md)")
     s.set_defaults(func=_cmd_generate)
