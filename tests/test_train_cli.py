@@ -32,7 +32,7 @@ def test_train_cli_resumes_and_exports(tmp_path, capsys):
     assert summary["start_step"] == 2 and summary["step"] == 3 and summary["last"]["step"] == 3
     assert summary["export"] == str(tmp_path / "served") and summary["mesh"] == {"data": 2, "tensor": 2}
     assert {"loss", "ce", "balance", "indexer_kl", "load_imbalance", "tokens_per_s", "mfu"} <= set(summary["last"])
-    assert (tmp_path / "served" / "model.safetensors").exists()
+    assert (tmp_path / "served" / "model.safetensors.index.json").exists()
     from dsv41_jax.train.export import load_exported
 
     _, model = load_exported(tmp_path / "served", cfg)
@@ -80,4 +80,29 @@ def test_demo_runs_and_learns(tmp_path, capsys):
     assert out["figures"]["v41_flash_128k"]["global_kv_bytes_per_token"] == 890
     assert 0 < out["figures"]["v41_flash_128k"]["prefill_saving"] < 1
     assert out["sample"].startswith("def ") and len(out["sample"]) > 10
-    assert (tmp_path / "served" / "model.safetensors").exists() and (tmp_path / "checkpoints" / "40").is_dir()
+    assert (tmp_path / "served" / "model.safetensors.index.json").exists() and (tmp_path / "checkpoints" / "40").is_dir()
+
+
+@pytest.mark.slow
+def test_demo_export_is_served(tmp_path, capsys):
+    """`dsv41 demo --out D` then `dsv41 serve --checkpoint D/served` (no other step) answers a chat
+    completion through the real HTTP server and `openai` client."""
+    openai = pytest.importorskip("openai")
+    from dsv41_jax.cli.main import build_parser
+    from dsv41_jax.cli.serve import load_server
+    from dsv41_jax.serving.http.server import BackgroundServer
+
+    assert main(["demo", "--out", str(tmp_path), "--steps", "10", "--time-budget", "60"]) in (0, 1)  # 10 steps may not learn
+    capsys.readouterr()
+    assert (tmp_path / "served" / "tokenizer.json").is_file()
+    args = build_parser().parse_args(["serve", "--checkpoint", str(tmp_path / "served"), "--quiet", "--max-batch", "1"])
+    app, worker, opts = load_server(args)
+    srv = BackgroundServer(app, worker).start()
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=600)
+        r = client.chat.completions.create(model=opts.model_name, messages=[{"role": "user", "content": "def "}],
+                                           max_tokens=8, temperature=0)
+        assert r.choices[0].finish_reason in ("stop", "length") and 1 <= r.usage.completion_tokens <= 8
+        assert isinstance(r.choices[0].message.content, str)
+    finally:
+        srv.close()

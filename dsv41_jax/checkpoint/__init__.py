@@ -32,20 +32,22 @@ def checkpoint_format(folder) -> str:
 
 
 def load(folder, *, shardings=None, progress: bool = True, config_overrides: dict | None = None,
-         language_model_only: bool = False):
-    """(cfg, model, report) from an HF or orbax checkpoint folder.
+         check_values: bool = True, language_model_only: bool = False):
+    """(cfg, model, report) from an HF or orbax checkpoint folder; check_values refuses NaN/inf
+    weights, naming the tensor (`values.py`; False skips that pass on huge checkpoints).
 
     language_model_only: build the text-only model (no vision tower, no `bias_vl`), as vLLM's
     --language-model-only; an HF load does not read those tensors at all."""
     if checkpoint_format(folder) == "orbax":
         from dsv41_jax.checkpoint.orbax_io import load_orbax_checkpoint
 
-        cfg, model, report = load_orbax_checkpoint(folder, shardings=shardings, config_overrides=config_overrides)
+        cfg, model, report = load_orbax_checkpoint(folder, shardings=shardings, config_overrides=config_overrides,
+                                                   check_values=check_values)
         if language_model_only and cfg.vision_enabled:
             cfg, model = cfg.language_model_only(), _without_vision(cfg.language_model_only(), model)
         return cfg, model, report
     return load_checkpoint(folder, shardings=shardings, progress=progress, config_overrides=config_overrides,
-                           language_model_only=language_model_only)
+                           check_values=check_values, language_model_only=language_model_only)
 
 
 def _without_vision(text_cfg, model):

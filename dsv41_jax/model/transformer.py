@@ -24,9 +24,9 @@ from dsv41_jax.layers.engram import Engram
 from dsv41_jax.layers.indexer import candidate_pool, index_key_container, select_topk
 from dsv41_jax.layers.mhc_site import HyperSite, collapse, expand
 from dsv41_jax.layers.moe import MoE
-from dsv41_jax.layers.rope import cos_sin, layer_frequencies
+from dsv41_jax.layers.rope import cos_sin, layer_rope
 from dsv41_jax.runtime import Runtime
-from dsv41_jax.layers.sparse_attention import sparse_attention
+from pallas_kernels.sparse_attention.dense_reference import sparse_attention
 
 
 COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
@@ -218,7 +218,7 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
         a_pre, a_post, a_comb = block.hc_attn.mixes(h, mode)
         x = block.attn_norm(collapse(h, pre), mode)
         attn = block.attn
-        freqs = layer_frequencies(cfg, role.ratio)
+        freqs = layer_rope(cfg, role.ratio)
         cos, sin = cos_sin(positions, freqs)
         qr, q = attn.queries(x, cos, sin, mode)
         win_new = kv_layout.quantize_window(attn.window_kv(x, cos, sin, mode))
@@ -287,7 +287,8 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
             o = attn.attend_pallas(q, kv_layout.concat_rows(ring, win_new), win_idx, comp_kv, comp_sel,
                                    cfg.head_dim ** -0.5, runtime)
         else:
-            o = sparse_attention(q, keys.astype(q.dtype), attn.attn_sink[...], idx, cfg.head_dim ** -0.5, mode=mode)
+            o = sparse_attention(q, keys.astype(q.dtype), attn.attn_sink[...], idx, cfg.head_dim ** -0.5, mode=mode,
+                                 keep_nonfinite=runtime.check_finite)
         a_out = attn.output(o, cos, sin, mode)
         h = expand(a_out, h, a_post, a_comb)
         if collect:
@@ -297,7 +298,7 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
         f_pre, f_post, f_comb = block.hc_ffn.mixes(h, mode)
         x = block.ffn_norm(collapse(h, a_pre), mode)
         forced_e = None if forced is None else forced.get("experts", {}).get(l)
-        y, info = block.ffn(x, mode, forced=forced_e, impl=_impl(runtime),
+        y, info = block.ffn(x, mode, forced=forced_e, impl=runtime.resolved_impl(),
                             impose=True if forced is None else forced.get("impose", True), vl_mask=in_span)
         if forced_e is not None:
             biased = info["scores"] + block.ffn.gate.selection_bias(in_span)
@@ -318,12 +319,6 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
     x = model.norm(final, mode)
     logits = matmul(x.astype(jnp.float32), model.head[...].astype(jnp.float32), "btd,vd->btv", jnp.float32, mode)
     return logits, new_cache, aux
-
-
-def _impl(runtime: Runtime) -> str:
-    if runtime.impl == "auto":
-        return "pallas" if jax.default_backend() in ("tpu", "gpu") else "xla"
-    return runtime.impl
 
 
 def _index_keys_for(cfg: ModelConfig, cache: dict, role, runtime: Runtime) -> jax.Array:

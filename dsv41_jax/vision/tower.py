@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.layers.activations import gelu_erf, silu, softmax_lastdim
+from dsv41_jax.numerics.activations import gelu_erf, silu, softmax_lastdim
 from dsv41_jax.layers.basic import KeyStream, matmul, rms_norm, round_from_f64
 from dsv41_jax.layers.rope import rope_frequencies
 from dsv41_jax.numerics.exact_ops import no_fma

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax.numerics.exact_ops import exact_sqrt, true_divide
+from dsv41_jax.numerics.exact_ops import exact_sqrt, no_fma, true_divide
 from dsv41_jax.numerics.sleef_exp import expf_u10, log1pf_u10
 
 
@@ -43,6 +43,16 @@ def sqrt(x: jax.Array, mode: str = "fast") -> jax.Array:
     return exact_sqrt(x) if mode == "exact" else jnp.sqrt(x)
 
 
+def swiglu(gate: jax.Array, up: jax.Array, limit: float, mode: str = "fast") -> jax.Array:
+    """silu(min(gate, L)) * clamp(up, ±L) in fp32 (the clamps come from training)."""
+    gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
+    if limit > 0:
+        up = jnp.clip(up, -limit, limit)
+        gate = jnp.minimum(gate, limit)
+    out = silu(gate, mode) * up
+    return no_fma(out) if mode == "exact" else out
+
+
 # torch's AVX512 `Vectorized<float>::erf` (Abramowitz-Stegun 7.1.26 with FMAs and SLEEF's exp):
 # GELU of BF16 activations on CPU runs it on float32 lanes.
 _ERF_P = 0.3275911
@@ -50,7 +60,6 @@ _ERF_POLY = (1.061405429, -1.453152027, 1.421413741, -0.284496736, 0.254829592)
 
 
 def _erf_torch_vec(x: jax.Array) -> jax.Array:
-    from dsv41_jax.numerics.exact_ops import no_fma
     from dsv41_jax.numerics.sleef_exp import _fma64
 
     f32 = jnp.float32
@@ -68,8 +77,6 @@ def gelu_erf(x: jax.Array, mode: str = "fast") -> jax.Array:
     """Exact (erf) GELU in float32: x * 0.5 * (1 + erf(x / sqrt 2)), in torch's CPU order."""
     x = x.astype(jnp.float32)
     if mode == "exact":
-        from dsv41_jax.numerics.exact_ops import no_fma
-
         alpha = jnp.float32(0.7071067811865476)
         return no_fma(no_fma(x * jnp.float32(0.5)) * no_fma(jnp.float32(1.0) + _erf_torch_vec(no_fma(x * alpha))))
     return jax.nn.gelu(x, approximate=False)
