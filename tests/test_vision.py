@@ -155,3 +155,18 @@ def test_chunked_prefill_through_an_image_equals_one_prefill(vl):
 
         whole = run([tokens.shape[0]])
         np.testing.assert_array_equal(run([11, 13]), whole)  # the split falls inside the image span
+
+
+def test_sharding_rules_name_and_the_plan_counts_the_tower(vl):
+    from sharding.plan import weight_bytes
+    from sharding.rules import VISION, param_bucket, param_logical_axes
+
+    cfg, model, _, _ = vl
+    vision_bytes = 0
+    for path, var in flat_params(model).items():
+        param_logical_axes(path, var.ndim)  # raises for a parameter the tables do not describe
+        if param_bucket(path) == VISION:
+            vision_bytes += var.size * var.dtype.itemsize
+    assert vision_bytes > 0
+    w = weight_bytes(cfg, {"data": 1, "expert": 1, "tensor": 1}, "inference")
+    assert w["global"][VISION] == vision_bytes == w["per_device"][VISION]
