@@ -293,9 +293,24 @@ def test_conversation_cache_chat_mode_extends_prompt_and_completion(server, clie
     r1 = _turn(client, q1, forced(tok, "Sunny.", st.EOS), max_tokens=20)
     assert r1.usage.prompt_tokens_details.cached_tokens == 0 and r1.choices[0].message.content == "Sunny."
     m2 = q1 + [{"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "and tomorrow"}]
-    r2 = _turn(client, m2, max_tokens=4, logprobs=True)
+    engine, prefilled = server.worker.engine, []
+    full, replay = engine._full, engine._replay  # count the tokens each prefill program is given
+
+    def counting(fn):
+        def run(params, tokens, *rest):
+            prefilled.append(int(tokens.shape[1]))
+            return fn(params, tokens, *rest)
+        return run
+
+    engine._full, engine._replay = counting(full), counting(replay)
+    try:
+        r2 = _turn(client, m2, max_tokens=4, logprobs=True)
+    finally:
+        engine._full, engine._replay = full, replay
     n = len(encode_chat_ids(tok, q1, thinking=False)) + r1.usage.completion_tokens - 1  # prompt + reply before EOS
     assert r2.usage.prompt_tokens_details.cached_tokens == n
+    new = len(encode_chat_ids(tok, m2, thinking=False)) - n
+    assert sum(prefilled) == new + engine.cfg.window_size  # the new tokens plus the replayed window
     assert r2.usage.prompt_tokens == len(encode_chat_ids(tok, m2, thinking=False))
     # the same split and replay from a file computed afresh (a one-token completion of exactly those
     # tokens stores them, prefilled, never decoded) gives the same reply, logprobs bit for bit
@@ -334,3 +349,12 @@ def test_conversation_cache_thinking_mode_and_corrupt_file(server, client):
     assert metrics(server)["dsv41_prefix_cache_misses_total"] == before + 1 and path not in store.files
     m = metrics(server)
     assert m["dsv41_prefix_cache_files"] == len(store.files) and 0 < m["dsv41_prefix_cache_bytes"] <= 1 << 20
+
+
+def test_serve_cli_refuses_bad_folders(tmp_path, capsys):
+    from dsv41_jax.cli.main import main
+
+    assert main(["serve", "--checkpoint", str(tmp_path / "nope")]) == 2
+    assert "no such folder" in capsys.readouterr().err
+    assert main(["serve", "--checkpoint", str(tmp_path)]) == 2
+    assert "no tokenizer.json" in capsys.readouterr().err

@@ -54,6 +54,7 @@ class ConversationStore:
         self.budget, self.engine, self.metrics = budget, engine, metrics
         self.files: collections.OrderedDict[pathlib.Path, tuple[np.ndarray, int]] = collections.OrderedDict()
         self.index: dict[tuple[int, str], set[pathlib.Path]] = collections.defaultdict(set)
+        self.pinned: collections.Counter = collections.Counter()  # files queued requests resume from
         for f in sorted(self.folder.glob("*" + SUFFIX), key=lambda p: p.stat().st_mtime):
             try:
                 self._add(f, prefix_cache.read_tokens(f))
@@ -83,8 +84,13 @@ class ConversationStore:
         self.metrics.cache_bytes.set(sum(size for _, size in self.files.values()))
 
     def _evict(self):
-        while self.files and sum(size for _, size in self.files.values()) > self.budget:
-            self._drop(next(iter(self.files)))
+        """Drop least recently used files until the budget holds; files a queued request will
+        resume from are kept (the engine reads them at admission)."""
+        for path in list(self.files):
+            if sum(size for _, size in self.files.values()) <= self.budget:
+                return
+            if not self.pinned[path]:
+                self._drop(path)
 
     def path_for(self, tokens) -> pathlib.Path:
         return self.folder / (hashlib.sha256(np.asarray(tokens, np.int32).tobytes()).hexdigest()[:32] + SUFFIX)
@@ -127,7 +133,13 @@ class ConversationStore:
         """Called on the event loop: set the job's engine-thread callbacks."""
         job.full_prompt = list(job.request.prompt)
         job.thinking = thinking and chat
-        job.on_admit, job.on_finish = self._admit, self._finish
+        job.on_admit, job.on_finish, job.on_cancel = self._admit, self._finish, self._cancelled
+        job.resumed = (None, 0)
+
+    def _cancelled(self, job):
+        path, _ = job.resumed
+        if path is not None:
+            self.pinned[path] -= 1
 
     def _admit(self, job):
         prompt = job.full_prompt
@@ -137,12 +149,16 @@ class ConversationStore:
             self.metrics.cached_tokens.inc(n)
             job.request.prompt = prompt[n:]
             job.request.resume_from = str(path)
+            self.pinned[path] += 1
         else:
             self.metrics.cache_misses.inc()
         job.resumed = (path, n)
         job.request.save_to = str(self.folder / f".pending-{job.request.request_id}{SUFFIX}")
 
     def _finish(self, job, result):
+        path, _ = job.resumed
+        if path is not None:
+            self.pinned[path] -= 1
         pending = pathlib.Path(job.request.save_to)
         tokens = job.full_prompt + result.tokens[:-1]
         if pending.is_file():

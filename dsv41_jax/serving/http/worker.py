@@ -34,6 +34,7 @@ class Job:
     fail_in_engine: bool = False  # tests: raise inside the engine step (the 500 path)
     on_finish: object = None  # called in the engine thread with the Result (conversation caches)
     on_admit: object = None  # called in the engine thread before submit (may set resume_from)
+    on_cancel: object = None  # called in the engine thread when the request is dropped
 
 
 class QueueFull(Exception):
@@ -119,8 +120,11 @@ class EngineWorker:
                 self.jobs[job.request.request_id] = job
                 self.metrics.prompt_tokens.inc(len(job.request.prompt))
         elif item[0] == "cancel":
-            if self.jobs.pop(item[1], None) is not None:
+            job = self.jobs.pop(item[1], None)
+            if job is not None:
                 self.engine.cancel(item[1])
+                if job.on_cancel is not None:
+                    job.on_cancel(job)
         return True
 
     def _gauges(self):
