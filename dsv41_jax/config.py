@@ -115,7 +115,15 @@ class ModelConfig:
     eos_token_id: int = 1
     pad_token_id: int = 2
     image_token_id: int = 129264
+    # DSpark, the speculative drafter (docs/ARCHITECTURE.md "DSpark"): n_mtp_layers window-only
+    # stages stored as mtp.{k}.*, a 1 + (block_size - 1) token block, taps of the target layers
     n_mtp_layers: int = 3
+    dspark_block_size: int = 5
+    dspark_noise_token_id: int = 128799
+    dspark_target_layer_ids: tuple[int, ...] = (37, 38, 39)
+    dspark_markov_rank: int = 256
+    dspark_n_routed_experts: int = 128
+    dspark_n_activated_experts: int = 3
     # runtime limits: they size the caches, not the weights
     max_seq_len: int = 4096
     max_batch_size: int = 4
@@ -271,6 +279,21 @@ class ModelConfig:
         return _derive_roles(self)
 
     @property
+    def has_dspark(self) -> bool:
+        """Whether the config describes the DSpark drafter (reference: `dspark_block_size` and stages)."""
+        return self.n_mtp_layers > 0 and self.dspark_block_size > 0
+
+    def without_dspark(self) -> "ModelConfig":
+        """The same backbone with no drafter (a checkpoint that ships no mtp.* tensors)."""
+        return self.replace(n_mtp_layers=0)
+
+    @property
+    def dspark_moe(self) -> tuple[int, int]:
+        """(routed, activated) experts of a DSpark stage; 0 falls back to the backbone's (reference)."""
+        return (self.dspark_n_routed_experts or self.n_routed_experts,
+                self.dspark_n_activated_experts or self.n_activated_experts)
+
+    @property
     def decoder_start(self) -> int:
         """First decoder layer: the first ratio-1 KV source (the CED projection); n_layers if none."""
         for s in self.kv_source_layers:
@@ -365,10 +388,34 @@ def _validate(c: ModelConfig) -> None:
             fail("engram_head_dim", "Engram needs max_ngram_size >= 2, heads > 0 and head_dim a multiple of 32")
         if c.engram_num_embeddings and len(c.engram_num_embeddings) != len(c.engram_layer_ids):
             fail("engram_num_embeddings", f"{len(c.engram_num_embeddings)} entries for {len(c.engram_layer_ids)} Engram layers")
+    if c.has_dspark:
+        _validate_dspark(c, fail)
     for s in c.kv_source_layers:
         r = c.compress_ratios[s]
         if c.max_seq_len % r:
             fail("max_seq_len", f"{c.max_seq_len} must be a multiple of layer {s}'s compress ratio {r}")
+
+
+def _validate_dspark(c: ModelConfig, fail) -> None:
+    if not c.dspark_target_layer_ids:
+        fail("dspark_target_layer_ids", "DSpark needs at least one target layer (its taps feed main_proj)")
+    for l in c.dspark_target_layer_ids:
+        if not 0 <= l < c.n_layers:
+            fail("dspark_target_layer_ids", f"layer {l} is outside 0..{c.n_layers - 1}")
+    if list(c.dspark_target_layer_ids) != sorted(set(c.dspark_target_layer_ids)):
+        fail("dspark_target_layer_ids", f"{list(c.dspark_target_layer_ids)} must be strictly increasing")
+    if c.dspark_block_size < 2:
+        fail("dspark_block_size", f"{c.dspark_block_size}: a block is the anchor plus at least one draft")
+    if not 0 <= c.dspark_noise_token_id < c.vocab_size:
+        fail("dspark_noise_token_id", f"{c.dspark_noise_token_id} is outside the vocabulary 0..{c.vocab_size - 1}")
+    if c.dspark_markov_rank <= 0:
+        fail("dspark_markov_rank", f"must be positive, got {c.dspark_markov_rank}")
+    routed, active = c.dspark_moe
+    if active > routed:
+        fail("dspark_n_activated_experts", f"{active} exceeds dspark_n_routed_experts {routed}")
+    stage_ratios = c.compress_ratios[c.n_layers: c.n_layers + c.n_mtp_layers]
+    if any(stage_ratios):
+        fail("compress_ratios", f"DSpark stages (layers {c.n_layers}..) are window-only: their ratios must be 0, got {list(stage_ratios)}")
 
 
 def _derive_roles(c: ModelConfig) -> tuple[LayerRole, ...]:

@@ -73,6 +73,12 @@ _PARAM_AXES: dict[str, tuple[str, ...]] = {
     "hc_ffn.fn": ("hc_mix", "hc_embed"),
     "hc_ffn.base": ("hc_mix",),
     "hc_ffn.scale": ("hc_scale",),
+    # DSpark stages (mtp.K.*) reuse the block entries above; these are theirs alone
+    "main_proj": ("embed", "dspark_taps"),
+    "main_norm": ("embed",),
+    "markov_head.embed": ("vocab", "markov_rank"),
+    "markov_head.head": ("vocab", "markov_rank"),
+    "confidence_head.proj": ("confidence_out", "confidence_in"),
 }
 
 # Cache arrays, keyed by the top-level cache entry (see `dsv41_jax.model.transformer.init_cache`).
@@ -92,7 +98,7 @@ ROUTED, ENGRAM_TABLE, OTHER = "routed_experts", "engram_tables", "other_weights"
 def _module_key(path: tuple) -> str:
     """('layers', 3, 'attn', 'wq_b', 'scale') -> 'attn.wq_b'; experts' 'w1_scale' -> 'ffn.experts.w1'."""
     names = [str(p) for p in path if not isinstance(p, int)]
-    if names and names[0] == "layers":
+    if names and names[0] in ("layers", "mtp"):
         names = names[1:]
     if len(names) > 1 and names[-1] in ("weight", "scale") and ".".join(names) not in _PARAM_AXES:
         names = names[:-1]
