@@ -245,7 +245,7 @@ class ModelConfig:
         inv = {v: k for k, v in _HF_TO_FLAT.items()}
         text = {"model_type": "deepseek_v41_text"}
         skip = {"rope_factor", "beta_fast", "beta_slow", "original_seq_len", "dtype", "expert_dtype",
-                "bos_token_id", "eos_token_id", "pad_token_id", "image_token_id", "max_seq_len", "max_batch_size"}
+                "bos_token_id", "eos_token_id", "pad_token_id", "image_token_id", "max_batch_size"}
         for k, v in flat.items():
             if k in skip:
                 continue

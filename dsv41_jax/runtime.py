@@ -18,6 +18,10 @@ class Runtime:
     index_k_quirk: reproduce the reference's index-key publishing bug (docs/REFERENCE.md §6); False = intended.
     interpret: run the Pallas kernels in the Pallas interpreter. None (default): exactly when the
       default backend is the CPU, so impl="pallas" works everywhere.
+    check_finite: the runtime NaN/inf guard. The attention then zeroes only rows that have no
+      valid key (masked), not rows whose scores are NaN/inf, so those reach the logits, and
+      `Generator` raises naming the position. Off (default) the graph is exactly the unguarded
+      one; on the Pallas attention kernels the guard is the logits check alone.
 
     Exact mode with impl="pallas": the interpreted kernels accumulate in float64 at the oracle's
     rounding points (pallas_kernels/README.md, "Exact mode"); compiled kernels (interpret False)
@@ -28,12 +32,15 @@ class Runtime:
     impl: Literal["xla", "pallas", "auto"] = "xla"
     index_k_quirk: bool = False
     interpret: bool | None = None
+    check_finite: bool = False
 
     def __post_init__(self):
         if self.mode not in ("fast", "exact"):
             raise ValueError(f"Runtime.mode must be 'fast' or 'exact', got {self.mode!r}")
         if self.impl not in ("xla", "pallas", "auto"):
             raise ValueError(f"Runtime.impl must be 'xla', 'pallas' or 'auto', got {self.impl!r}")
+        if self.check_finite not in (True, False):
+            raise ValueError(f"Runtime.check_finite must be True or False, got {self.check_finite!r}")
         if self.interpret not in (None, True, False):
             raise ValueError(f"Runtime.interpret must be None, True or False, got {self.interpret!r}")
 

@@ -51,7 +51,7 @@ def run(argv, capsys):
 # ------------------------------------------------------------------------------ sampler
 @pytest.fixture(scope="module")
 def big_tokenizer(tmp_path_factory):
-    """The default tiny tokenizer: sparse ids up to 129279, with every SPEC sentinel as an added token."""
+    """The default tiny tokenizer: sparse ids up to 129279, with every docs/REFERENCE.md §9 sentinel as an added token."""
     return load_tokenizer(build_tokenizer_json(tmp_path_factory.mktemp("bigtok")))
 
 

@@ -142,7 +142,7 @@ def test_fast_index_scores_track_the_reference_scoring(micro):
     pattern, error to the float64 scores no larger than the reference-rounded path's plus one
     bf16 rounding, same top-k on random keys."""
     from dsv41_jax.numerics import kv_layout
-    from dsv41_jax.layers.rope import cos_sin, layer_frequencies
+    from dsv41_jax.layers.rope import cos_sin, layer_rope
     from dsv41_jax.serving import fast_index
     from dsv41_jax.serving.layer_range import decode_index_keys
 
@@ -154,7 +154,7 @@ def test_fast_index_scores_track_the_reference_scoring(micro):
     qr = jnp.asarray(rng.normal(size=(B, T, cfg.q_lora_rank)), jnp.bfloat16)
     keys = kv_layout.quantize_index_keys(jnp.asarray(rng.normal(size=(B, G, cfg.index_head_dim)), jnp.float32))
     pos = jnp.asarray([[150, 151, 152], [10, 11, 199]], jnp.int32)
-    cos, sin = cos_sin(pos, layer_frequencies(cfg, 1))
+    cos, sin = cos_sin(pos, layer_rope(cfg, 1))
     ref = np.asarray(ind.scores(x, qr, decode_index_keys(keys), cos, sin, pos + 1, "fast"))
     new = np.asarray(jax.jit(lambda *a: fast_index.scores_packed(ind, *a))(x, qr, keys, cos, sin, pos + 1))
     q, w = fast_index.query_and_weights(ind, x, qr, cos, sin)

@@ -159,7 +159,7 @@ def test_indexer_heads_sharded_select_the_same_topk():
     """Index heads split over 8 devices: the partitioner all-reduces the per-head scores, so every
     shard (and the single-device run) picks the same positions."""
     from dsv41_jax.layers.indexer import Indexer, select_topk
-    from dsv41_jax.layers.rope import cos_sin, layer_frequencies
+    from dsv41_jax.layers.rope import cos_sin, layer_rope
 
     cfg = MODEL_CFG
     ix = Indexer(cfg, True, rngs=nnx.Rngs(3))
@@ -169,7 +169,7 @@ def test_indexer_heads_sharded_select_the_same_topk():
     qr = jax.random.normal(k[1], (2, 6, cfg.q_lora_rank)).astype(jnp.bfloat16)
     keys = jax.random.normal(k[2], (2, 24, cfg.index_head_dim)).astype(jnp.bfloat16)
     pos = jnp.arange(6)[None] + jnp.array([[10], [18]])
-    cos, sin = cos_sin(pos, layer_frequencies(cfg, 1))
+    cos, sin = cos_sin(pos, layer_rope(cfg, 1))
     visible = pos + 1
 
     def topk(state, x, qr):

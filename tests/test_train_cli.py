@@ -32,7 +32,7 @@ def test_train_cli_resumes_and_exports(tmp_path, capsys):
     assert summary["start_step"] == 2 and summary["step"] == 3 and summary["last"]["step"] == 3
     assert summary["export"] == str(tmp_path / "served") and summary["mesh"] == {"data": 2, "tensor": 2}
     assert {"loss", "ce", "balance", "indexer_kl", "load_imbalance", "tokens_per_s", "mfu"} <= set(summary["last"])
-    assert (tmp_path / "served" / "model.safetensors").exists()
+    assert (tmp_path / "served" / "model.safetensors.index.json").exists()
     from dsv41_jax.train.export import load_exported
 
     _, model = load_exported(tmp_path / "served", cfg)
@@ -80,4 +80,4 @@ def test_demo_runs_and_learns(tmp_path, capsys):
     assert out["figures"]["v41_flash_128k"]["global_kv_bytes_per_token"] == 890
     assert 0 < out["figures"]["v41_flash_128k"]["prefill_saving"] < 1
     assert out["sample"].startswith("def ") and len(out["sample"]) > 10
-    assert (tmp_path / "served" / "model.safetensors").exists() and (tmp_path / "checkpoints" / "40").is_dir()
+    assert (tmp_path / "served" / "model.safetensors.index.json").exists() and (tmp_path / "checkpoints" / "40").is_dir()

@@ -4,7 +4,7 @@ Words split on \\w+ / punctuation runs (the `Whitespace` pre-tokenizer), so expe
 be worked out by hand. Special tokens sit at fixed ids: BOS/EOS/pad 0/1/2, <｜System｜> 128799,
 <think>/</think> 128821/128822 and the image token 129264 follow docs/REFERENCE.md §9 and public engine
 notes; <｜User｜>/<｜Assistant｜> use DeepSeek-V3's 128803/128804 (only their being single
-added tokens matters here). Every SPEC sentinel id gets a place-holder added token.
+added tokens matters here). Every sentinel id of docs/REFERENCE.md §9 gets a place-holder added token.
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def build_tokenizer_json(
     """Write folder/tokenizer.json and return its path.
 
     specials: added special tokens by id (default SPECIAL_IDS, plus place-holders at every
-    SPEC sentinel id when `sentinels`); words: ordinary vocabulary entries (default WORD_IDS).
+    sentinel id of docs/REFERENCE.md §9 when `sentinels`); words: ordinary vocabulary entries (default WORD_IDS).
     """
     specials = dict(SPECIAL_IDS if specials is None else specials)
     if sentinels:

@@ -31,10 +31,14 @@ def checkpoint_format(folder) -> str:
                           f"({orbax_io.CONFIG_FILE} + {orbax_io.PARAMS_DIR}/)")
 
 
-def load(folder, *, shardings=None, progress: bool = True, config_overrides: dict | None = None):
-    """(cfg, model, report) from an HF or orbax checkpoint folder."""
+def load(folder, *, shardings=None, progress: bool = True, config_overrides: dict | None = None,
+         check_values: bool = True):
+    """(cfg, model, report) from an HF or orbax checkpoint folder; check_values refuses NaN/inf
+    weights, naming the tensor (`values.py`; False skips that pass on huge checkpoints)."""
     if checkpoint_format(folder) == "orbax":
         from dsv41_jax.checkpoint.orbax_io import load_orbax_checkpoint
 
-        return load_orbax_checkpoint(folder, shardings=shardings, config_overrides=config_overrides)
-    return load_checkpoint(folder, shardings=shardings, progress=progress, config_overrides=config_overrides)
+        return load_orbax_checkpoint(folder, shardings=shardings, config_overrides=config_overrides,
+                                     check_values=check_values)
+    return load_checkpoint(folder, shardings=shardings, progress=progress, config_overrides=config_overrides,
+                           check_values=check_values)

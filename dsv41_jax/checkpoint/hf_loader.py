@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from flax import nnx
 
-from dsv41_jax.checkpoint import fp8_tiles, placement
+from dsv41_jax.checkpoint import fp8_tiles, placement, values
 from dsv41_jax.checkpoint.names import DiskTensor, disk_tensors, is_wo_a, wo_a_scale_shape
 from dsv41_jax.checkpoint.safetensors_file import SafetensorsFile, TensorInfo, normalize_index, read_header
 from dsv41_jax.config import ConfigError, ModelConfig
@@ -78,20 +78,40 @@ def read_config(folder: pathlib.Path, overrides: dict | None = None) -> ModelCon
 
 
 def weight_map(folder: pathlib.Path) -> dict[str, str]:
-    """name -> shard file name, from the index (or the single-file layout)."""
+    """name -> shard file name: the one rule for what an HF checkpoint folder holds.
+
+    With `model.safetensors.index.json` the index lists every shard; without one the folder
+    holds exactly one `model.safetensors`. A `.safetensors` file the rule does not account for
+    (stale shards next to a newer single file, a shard missing from the index) is an error,
+    not something one reader uses and another ignores.
+    """
+    folder = pathlib.Path(folder)
+    present = {p.name for p in folder.glob("*.safetensors")}
     index = folder / INDEX_FILE
     if index.is_file():
         try:
             wm = json.loads(index.read_text())["weight_map"]
+            if not isinstance(wm, dict):
+                raise TypeError(f"weight_map is a {type(wm).__name__}")
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index} is not a safetensors index (need a JSON object with weight_map): {e}") from None
         missing = sorted({f for f in wm.values() if not (folder / f).is_file()})
         if missing:
             raise CheckpointError(f"{index} lists shard files that are not in {folder}: {missing[:10]}"
                                   f"{' ...' if len(missing) > 10 else ''} ({len(missing)} missing)")
+        stray = sorted(present - set(wm.values()))
+        if stray:
+            raise CheckpointError(f"{folder} holds .safetensors files that its index does not list: {stray[:10]}; "
+                                  "they belong to another checkpoint (e.g. a newer export written next to old "
+                                  "shards); remove them, or the index and its shards, so one checkpoint remains")
         return dict(wm)
     single = folder / SINGLE_FILE
     if single.is_file():
+        stray = sorted(present - {SINGLE_FILE})
+        if stray:
+            raise CheckpointError(f"{folder} holds {SINGLE_FILE} and other .safetensors files {stray[:10]} but no "
+                                  f"{INDEX_FILE}; a sharded checkpoint needs its index; remove the files that "
+                                  "do not belong to the checkpoint")
         return {name: SINGLE_FILE for name in read_header(single)[0]}
     raise CheckpointError(f"{folder} has neither {INDEX_FILE} nor {SINGLE_FILE}; is it an HF checkpoint folder?")
 
@@ -189,8 +209,8 @@ def _to_param(arr: np.ndarray, want: np.dtype) -> np.ndarray:
 class _Reader:
     """Reads blocks of one parameter from its checkpoint tensors (open shards are shared)."""
 
-    def __init__(self, folder, wm, files, param, tensors: list[DiskTensor], infos):
-        self.folder, self.wm, self.files = folder, wm, files
+    def __init__(self, folder, wm, files, param, tensors: list[DiskTensor], infos, check: bool):
+        self.folder, self.wm, self.files, self.check = folder, wm, files, check
         self.want = np.dtype(param.dtype)
         self.shape = tuple(param.shape)
         self.tensors, self.infos = tensors, infos
@@ -202,7 +222,10 @@ class _Reader:
         return self.files[shard]
 
     def _read(self, name, index):
-        return self._file(name).read(name, index)
+        arr = self._file(name).read(name, index)
+        if self.check:
+            values.check_values(name, self.infos[name].dtype, arr)
+        return arr
 
     def __call__(self, index: tuple) -> np.ndarray:
         t0 = self.tensors[0]
@@ -221,12 +244,14 @@ class _Reader:
 
 
 def load_checkpoint(folder, *, shardings: placement.ShardingSpec = None, progress: bool = True,
-                    config_overrides: dict | None = None):
+                    config_overrides: dict | None = None, check_values: bool = True, cfg: ModelConfig | None = None):
     """Load an HF-format folder. Returns (cfg, model, report).
 
     shardings: None (first device), a Sharding for every parameter, or a callable
       (param path, shape, dtype) -> Sharding; each device reads only its block.
     config_overrides: runtime fields to change (e.g. {"max_seq_len": 8192}); they size caches only.
+    check_values: refuse tensors holding NaN/inf (`values.py`), naming them; False skips the pass.
+    cfg: the config to load into instead of the folder's config.json (its shapes must match the tensors).
     """
     from tqdm.auto import tqdm
 
@@ -235,7 +260,7 @@ def load_checkpoint(folder, *, shardings: placement.ShardingSpec = None, progres
     folder = pathlib.Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"checkpoint folder {folder} does not exist")
-    cfg = read_config(folder, config_overrides)
+    cfg = cfg if cfg is not None else read_config(folder, config_overrides)
     wm = weight_map(folder)
     infos = _headers(folder, wm)
     cfg = config_for_names(cfg, infos)  # no mtp.* tensors: the backbone alone, speculation refused later
@@ -253,7 +278,7 @@ def load_checkpoint(folder, *, shardings: placement.ShardingSpec = None, progres
             for path, var in params.items():
                 tensors = by_path[path]
                 sharding = where(path, tuple(var.shape), np.dtype(var.dtype))
-                read = _Reader(folder, wm, files, var, tensors, infos)
+                read = _Reader(folder, wm, files, var, tensors, infos, check_values)
                 var.set_value(placement.place(tuple(var.shape), var.dtype, sharding, read))
                 names = [t.name for t in tensors]
                 if is_wo_a(path) and _scale_of(names[0]) in infos:

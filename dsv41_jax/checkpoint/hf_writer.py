@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import json
 import pathlib
-import shutil
 from typing import Iterable, Sequence
 
 import jax
 import numpy as np
 from flax import nnx
 
-from dsv41_jax.checkpoint import fp8_tiles
+from dsv41_jax.checkpoint import atomic, fp8_tiles
 from dsv41_jax.checkpoint.hf_loader import INDEX_FILE
 from dsv41_jax.checkpoint.names import DiskTensor, disk_tensors, is_compressor_weight, is_wo_a, wo_a_scale_shape
 from dsv41_jax.checkpoint.safetensors_file import DTYPES, TensorEntry, write_file
@@ -52,40 +51,42 @@ def _group(entries: Sequence[TensorEntry], max_shard_bytes: int) -> list[list[Te
 
 
 def write_hf_folder(out_dir, cfg: ModelConfig, entries: Sequence[TensorEntry], *, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-                    tokenizer=None, overwrite: bool = False, progress: bool = False) -> dict:
-    """Write config.json, the shards and the index. Returns the index dict.
+                    tokenizer=None, overwrite: bool = False, progress: bool = False, sources=()) -> dict:
+    """Write config.json, the shards and the index, as a whole (`atomic.atomic_folder`): the
+    folder is built beside out_dir and replaces it only when complete. Returns the index dict.
 
     tokenizer: optional path to a tokenizer.json (or a folder holding one) to copy alongside.
+    overwrite: replace a non-empty out_dir (only one that holds a checkpoint, `atomic.check_destination`).
+    sources: folders being read while writing (e.g. convert's source), which out_dir must not hold or lie in.
     """
     from tqdm.auto import tqdm
 
-    out = pathlib.Path(out_dir)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out} exists and is not empty; pass overwrite=True (CLI: --force) or choose another folder")
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes} (CLI: --max-shard-size, e.g. 5GB)")
     names = [e.name for e in entries]
     dup = sorted({n for n in names if names.count(n) > 1}) if len(set(names)) != len(names) else []
     if dup:
         raise ValueError(f"tensor names written twice: {dup[:10]}")
-    out.mkdir(parents=True, exist_ok=True)
-    for old in [*out.glob("*.safetensors"), out / INDEX_FILE]:  # stale shards of an overwritten checkpoint
-        old.unlink(missing_ok=True)
-    (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
+    tok = None
     if tokenizer is not None:
-        src = pathlib.Path(tokenizer)
-        src = src / "tokenizer.json" if src.is_dir() else src
-        if not src.is_file():
-            raise FileNotFoundError(f"tokenizer file {src} does not exist")
-        shutil.copyfile(src, out / "tokenizer.json")
+        tok = pathlib.Path(tokenizer)
+        tok = tok / "tokenizer.json" if tok.is_dir() else tok
+        if not tok.is_file():
+            raise FileNotFoundError(f"tokenizer file {tok} does not exist")
     shards = _group(entries, max_shard_bytes)
     weight_map, total = {}, 0
-    with tqdm(total=sum(e.nbytes for e in entries), unit="B", unit_scale=True, desc="writing", disable=not progress) as bar:
-        for i, shard in enumerate(shards):
-            fname = shard_name(i, len(shards))
-            total += write_file(out / fname, shard, metadata={"format": "pt"})
-            weight_map.update({e.name: fname for e in shard})
-            bar.update(sum(e.nbytes for e in shard))
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    with atomic.atomic_folder(out_dir, overwrite=overwrite, sources=sources) as out:
+        atomic.write_text(out / "config.json", json.dumps(cfg.to_hf_dict(), indent=2))
+        if tok is not None:
+            atomic.copy_file(tok, out / "tokenizer.json")
+        with tqdm(total=sum(e.nbytes for e in entries), unit="B", unit_scale=True, desc="writing", disable=not progress) as bar:
+            for i, shard in enumerate(shards):
+                fname = shard_name(i, len(shards))
+                total += write_file(out / fname, shard, metadata={"format": "pt"})
+                weight_map.update({e.name: fname for e in shard})
+                bar.update(sum(e.nbytes for e in shard))
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        atomic.write_text(out / INDEX_FILE, json.dumps(index, indent=2))
     return index
 
 
@@ -162,8 +163,31 @@ def _param_entry(t: DiskTensor, host) -> TensorEntry:
 
 def save_hf_checkpoint(model: nnx.Module, out_dir, *, narrow: str = "auto", wo_a_fp8: bool | None = None,
                        extra: Iterable[TensorEntry] = (), max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-                       tokenizer=None, overwrite: bool = False, progress: bool = False) -> dict:
-    """Write `model` (a Transformer) as an HF folder; `extra` adds tensors such as fake mtp.*/vision.*."""
+                       tokenizer=None, overwrite: bool = False, progress: bool = False, sources=()) -> dict:
+    """Write `model` (a Transformer) as an HF folder; `extra` adds tensors the model does not hold
+    (DSpark mtp.*, vision.*, aligner.*: copied through by convert, faked by tests)."""
     entries = model_entries(model, narrow=narrow, wo_a_fp8=wo_a_fp8) + list(extra)
     return write_hf_folder(out_dir, model.cfg, entries, max_shard_bytes=max_shard_bytes, tokenizer=tokenizer,
-                           overwrite=overwrite, progress=progress)
+                           overwrite=overwrite, progress=progress, sources=sources)
+
+
+def copied_entries(src_folder, names: Iterable[str]) -> list[TensorEntry]:
+    """Entries that copy tensors unchanged from an HF folder (convert keeps the DSpark mtp.*,
+    vision.* and aligner.* tensors the model does not hold). Each is read when its turn comes."""
+    from dsv41_jax.checkpoint.hf_loader import weight_map
+    from dsv41_jax.checkpoint.safetensors_file import SafetensorsFile, read_header
+
+    src = pathlib.Path(src_folder)
+    wm = weight_map(src)
+    wanted = set(names)
+    out = []
+    for shard in sorted({wm[n] for n in wanted}):
+        infos, _ = read_header(src / shard)
+        for name, info in infos.items():
+            if name in wanted and wm[name] == shard:
+                def produce(path=src / shard, name=name):
+                    with SafetensorsFile(path) as f:
+                        return f.read(name)
+
+                out.append(TensorEntry(name, info.dtype, info.shape, produce))
+    return out

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import pathlib
-import shutil
 
 import jax
 import numpy as np
 from flax import nnx
 
-from dsv41_jax.checkpoint import placement
+from dsv41_jax.checkpoint import atomic, placement
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.checkpoint.weights import flat_params
 
@@ -47,28 +46,28 @@ def abstract_target(cfg: ModelConfig, shardings: placement.ShardingSpec = None):
     return graphdef, state, nnx.to_pure_dict(state)
 
 
-def save_params(folder, params, cfg: ModelConfig | None = None, *, tokenizer=None, overwrite: bool = False) -> pathlib.Path:
-    """Write params (model or state) under folder/params, with config.json (and tokenizer.json)."""
+def save_params(folder, params, cfg: ModelConfig | None = None, *, tokenizer=None, overwrite: bool = False,
+                sources=()) -> pathlib.Path:
+    """Write params (model or state) under folder/params, with config.json (and tokenizer.json),
+    as a whole (`atomic.atomic_folder`): built beside `folder`, it replaces it only when complete."""
     import orbax.checkpoint as ocp
 
     folder = pathlib.Path(folder).absolute()
-    if folder.exists() and any(folder.iterdir()):
-        if not overwrite:
-            raise FileExistsError(f"{folder} exists and is not empty; pass overwrite=True (CLI: --force) or choose another folder")
-        shutil.rmtree(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     cfg = cfg if cfg is not None else getattr(params, "cfg", None)
-    if cfg is not None:
-        (folder / CONFIG_FILE).write_text(json.dumps(cfg.to_hf_dict(), indent=2))
+    tok = None
     if tokenizer is not None:
-        src = pathlib.Path(tokenizer)
-        src = src / "tokenizer.json" if src.is_dir() else src
-        if not src.is_file():
-            raise FileNotFoundError(f"tokenizer file {src} does not exist")
-        shutil.copyfile(src, folder / "tokenizer.json")
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(folder / PARAMS_DIR, to_pure(params))
-        ckptr.wait_until_finished()
+        tok = pathlib.Path(tokenizer)
+        tok = tok / "tokenizer.json" if tok.is_dir() else tok
+        if not tok.is_file():
+            raise FileNotFoundError(f"tokenizer file {tok} does not exist")
+    with atomic.atomic_folder(folder, overwrite=overwrite, sources=sources) as tmp:
+        if cfg is not None:
+            atomic.write_text(tmp / CONFIG_FILE, json.dumps(cfg.to_hf_dict(), indent=2))
+        if tok is not None:
+            atomic.copy_file(tok, tmp / "tokenizer.json")
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save(tmp / PARAMS_DIR, to_pure(params))
+            ckptr.wait_until_finished()
     return folder
 
 
@@ -81,8 +80,10 @@ def restore_params(folder, target: dict) -> dict:
         return ckptr.restore(folder / PARAMS_DIR, target)
 
 
-def load_orbax_checkpoint(folder, *, shardings: placement.ShardingSpec = None, config_overrides: dict | None = None):
-    """(cfg, model, report) from an orbax folder written by `save_params`."""
+def load_orbax_checkpoint(folder, *, shardings: placement.ShardingSpec = None, config_overrides: dict | None = None,
+                          check_values: bool = True):
+    """(cfg, model, report) from an orbax folder written by `save_params`; check_values refuses
+    NaN/inf parameters (`values.py`)."""
     from dsv41_jax.checkpoint.hf_loader import CheckpointError, LoadReport, read_config
 
     folder = pathlib.Path(folder)
@@ -95,6 +96,10 @@ def load_orbax_checkpoint(folder, *, shardings: placement.ShardingSpec = None, c
     except (ValueError, KeyError, FileNotFoundError) as e:
         raise CheckpointError(f"{folder / PARAMS_DIR} does not hold the parameters of {folder / CONFIG_FILE}: {e}") from e
     nnx.replace_by_pure_dict(state, pure)
+    if check_values:
+        from dsv41_jax.checkpoint.values import check_model_values
+
+        check_model_values(state)
     leaves = jax.tree.leaves(pure)
     report = LoadReport(str(folder), "orbax", tensors_read=len(leaves), bytes_read=sum(x.nbytes for x in leaves))
     return cfg, nnx.merge(graphdef, state), report

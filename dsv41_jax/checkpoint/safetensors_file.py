@@ -23,6 +23,8 @@ from typing import Callable, Iterable, Iterator, Sequence
 import ml_dtypes
 import numpy as np
 
+from dsv41_jax.checkpoint.atomic import atomic_file
+
 # safetensors dtype strings (safetensors README) -> numpy storage dtypes
 DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
@@ -31,7 +33,11 @@ DTYPES: dict[str, np.dtype] = {
     "U32": np.dtype(np.uint32), "U16": np.dtype(np.uint16), "U8": np.dtype(np.uint8),
     "BOOL": np.dtype(np.bool_), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
     "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2), "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
+    "F8_E4M3FNUZ": np.dtype(ml_dtypes.float8_e4m3fnuz), "F8_E5M2FNUZ": np.dtype(ml_dtypes.float8_e5m2fnuz),
+    "C64": np.dtype(np.complex64),
 }
+# every dtype the format defines -> bits per element (the sub-byte ones have no numpy storage here)
+KNOWN_DTYPES: dict[str, int] = {**{k: 8 * v.itemsize for k, v in DTYPES.items()}, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
 CHUNK_BYTES = 16 << 20  # bound on the scratch buffer of a partial (column-sliced) read
 _MAX_HEADER = 100 << 20  # a larger header means the file is not safetensors
 
@@ -59,9 +65,41 @@ def _numel(shape: Sequence[int]) -> int:
     return math.prod(int(s) for s in shape)
 
 
+def _fail(path, what: str) -> None:
+    raise SafetensorsError(f"{path}: {what}; the file is damaged or not safetensors (a Git LFS pointer? "
+                           "an interrupted download?), download it again")
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _parse_entry(path, name: str, h) -> tuple[str, tuple[int, ...], int, int]:
+    """(dtype, shape, begin, end) of one header entry, with the library's type rules."""
+    if not isinstance(h, dict):
+        _fail(path, f"header entry {name!r} is {type(h).__name__}, not an object with dtype, shape and data_offsets")
+    absent = [k for k in ("dtype", "shape", "data_offsets") if k not in h]
+    if absent:
+        _fail(path, f"tensor {name!r} has no {', '.join(absent)} in the header")
+    dt, shape, offsets = h["dtype"], h["shape"], h["data_offsets"]
+    if not isinstance(dt, str) or dt not in KNOWN_DTYPES:
+        _fail(path, f"tensor {name!r} has dtype {dt!r}, which is not a safetensors dtype (known: {sorted(KNOWN_DTYPES)})")
+    if not isinstance(shape, list) or not all(_is_count(s) for s in shape):
+        _fail(path, f"tensor {name!r} has shape {shape!r}; a shape is a list of non-negative integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
+        _fail(path, f"tensor {name!r} has data_offsets {offsets!r}; they are two non-negative integers [begin, end]")
+    return dt, tuple(shape), offsets[0], offsets[1]
+
+
 def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """(tensors by name, __metadata__) of one file, validated against the file size."""
+    """(tensors by name, __metadata__) of one file, validated as the `safetensors` library
+    validates it (safe_open accepts exactly the files this accepts, tests/test_checkpoint_files.py):
+    typed header fields, tensor data contiguous from offset 0 in offset order (no overlap, no gap,
+    nothing read from the header), each tensor's byte count equal to its shape and dtype, and
+    the data ending exactly at the end of the file."""
     path = pathlib.Path(path)
+    if path.is_dir():
+        raise SafetensorsError(f"{path} is a folder, not a safetensors file")
     size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)
@@ -71,26 +109,46 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict[st
         if n > _MAX_HEADER or 8 + n > size:
             raise SafetensorsError(f"{path}: header length {n} does not fit the file ({size} bytes); "
                                    "the file is truncated or not safetensors (a Git LFS pointer?)")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise SafetensorsError(f"{path}: header is not JSON ({e})") from None
-    base = 8 + n
-    meta = header.pop("__metadata__", None) or {}
-    out = {}
-    for name, h in header.items():
-        dt, shape, (b, e) = h["dtype"], tuple(int(s) for s in h["shape"]), h["data_offsets"]
-        if dt not in DTYPES:
-            raise SafetensorsError(f"{path}: tensor {name} has dtype {dt!r}, which this reader does not know "
-                                   f"(known: {sorted(DTYPES)})")
-        want = _numel(shape) * DTYPES[dt].itemsize
-        if e - b != want:
-            raise SafetensorsError(f"{path}: tensor {name} spans {e - b} bytes but {dt}{list(shape)} needs {want}")
-        if base + e > size:
-            raise SafetensorsError(f"{path}: tensor {name} ends at byte {base + e}, past the end of the file "
-                                   f"({size} bytes); the shard is truncated, download it again")
+        text = f.read(n)
+    try:
+        header = json.loads(text.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        _fail(path, f"header is not UTF-8 ({e})")
+    except json.JSONDecodeError as e:
+        _fail(path, f"header is not JSON ({e})")
+    if not isinstance(header, dict):
+        _fail(path, f"header is a JSON {type(header).__name__}, not an object")
+    base, data_size = 8 + n, size - 8 - n
+    meta = header.pop("__metadata__", None)
+    if meta is None:
+        meta = {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        _fail(path, f"__metadata__ must map names to strings, got {str(meta)[:80]}")
+    parsed = {name: _parse_entry(path, name, h) for name, h in header.items()}
+    out, expect, last = {}, 0, None
+    for name, (dt, shape, b, e) in sorted(parsed.items(), key=lambda kv: (kv[1][2], kv[1][3])):
+        if b != expect or e < b:
+            what = ("ends before it begins" if e < b else
+                    "overlaps the tensor before it" if b < expect else "leaves a gap after the tensor before it")
+            _fail(path, f"tensor {name!r} has data_offsets [{b}, {e}], which {what} (expected to begin at {expect})")
+        bits = _numel(shape) * KNOWN_DTYPES[dt]
+        if bits % 8 or e - b != bits // 8:
+            _fail(path, f"tensor {name!r} spans {e - b} bytes but {dt}{list(shape)} needs {bits / 8:g}")
+        expect, last = e, name
         out[name] = TensorInfo(name, dt, shape, base + b, base + e)
+    if expect != data_size:
+        if expect > data_size:
+            raise SafetensorsError(f"{path}: tensor {last} ends at byte {base + expect}, past the end of the file "
+                                   f"({size} bytes); the shard is truncated, download it again")
+        _fail(path, f"the tensors cover {expect} of the {data_size} data bytes after the header")
     return out, meta
+
+
+def _storage(info: TensorInfo, path) -> np.dtype:
+    if info.dtype not in DTYPES:
+        raise SafetensorsError(f"{path}: tensor {info.name} has dtype {info.dtype}, a valid safetensors dtype that "
+                               f"this reader cannot hold in numpy (readable: {sorted(DTYPES)})")
+    return DTYPES[info.dtype]
 
 
 def _readinto(f, buf: np.ndarray, where: str) -> None:
@@ -138,8 +196,10 @@ class SafetensorsFile:
 
     def read(self, name: str, index=None) -> np.ndarray:
         """The block `index` (unit-step slices; None = whole tensor) of `name`, in its disk dtype."""
+        if name not in self.tensors:
+            raise SafetensorsError(f"{self.path}: no tensor named {name!r}")
         info = self.tensors[name]
-        dt = DTYPES[info.dtype]
+        dt = _storage(info, self.path)
         rng = normalize_index(index, info.shape)
         out = np.empty(tuple(b - a for a, b in rng), dt)
         if out.size == 0:
@@ -193,7 +253,8 @@ def _chunks(value) -> Iterator[np.ndarray]:
 
 
 def write_file(path: str | os.PathLike, entries: Sequence[TensorEntry], metadata: dict[str, str] | None = None) -> int:
-    """Write one safetensors file, producing tensors one at a time. Returns the bytes of tensor data."""
+    """Write one safetensors file, producing tensors one at a time, atomically (`atomic.atomic_file`:
+    the file appears complete or not at all). Returns the bytes of tensor data."""
     header, offset = {}, 0
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -205,7 +266,7 @@ def write_file(path: str | os.PathLike, entries: Sequence[TensorEntry], metadata
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # keep tensor data 8-byte aligned, as the reference writer does
     itemsize = {e.name: DTYPES[e.dtype].itemsize for e in entries}
-    with open(path, "wb") as f:
+    with atomic_file(path) as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for e in entries:

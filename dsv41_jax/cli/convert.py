@@ -15,7 +15,10 @@ def parse_size(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
     if not m or m.group(2).upper() not in _UNITS:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size; use e.g. 5GB, 512MiB or a byte count")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    size = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size; a shard holds at least one byte (e.g. 5GB)")
+    return size
 
 
 def _endpoint(value, flag: str) -> tuple[str, pathlib.Path]:
@@ -25,9 +28,14 @@ def _endpoint(value, flag: str) -> tuple[str, pathlib.Path]:
     return fmt, pathlib.Path(path)
 
 
+def _groups(names) -> list[str]:
+    return sorted({n.split(".")[0] + ".*" for n in names})
+
+
 def _cmd_convert(args) -> int:
     from dsv41_jax.checkpoint import CheckpointError, checkpoint_format, load
-    from dsv41_jax.checkpoint.hf_writer import save_hf_checkpoint
+    from dsv41_jax.checkpoint.atomic import check_destination
+    from dsv41_jax.checkpoint.hf_writer import copied_entries, save_hf_checkpoint
     from dsv41_jax.checkpoint.orbax_io import save_params
     from dsv41_jax.config import ConfigError
     from dsv41_jax.checkpoint.weights import WeightError
@@ -38,21 +46,27 @@ def _cmd_convert(args) -> int:
         found = checkpoint_format(src)
         if found != src_fmt:
             raise CheckpointError(f"{src} is an {found} checkpoint, not {src_fmt}; use --from {found} {src}")
-        if dst.exists() and any(dst.iterdir()) and not args.force:
-            raise FileExistsError(f"{dst} exists and is not empty; pass --force to replace it")
-        if dst.resolve() == src.resolve():
-            raise ValueError("source and destination are the same folder")
-        cfg, model, report = load(src, progress=not args.quiet)
+        # refused before anything is loaded: a destination holding / inside the source, a
+        # non-empty one without --force, one with files that are not a checkpoint's
+        check_destination(dst, overwrite=args.force, sources=[src])
+        cfg, model, report = load(src, progress=not args.quiet, check_values=not args.no_value_check)
         print(report.summary(), file=sys.stderr)
         tok = src / "tokenizer.json"
         tok = tok if tok.is_file() else None
         if dst_fmt == "hf":
+            extra = copied_entries(src, report.skipped) if report.format == "hf" else []
             index = save_hf_checkpoint(model, dst, narrow=args.narrow, max_shard_bytes=args.max_shard_size, tokenizer=tok,
-                                       overwrite=args.force, progress=not args.quiet)
+                                       overwrite=args.force, progress=not args.quiet, extra=extra, sources=[src])
             n = len(set(index["weight_map"].values()))
-            print(f"wrote {len(index['weight_map'])} tensors in {n} shard(s) to {dst}", file=sys.stderr)
+            kept = f", including {len(extra)} copied unchanged (mtp.*, vision.*, aligner.*)" if extra else ""
+            print(f"wrote {len(index['weight_map'])} tensors{kept} in {n} shard(s) to {dst}", file=sys.stderr)
         else:
-            save_params(dst, model, cfg, tokenizer=tok, overwrite=args.force)
+            if report.skipped:
+                print(f"dsv41 convert: WARNING: the orbax checkpoint holds only the text backbone; the "
+                      f"{len(report.skipped)} tensors it does not model ({', '.join(_groups(report.skipped))}) are "
+                      f"NOT written to {dst}; keep {src} for them, or convert to hf, which copies them",
+                      file=sys.stderr)
+            save_params(dst, model, cfg, tokenizer=tok, overwrite=args.force, sources=[src])
             print(f"wrote an orbax checkpoint to {dst}", file=sys.stderr)
     except (CheckpointError, ConfigError, WeightError, FileExistsError, FileNotFoundError, ValueError) as e:
         print(f"dsv41 convert: {e}", file=sys.stderr)
@@ -70,6 +84,9 @@ def register(subparsers) -> None:
     s.add_argument("--narrow", choices=("auto", "strict", "round"), default="auto",
                    help="HF output: wo_a (FP8 on disk) and compressor weights (BF16 on disk) that the release dtype cannot "
                         "hold exactly: keep the model's dtype (auto), fail (strict) or round (round)")
-    s.add_argument("--force", action="store_true", help="replace a non-empty destination")
+    s.add_argument("--force", action="store_true",
+                   help="replace a non-empty destination checkpoint folder (atomically; a folder holding other files, "
+                        "or the source, is refused)")
+    s.add_argument("--no-value-check", action="store_true", help="skip the load-time NaN/inf check of the weights")
     s.add_argument("--quiet", action="store_true", help="no progress bars")
     s.set_defaults(func=_cmd_convert)

@@ -89,10 +89,10 @@ def _run(args) -> int:
         raise InputError(f"the prompt is {len(prompt)} tokens but the cache holds max_seq_len={cfg.max_seq_len}; "
                          "shorten the prompt or pass a larger --max-seq-len")
     cfg, model, report = load(folder, shardings=_mesh_shardings(args.devices), progress=not args.quiet,
-                              config_overrides=overrides)
+                              config_overrides=overrides, check_values=not args.no_value_check)
     if not args.quiet:
         print(report.summary(), file=sys.stderr)
-    gen = Generator(cfg, model, tokenizer, runtime=Runtime(mode="fast", impl=args.impl))
+    gen = Generator(cfg, model, tokenizer, runtime=Runtime(mode="fast", impl=args.impl, check_finite=args.check_finite))
     stream = TextStream(tokenizer, skip_ids=[tokenizer.eos_id])
 
     def show(tok: int) -> None:
@@ -120,6 +120,9 @@ def _cmd_generate(args) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"dsv41 generate: {e}", file=sys.stderr)
         return 2
+    except FloatingPointError as e:  # the model's output, not the input, is at fault
+        print(f"dsv41 generate: {e}", file=sys.stderr)
+        return 1
 
 
 def _positive(text: str) -> int:
@@ -149,4 +152,9 @@ def register(subparsers) -> None:
     s.add_argument("--impl", choices=("xla", "pallas", "auto"), default="xla", help="attention/MoE implementation")
     s.add_argument("--json", action="store_true", help="print one JSON object (tokens, text, finish_reason) instead of streaming")
     s.add_argument("--quiet", action="store_true", help="no progress bar or load summary on stderr")
+    s.add_argument("--check-finite", action="store_true",
+                   help="runtime NaN/inf guard: NaN attention rows are not zeroed as if masked, and non-finite logits stop "
+                        "generation with an error (exit 1)")
+    s.add_argument("--no-value-check", action="store_true",
+                   help="skip the load-time NaN/inf check of the weights (saves one pass over a huge checkpoint)")
     s.set_defaults(func=_cmd_generate)

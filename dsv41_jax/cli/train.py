@@ -46,7 +46,10 @@ def register(subparsers) -> None:
     s.add_argument("--ckpt-dir", help="orbax checkpoint folder (resumes from its latest step)")
     s.add_argument("--keep", type=_positive(int), default=3, help="checkpoints to keep")
     s.add_argument("--save-every", type=_positive(int), default=100)
-    s.add_argument("--export", metavar="DIR", help="write the trained model in the served FP8/FP4 formats here")
+    s.add_argument("--export", metavar="DIR", help="write the trained model in the served FP8/FP4 formats here "
+                                                   "(an HF checkpoint folder; checked before training starts)")
+    s.add_argument("--force", action="store_true",
+                   help="let --export replace a non-empty checkpoint folder (atomically, once the new one is complete)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--log-every", type=int, default=10)
     s.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for the MFU estimate")
@@ -67,6 +70,7 @@ def register(subparsers) -> None:
 
 
 def _cmd_train(args) -> int:
+    from dsv41_jax.checkpoint.atomic import check_destination
     from dsv41_jax.config import ConfigError, ModelConfig
     from dsv41_jax.train import data as D
     from dsv41_jax.train.checkpoint import Checkpointer
@@ -77,6 +81,8 @@ def _cmd_train(args) -> int:
     from dsv41_jax.train.step import TrainConfig
 
     try:
+        if args.export:  # found now, not after the training steps are spent
+            check_destination(args.export, overwrite=args.force)
         cfg = ModelConfig.load(args.config)
         tok = D.load_tokenizer(args.tokenizer)
         if tok.vocab_size > cfg.vocab_size:
@@ -111,7 +117,7 @@ def _cmd_train(args) -> int:
         ckpt.close()
     out = None
     if args.export:
-        out = export_checkpoint(args.export, cfg, run.master(), run.formats)
+        out = export_checkpoint(args.export, cfg, run.master(), run.formats, overwrite=args.force)
         print(f"dsv41 train: exported the served FP8/FP4 checkpoint to {out}", file=sys.stderr)
     if args.json:
         print(json.dumps({"start_step": start, "step": run.step, "documents": len(docs),

@@ -57,7 +57,7 @@ def _gather(kv: jax.Array, idx: jax.Array) -> tuple[jax.Array, jax.Array]:
     return rows, valid
 
 
-def _fast(q, rows, valid, sink, scale):
+def _fast(q, rows, valid, sink, scale, keep_nonfinite=False):
     f32 = jnp.float32
     scores = jnp.einsum(
         "bshd,bskd->bshk", q.astype(f32), rows.astype(f32), precision=jax.lax.Precision.HIGHEST
@@ -75,10 +75,11 @@ def _fast(q, rows, valid, sink, scale):
         precision=jax.lax.Precision.HIGHEST,
     )
     out = pv / denom[..., None]
-    return jnp.where(jnp.isfinite(m), out, 0.0)
+    attended = jnp.any(mask, axis=-1, keepdims=True) if keep_nonfinite else jnp.isfinite(m)
+    return jnp.where(attended, out, 0.0)
 
 
-def _exact(q, rows, valid, sink, scale, block):
+def _exact(q, rows, valid, sink, scale, block, keep_nonfinite=False):
     if jax.dtypes.canonicalize_dtype(jnp.float64) != jnp.float64:
         raise RuntimeError(
             "sparse_attention(mode='exact') computes dots in float64, but 64-bit types are "
@@ -124,7 +125,8 @@ def _exact(q, rows, valid, sink, scale, block):
     m_use = jnp.where(any_valid, m, f32(0.0))
     denom = l + expf_u10(sink.astype(f32)[None, None, :] - m_use)
     out = true_divide(acc, denom[..., None])
-    return jnp.where(any_valid[..., None], out, f32(0.0))
+    attended = jnp.any(valid, axis=-1)[:, :, None] if keep_nonfinite else any_valid
+    return jnp.where(attended[..., None], out, f32(0.0))
 
 
 def sparse_attention(
@@ -136,18 +138,23 @@ def sparse_attention(
     *,
     mode: str = "fast",
     block: int = 64,
+    keep_nonfinite: bool = False,
 ) -> jax.Array:
     """Attention of q [B,S,H,D] over kv [B,N,D] rows picked by idx [B,S,K] (-1 = empty).
 
     sink [H] (float32 logits, added to the denominator only); returns [B,S,H,D] in q.dtype.
     `block` is the online-softmax block width of exact mode (64 in the reference kernel).
+    A row with no valid index is fully masked and gives zeros. By default (the reference's rule)
+    so does any row whose running max is not finite, which also hides NaN/inf scores;
+    keep_nonfinite=True (`Runtime.check_finite`) zeroes only the masked rows and lets NaN/inf
+    through, so the logits show them. Static: the default graph is unchanged.
     Indices must lie in [-1, N); larger ones are clamped by the gather, not reported.
     """
     q, kv, sink, idx = (jnp.asarray(a) for a in (q, kv, sink, idx))
     _check(q, kv, sink, idx, mode, block)
     rows, valid = _gather(kv, idx)
     if mode == "fast":
-        out = _fast(q, rows, valid, sink, scale)
+        out = _fast(q, rows, valid, sink, scale, keep_nonfinite)
     else:
-        out = _exact(q, rows, valid, sink, scale, block)
+        out = _exact(q, rows, valid, sink, scale, block, keep_nonfinite)
     return out.astype(q.dtype)

@@ -24,7 +24,7 @@ from dsv41_jax.layers.engram import Engram
 from dsv41_jax.layers.indexer import candidate_pool, index_key_container, select_topk
 from dsv41_jax.layers.mhc_site import HyperSite, collapse, expand
 from dsv41_jax.layers.moe import MoE
-from dsv41_jax.layers.rope import cos_sin, layer_frequencies
+from dsv41_jax.layers.rope import cos_sin, layer_rope
 from dsv41_jax.runtime import Runtime
 from dsv41_jax.layers.sparse_attention import sparse_attention
 from dsv41_jax.model.dspark import build_stages, tap
@@ -204,7 +204,7 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
         a_pre, a_post, a_comb = block.hc_attn.mixes(h, mode)
         x = block.attn_norm(collapse(h, pre), mode)
         attn = block.attn
-        freqs = layer_frequencies(cfg, role.ratio)
+        freqs = layer_rope(cfg, role.ratio)
         cos, sin = cos_sin(positions, freqs)
         qr, q = attn.queries(x, cos, sin, mode)
         win_new = kv_layout.quantize_window(attn.window_kv(x, cos, sin, mode))
@@ -273,7 +273,8 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
             o = attn.attend_pallas(q, kv_layout.concat_rows(ring, win_new), win_idx, comp_kv, comp_sel,
                                    cfg.head_dim ** -0.5, runtime)
         else:
-            o = sparse_attention(q, keys.astype(q.dtype), attn.attn_sink[...], idx, cfg.head_dim ** -0.5, mode=mode)
+            o = sparse_attention(q, keys.astype(q.dtype), attn.attn_sink[...], idx, cfg.head_dim ** -0.5, mode=mode,
+                                 keep_nonfinite=runtime.check_finite)
         a_out = attn.output(o, cos, sin, mode)
         h = expand(a_out, h, a_post, a_comb)
         if collect:

@@ -200,7 +200,8 @@ def quant_fp4_kv(
     """E2M1 with an E4M3 scale per `block` (compressed KV entries).
 
     scale = e4m3(amax / 6) (saturating at 448), amax floored at 6*2^-9; codes = e2m1_rne(x / scale).
-    docs/REFERENCE.md §6 lists two unconfirmed details; the defaults are the ones the golden vectors match:
+    docs/REFERENCE.md §6 lists the unconfirmed kernel details; two concern this function, and the defaults are
+    the ones the golden vectors match:
       scale_by:       "divide" -> amax / 6;  "reciprocal" -> amax * f32(1/6).  Both give the same
                       E4M3 scale for every finite bf16 amax (checked exhaustively in the tests),
                       so the vectors cannot and need not tell them apart.

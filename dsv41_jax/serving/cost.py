@@ -181,7 +181,7 @@ def indexer_scoring_flops(cfg: ModelConfig, positions: int, batch: int = 1, pack
     masking (no top-k). packed: the lean fast step's `fast_index.scores_packed` (what decode
     runs); False: `Indexer.scores` on `decode_index_keys` (reference rounding points)."""
     from dsv41_jax.numerics import kv_layout
-    from dsv41_jax.layers.rope import cos_sin, layer_frequencies
+    from dsv41_jax.layers.rope import cos_sin, layer_rope
     from dsv41_jax.serving.fast_index import scores_packed
     from dsv41_jax.serving.layer_range import decode_index_keys
 
@@ -192,7 +192,7 @@ def indexer_scoring_flops(cfg: ModelConfig, positions: int, batch: int = 1, pack
         model = nnx.merge(gd, params)
         attn = model.layers[layer].attn
         pos = jnp.zeros((batch, 1), jnp.int32) + positions - 1
-        cos, sin = cos_sin(pos, layer_frequencies(cfg, 1))
+        cos, sin = cos_sin(pos, layer_rope(cfg, 1))
         if packed:
             return scores_packed(attn.indexer, x, qr, keys, cos, sin, pos + 1)
         return attn.indexer.scores(x, qr, decode_index_keys(keys), cos, sin, pos + 1, "fast")

@@ -72,6 +72,15 @@ def sample(logits: np.ndarray, allowed: np.ndarray, sampling: Sampling, rng: np.
     return int(keep[rng.choice(len(keep), p=q)])
 
 
+def _check_finite_logits(row: np.ndarray, position: int) -> None:
+    """The runtime guard's host half (`Runtime.check_finite`): one logits row, already on the host."""
+    nan, inf = int(np.isnan(row).sum()), int(np.isinf(row).sum())
+    if nan or inf:
+        raise FloatingPointError(f"non-finite logits for position {position} ({nan} NaN, {inf} inf of {row.size}): "
+                                 "the weights or activations hold NaN/inf; load with the value check on (the default) "
+                                 "to find the tensor")
+
+
 class Generator:
     """Holds the split model, its jitted step and the host-side tables for one checkpoint."""
 
@@ -79,6 +88,7 @@ class Generator:
         self.cfg, self.tokenizer = cfg, tokenizer
         graphdef, self.params = nnx.split(model)
         self.step = make_step(graphdef, runtime)
+        self.check_finite = runtime.check_finite
         self.allowed = allowed_ids(cfg.vocab_size, tokenizer)
         self.engram = _engram_tables(cfg, tokenizer) if cfg.engram_layer_ids else None
 
@@ -107,7 +117,10 @@ class Generator:
         logits, cache, _ = self.step(self.params, jnp.asarray(tokens), cache, engram_ids)
         position = tokens.shape[1]
         while True:
-            tok = sample(np.asarray(logits[0, -1]), self.allowed, sampling, rng)
+            row = np.asarray(logits[0, -1])
+            if self.check_finite:
+                _check_finite_logits(row, position)
+            tok = sample(row, self.allowed, sampling, rng)
             out.tokens.append(tok)
             if on_token is not None:
                 on_token(tok)

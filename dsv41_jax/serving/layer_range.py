@@ -25,7 +25,7 @@ import numpy as np
 from dsv41_jax.numerics import kv_layout, quant
 from dsv41_jax.layers.indexer import candidate_pool, select_topk
 from dsv41_jax.layers.mhc_site import collapse, expand
-from dsv41_jax.layers.rope import apply_rope, cos_sin, layer_frequencies
+from dsv41_jax.layers.rope import apply_rope, cos_sin, layer_rope
 from dsv41_jax.model.transformer import _impl, _index_keys_for, _scatter_container, _window_indices, _write_ring
 from dsv41_jax.runtime import Runtime
 from dsv41_jax.serving import fast_index
@@ -69,7 +69,7 @@ def write_global(model, layer: int, x: jax.Array, start: jax.Array, cache: dict,
     block = model.layers[layer]
     attn, role = block.attn, block.role
     m, key, mode = role.ratio, f"layer{layer}", runtime.mode
-    freqs = layer_frequencies(cfg, m)
+    freqs = layer_rope(cfg, m)
     state = cache["compressor"].get(key)
     lat, gids, state = attn.compressor.groups(x, start, state, mode)
     if state is not None:
@@ -188,7 +188,7 @@ def run_layers(model, h: jax.Array, pre: jax.Array, cache: dict, *, start: jax.A
         a_pre, a_post, a_comb = block.hc_attn.mixes(h, mode)
         x = block.attn_norm(collapse(h, pre), runtime.mode)
         attn = block.attn
-        freqs = layer_frequencies(cfg, role.ratio)
+        freqs = layer_rope(cfg, role.ratio)
         cos, sin = cos_sin(positions, freqs)
         qr, q = attn.queries(x, cos, sin, mode)
         win_new = kv_layout.quantize_window(attn.window_kv(x, cos, sin, mode))
@@ -252,7 +252,8 @@ def run_layers(model, h: jax.Array, pre: jax.Array, cache: dict, *, start: jax.A
                 keys = jnp.concatenate([keys, comp], 1)
                 idx = jnp.concatenate([idx, jnp.where(sel >= 0, sel + off, -1)], -1)
 
-        o = sparse_attention(q, keys.astype(q.dtype), attn.attn_sink[...], idx, cfg.head_dim ** -0.5, mode=mode)
+        o = sparse_attention(q, keys.astype(q.dtype), attn.attn_sink[...], idx, cfg.head_dim ** -0.5, mode=mode,
+                             keep_nonfinite=runtime.check_finite)
         a_out = attn.output(o, cos, sin, mode)
         h = expand(a_out, h, a_post, a_comb)
         f_pre, f_post, f_comb = block.hc_ffn.mixes(h, mode)

@@ -18,15 +18,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import pathlib
 import struct
-import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsv41_jax.checkpoint.atomic import atomic_file
 from dsv41_jax.numerics import kv_layout
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.serving.buckets import capacity_for, empty_cache
@@ -105,33 +104,21 @@ def save_prefix(path, cfg: ModelConfig, cache: dict, tokens, *, row: int = 0, fi
               "model_fingerprint": fingerprint, "n_tokens": n,
               "published": int(jax.device_get(cache["published"][row])), "payload_bytes": offset, "arrays": entries}
     hb = json.dumps(header, sort_keys=True).encode()
+    if path.is_dir():
+        raise PrefixCacheError(f"prefix cache path {path} is a folder; give a file path (e.g. {path / 'prefix.dsv41'})")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(_PREFIX.pack(MAGIC, VERSION, len(hb)))
-            f.write(hb)
-            f.write(hashlib.sha256(hb).digest())
-            for data in blobs:
-                f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        pathlib.Path(tmp).unlink(missing_ok=True)
-        raise
-    try:  # make the rename itself durable where the OS allows it
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass
+    with atomic_file(path) as f:  # a crash leaves the old file or none, never a prefix of the new one
+        f.write(_PREFIX.pack(MAGIC, VERSION, len(hb)))
+        f.write(hb)
+        f.write(hashlib.sha256(hb).digest())
+        for data in blobs:
+            f.write(data)
     return header
 
 
 def _read(path: pathlib.Path) -> tuple[dict, bytes]:
+    if path.is_dir():
+        raise PrefixCacheError(f"prefix cache {path} is a folder, not a prefix cache file; give the file's path")
     if not path.is_file():
         raise PrefixCacheError(f"prefix cache {path} does not exist")
     raw = path.read_bytes()

@@ -37,5 +37,5 @@ SENTINEL_EXTRA_IDS = (129279,)
 
 
 def spec_sentinel_ids() -> tuple[int, ...]:
-    """The SPEC's input-only ids, before any check against a tokenizer file."""
+    """The input-only ids of docs/REFERENCE.md §9 "Safety", before any check against a tokenizer file."""
     return tuple(range(SENTINEL_FIRST_ID, SENTINEL_LAST_ID + 1)) + SENTINEL_EXTRA_IDS

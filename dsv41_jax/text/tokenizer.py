@@ -124,13 +124,13 @@ def load_tokenizer(
 def sentinel_ids(tokenizer: Tokenizer) -> tuple[int, ...]:
     """Input-only ids to mask at sampling: the list in docs/REFERENCE.md §9, confirmed against the file.
 
-    How the SPEC list (128847-129270 and 129279) is confirmed:
+    How that list (128847-129270 and 129279) is confirmed:
     - an id the tokenizer does not have at all is dropped: its vocabulary is smaller (a test
       tokenizer), so that id names no token of this tokenizer;
     - an id that is an added token is kept: the released file declares every sentinel
       (image placeholder, reserved place-holders) in `added_tokens`;
     - an id that is an ordinary vocabulary entry raises: masking it would forbid real text,
-      so the file and the SPEC disagree and a human has to look;
+      so the file and docs/REFERENCE.md §9 disagree and a human has to look;
     - if a token the model must emit (EOS, <think>, </think>) lands in the set, raise too.
     """
     added = tokenizer.added_tokens()

@@ -28,7 +28,7 @@ from dsv41_jax.numerics import quant
 from dsv41_jax.layers.indexer import candidate_pool
 from dsv41_jax.layers.mhc_site import collapse, expand
 from dsv41_jax.layers.basic import matmul
-from dsv41_jax.layers.rope import apply_rope, cos_sin, layer_frequencies
+from dsv41_jax.layers.rope import apply_rope, cos_sin, layer_rope
 from dsv41_jax.layers.sparse_attention import sparse_attention
 
 sg = jax.lax.stop_gradient
@@ -164,7 +164,7 @@ def train_forward(model, batch: dict, opts: ForwardOptions = ForwardOptions(), *
         a_pre, a_post, a_comb = block.hc_attn.mixes(h, mode)
         x = block.attn_norm(collapse(h, pre))
         attn = block.attn
-        freqs = layer_frequencies(cfg, role.ratio)
+        freqs = layer_rope(cfg, role.ratio)
         cos, sin = cos_sin(positions, freqs)
         qr, q = attn.queries(x, cos, sin, mode)
         win = q8(attn.window_kv(x, cos, sin, mode))
