@@ -127,14 +127,13 @@ def test_hf_and_orbax_round_trips_with_the_drafter_are_bitwise(ds_ckpt, ds_param
     _assert_bit_equal(ds_params, restored)
 
 
-def test_checkpoint_without_the_drafter_loads_and_refuses_speculation(ds_ckpt, tmp_path):
-    import shutil
-
-    shutil.copytree(ds_ckpt, tmp_path / "nomtp")
-    path = tmp_path / "nomtp" / INDEX_FILE
-    index = json.loads(path.read_text())
-    index["weight_map"] = {n: f for n, f in index["weight_map"].items() if not n.startswith("mtp.")}
-    path.write_text(json.dumps(index))
+def test_checkpoint_without_the_drafter_loads_and_refuses_speculation(ds_params, tmp_path):
+    """A config that describes DSpark over shards that hold no mtp.* tensors (the backbone alone)."""
+    backbone = TINY_DS.without_dspark()
+    params = {p: v for p, v in ds_params.items() if p[0] != "mtp"}
+    save_hf_checkpoint(model_from_params(backbone, params), tmp_path / "nomtp", narrow="strict")
+    (tmp_path / "nomtp" / "config.json").write_text(json.dumps(TINY_DS.to_hf_dict()))
+    assert not any(n.startswith("mtp.") for n in json.loads((tmp_path / "nomtp" / INDEX_FILE).read_text())["weight_map"])
     runtime = {"max_seq_len": TINY_DS.max_seq_len, "max_batch_size": TINY_DS.max_batch_size}
     cfg, model, _ = load_checkpoint(tmp_path / "nomtp", progress=False, config_overrides=runtime)
     assert cfg.n_mtp_layers == 0 and model.mtp is None and cfg == TINY_DS.without_dspark()
@@ -167,3 +166,17 @@ def test_block_is_not_causal_and_rings_take_only_valid_rows(ds_params):
     stage0 = idx[0]
     assert stage0.shape == (5, cfg.window_size + 5)
     assert (stage0[:, :6] >= 0).all() and (stage0[:, 6:cfg.window_size] == -1).all() and (stage0[:, cfg.window_size:] >= 0).all()
+
+
+def test_every_drafter_parameter_has_logical_axes():
+    from flax import nnx
+
+    from dsv41_jax.model.transformer import Transformer
+    from sharding.rules import param_logical_axes
+
+    abstract = nnx.eval_shape(lambda: Transformer(TINY_DS, rngs=0))
+    mtp = {p: v for p, v in flat_params(abstract).items() if p[0] == "mtp"}
+    assert len(mtp) > 100
+    for path, var in mtp.items():
+        assert len(param_logical_axes(path, len(var.shape))) == len(var.shape)
+    assert param_logical_axes(("mtp", 1, "ffn", "experts", "w2_scale"))[0] == "expert"

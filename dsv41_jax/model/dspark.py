@@ -27,7 +27,7 @@ from dsv41_jax.layers.attention import Attention
 from dsv41_jax.layers.basic import QLinear, RMSNorm, matmul, weight_kind
 from dsv41_jax.layers.mhc_site import HyperSite, collapse, expand
 from dsv41_jax.layers.moe import MoE
-from dsv41_jax.layers.rope import cos_sin, layer_frequencies
+from dsv41_jax.layers.rope import cos_sin, layer_rope
 from dsv41_jax.layers.sparse_attention import sparse_attention
 from dsv41_jax.numerics import kv_layout
 from dsv41_jax.numerics.exact_ops import sum_in_order
@@ -135,7 +135,7 @@ def init_state(cfg: ModelConfig, batch: int) -> dict:
 
 
 def _stage_keys(stage: DSparkStage, x, positions, cfg, mode) -> kv_layout.WindowKV:
-    cos, sin = cos_sin(positions, layer_frequencies(cfg, 0))
+    cos, sin = cos_sin(positions, layer_rope(cfg, 0))
     return kv_layout.quantize_window(stage.attn.window_kv(x, cos, sin, mode))
 
 
@@ -175,7 +175,7 @@ def _stage_forward(stage: DSparkStage, h, pre, ring, newest, cfg, mode, forced_e
     a_pre, a_post, a_comb = stage.hc_attn.mixes(h, mode)
     x = stage.attn_norm(collapse(h, pre), mode)
     positions = newest[:, None] + 1 + jnp.arange(bs)[None]
-    cos, sin = cos_sin(positions, layer_frequencies(cfg, 0))
+    cos, sin = cos_sin(positions, layer_rope(cfg, 0))
     _, q = stage.attn.queries(x, cos, sin, mode)
     blk = kv_layout.quantize_window(stage.attn.window_kv(x, cos, sin, mode))
     keys = jnp.concatenate([kv_layout.dequantize_window(ring), kv_layout.dequantize_window(blk)], 1)
