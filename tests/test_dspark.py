@@ -180,3 +180,17 @@ def test_every_drafter_parameter_has_logical_axes():
     for path, var in mtp.items():
         assert len(param_logical_axes(path, len(var.shape))) == len(var.shape)
     assert param_logical_axes(("mtp", 1, "ffn", "experts", "w2_scale"))[0] == "expert"
+
+
+def test_speculative_cost_at_the_released_shapes():
+    """Draft + verify vs plain decode from the real shapes: six verified tokens read more distinct
+    experts than one, so the break-even acceptance length by bytes grows with the batch."""
+    from dsv41_jax.serving.spec_cost import break_even, distinct_experts
+
+    assert distinct_experts(384, 6, 1) == pytest.approx(6)
+    assert distinct_experts(384, 6, 6) < 36 and distinct_experts(384, 6, 10_000) == pytest.approx(384)
+    b1, b8 = break_even(ModelConfig.v41_flash(), 1), break_even(ModelConfig.v41_flash(), 8)
+    assert b1["verify"]["tokens"] == 6 and b1["draft"]["tokens"] == 5
+    assert b1["verify"]["flops"] == pytest.approx(6 * b1["plain"]["flops"])
+    assert b1["plain"]["bytes"] < b1["verify"]["bytes"] < 6 * b1["plain"]["bytes"]
+    assert 1 < b1["break_even_tokens_per_step"]["bytes"] < b8["break_even_tokens_per_step"]["bytes"] < 6
