@@ -1,7 +1,10 @@
 """`dsv41 golden-check DIR`: run every case of a golden folder and compare with the oracle.
 
 Entries (docs/REFERENCE.md §8 contract): `quant/<vector>`, `<config>/<case>[free]`, `[forced]`, decode cases
-as `[published]`/`[corrected]` (+ `-forced`), and `<config>/replay_layer<l>` single-layer replays.
+as `[published]`/`[corrected]` (+ `-forced`), `<config>/replay_layer<l>` single-layer replays, and
+for DSpark configs `[draft]`, `[draft-forced]`, `[draft-corrected]`, `[draft-corrected-forced]`
+(`golden/dspark.py`). A decode file without the corrected schedule's decisions (dspark_fp8) has
+its `[corrected-forced]` entry impose only the stored prefill decisions.
 
 Pass criteria (justified in tests/README.md from golden/README.md's sensitivity table):
 - number-format vectors: bit-exact;
