@@ -435,7 +435,7 @@ def calling(call):
 @pytest.mark.parametrize(
     ("messages", "pattern"),
     [
-        ([{"role": "developer", "content": "x"}], r"messages\[0\]: unknown role 'developer'"),
+        ([{"role": "narrator", "content": "x"}], r"messages\[0\]: unknown role 'narrator'"),
         ([user("a"), {"content": "x"}], r"messages\[1\]: unknown role None"),
         (["hello"], r"messages\[0\]: unknown role"),
         ([{"role": "user"}], r"messages\[0\]: missing 'content'"),

@@ -272,29 +272,46 @@ def _names_of(ckpt, dtype):
 
 
 def test_nan_weights_are_refused_at_load_by_name(ckpt_a, params_a, tmp_path):
-    fp8, e8m0, bf16 = (_names_of(ckpt_a, d)[0] for d in ("F8_E4M3", "F8_E8M0", "BF16"))
+    """The probe: an all-NaN FP8 weight loaded silently (and gave finite logits)."""
+    fp8 = _names_of(ckpt_a, "F8_E4M3")[0]
 
     def all_nan(v):
         v[:] = 0x7F
 
-    def scale_ff(v):
-        v[-1] = 0xFF
-
-    def one_bf16_nan(v):
-        v[2:4] = (0xC0, 0x7F)  # 0x7FC0 little endian
-
-    cases = [(fp8, all_nan, r"(\d+) of \1 FP8 E4M3 values are NaN \(all of them\)"),
-             (e8m0, scale_ff, r"1 of \d+ E8M0 scale bytes are 0xFF"), (bf16, one_bf16_nan, r"1 NaN among \d+ BF16 values")]
-    for i, (name, edit, message) in enumerate(cases):
-        bad = _poison(ckpt_a, tmp_path / f"bad{i}", name, edit)
-        with pytest.raises(WeightError, match=f"{name}: {message}.*--no-value-check"):
-            load(bad, progress=False)
-    load(tmp_path / "bad0", progress=False, check_values=False)  # the documented way to skip the pass
+    bad = _poison(ckpt_a, tmp_path / "bad", fp8, all_nan)
+    with pytest.raises(WeightError, match=rf"{fp8}: (\d+) of \1 FP8 E4M3 values are NaN \(all of them\).*--no-value-check"):
+        load(bad, progress=False)
+    load(bad, progress=False, check_values=False)  # the documented way to skip the pass
     params = dict(params_a)
     params[("norm", "weight")] = np.full_like(params[("norm", "weight")], np.inf)
     save_params(tmp_path / "orbax", model_from_params(MICRO, params), MICRO)
     with pytest.raises(WeightError, match="norm.weight: .*inf"):
         load(tmp_path / "orbax")
+
+
+def test_value_check_names_what_it_found():
+    """The loader applies `check_values` to every tensor it reads, in its disk dtype."""
+    import ml_dtypes
+
+    from dsv41_jax.checkpoint.values import check_values
+
+    scales = np.full(8, 127, np.uint8)
+    scales[5] = 0xFF
+    bf16 = np.ones(6, ml_dtypes.bfloat16)
+    bf16[[1, 2]] = np.nan
+    bf16[4] = -np.inf
+    fp8 = np.ones(4, ml_dtypes.float8_e4m3fn)
+    fp8[0] = np.nan
+    cases = [("a.scale", "F8_E8M0", scales, "a.scale: 1 of 8 E8M0 scale bytes are 0xFF"),
+             ("b.weight", "BF16", bf16, "b.weight: 2 NaN and 1 inf among 6 BF16 values"),
+             ("c.weight", "F8_E4M3", fp8, r"c.weight: 1 of 4 FP8 E4M3 values are NaN;"),
+             ("d", "F32", np.array([np.inf], np.float32), "d: 1 inf among 1 F32 values")]
+    for name, dtype, arr, message in cases:
+        with pytest.raises(WeightError, match=message):
+            check_values(name, dtype, arr)
+    for name, dtype, arr in [("e.scale", "F8_E8M0", np.full(4, 254, np.uint8)), ("f", "I8", np.full(4, -1, np.int8)),
+                             ("g", "BF16", np.ones(3, ml_dtypes.bfloat16)), ("h", "F8_E4M3", np.ones(2, ml_dtypes.float8_e4m3fn))]:
+        check_values(name, dtype, arr)  # finite (and packed E2M1 bytes are always finite)
 
 
 # --------------------------------------------------------------- killed mid-write (processes)
@@ -349,7 +366,8 @@ def test_killed_export_leaves_the_old_checkpoint(ckpt_a, params_a, tmp_path):
         import sys; sys.path.insert(0, {str(REPO / 'tests')!r})
         from train_fixtures import micro_config
         from dsv41_jax.train.export import export_checkpoint
-        from dsv41_jax.train.params import build_training_model, serving_formats
+        from dsv41_jax.train.params import serving_formats
+        from dsv41_jax.train.qat_modules import build_training_model
         cfg = micro_config(32)
         formats = serving_formats(cfg)
         _, master = build_training_model(cfg, formats, seed=5)
@@ -415,7 +433,7 @@ def test_attention_guard_tells_masked_rows_from_nan_rows(mode):
     import jax
     import jax.numpy as jnp
 
-    from dsv41_jax.layers.sparse_attention import sparse_attention
+    from pallas_kernels.sparse_attention.dense_reference import sparse_attention
 
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((1, 2, 2, 32)), jnp.bfloat16)

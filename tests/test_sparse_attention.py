@@ -5,7 +5,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dsv41_jax.layers.sparse_attention import sparse_attention
+from pallas_kernels.sparse_attention.dense_reference import sparse_attention
 from kernel_vectors import bits, kernel_vectors
 from sleef_reference import sleef_expf_reference
 

@@ -81,3 +81,28 @@ def test_demo_runs_and_learns(tmp_path, capsys):
     assert 0 < out["figures"]["v41_flash_128k"]["prefill_saving"] < 1
     assert out["sample"].startswith("def ") and len(out["sample"]) > 10
     assert (tmp_path / "served" / "model.safetensors.index.json").exists() and (tmp_path / "checkpoints" / "40").is_dir()
+
+
+@pytest.mark.slow
+def test_demo_export_is_served(tmp_path, capsys):
+    """`dsv41 demo --out D` then `dsv41 serve --checkpoint D/served` (no other step) answers a chat
+    completion through the real HTTP server and `openai` client."""
+    openai = pytest.importorskip("openai")
+    from dsv41_jax.cli.main import build_parser
+    from dsv41_jax.cli.serve import load_server
+    from dsv41_jax.serving.http.server import BackgroundServer
+
+    assert main(["demo", "--out", str(tmp_path), "--steps", "10", "--time-budget", "60"]) in (0, 1)  # 10 steps may not learn
+    capsys.readouterr()
+    assert (tmp_path / "served" / "tokenizer.json").is_file()
+    args = build_parser().parse_args(["serve", "--checkpoint", str(tmp_path / "served"), "--quiet", "--max-batch", "1"])
+    app, worker, opts = load_server(args)
+    srv = BackgroundServer(app, worker).start()
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=600)
+        r = client.chat.completions.create(model=opts.model_name, messages=[{"role": "user", "content": "def "}],
+                                           max_tokens=8, temperature=0)
+        assert r.choices[0].finish_reason in ("stop", "length") and 1 <= r.usage.completion_tokens <= 8
+        assert isinstance(r.choices[0].message.content, str)
+    finally:
+        srv.close()

@@ -37,7 +37,7 @@ _written = 0  # bytes written through atomic_file in this process (for the kill 
 # what a checkpoint folder may hold; `--force` refuses to replace a folder with anything else
 _CHECKPOINT_NAMES = re.compile(r"^(config\.json|tokenizer\.json|tokenizer_config\.json|generation_config\.json"
                                r"|special_tokens_map\.json|model\.safetensors\.index\.json|[^/]+\.safetensors|params"
-                               r"|README\.md|LICENSE|\..*)$")
+                               r"|README\.md|LICENSE|\.gitattributes|\.cache|\.DS_Store)$")
 
 
 def _count(n: int) -> None:

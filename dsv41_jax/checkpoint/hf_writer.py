@@ -50,6 +50,17 @@ def _group(entries: Sequence[TensorEntry], max_shard_bytes: int) -> list[list[Te
     return shards
 
 
+def tokenizer_file(tokenizer) -> pathlib.Path | None:
+    """The tokenizer.json a writer copies: a file, or a folder holding one (None: no tokenizer)."""
+    if tokenizer is None:
+        return None
+    tok = pathlib.Path(tokenizer)
+    tok = tok / "tokenizer.json" if tok.is_dir() else tok
+    if not tok.is_file():
+        raise FileNotFoundError(f"tokenizer file {tok} does not exist")
+    return tok
+
+
 def write_hf_folder(out_dir, cfg: ModelConfig, entries: Sequence[TensorEntry], *, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
                     tokenizer=None, overwrite: bool = False, progress: bool = False, sources=()) -> dict:
     """Write config.json, the shards and the index, as a whole (`atomic.atomic_folder`): the
@@ -67,12 +78,7 @@ def write_hf_folder(out_dir, cfg: ModelConfig, entries: Sequence[TensorEntry], *
     dup = sorted({n for n in names if names.count(n) > 1}) if len(set(names)) != len(names) else []
     if dup:
         raise ValueError(f"tensor names written twice: {dup[:10]}")
-    tok = None
-    if tokenizer is not None:
-        tok = pathlib.Path(tokenizer)
-        tok = tok / "tokenizer.json" if tok.is_dir() else tok
-        if not tok.is_file():
-            raise FileNotFoundError(f"tokenizer file {tok} does not exist")
+    tok = tokenizer_file(tokenizer)
     shards = _group(entries, max_shard_bytes)
     weight_map, total = {}, 0
     with atomic.atomic_folder(out_dir, overwrite=overwrite, sources=sources) as out:

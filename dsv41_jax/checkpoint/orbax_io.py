@@ -52,14 +52,11 @@ def save_params(folder, params, cfg: ModelConfig | None = None, *, tokenizer=Non
     as a whole (`atomic.atomic_folder`): built beside `folder`, it replaces it only when complete."""
     import orbax.checkpoint as ocp
 
+    from dsv41_jax.checkpoint.hf_writer import tokenizer_file
+
     folder = pathlib.Path(folder).absolute()
     cfg = cfg if cfg is not None else getattr(params, "cfg", None)
-    tok = None
-    if tokenizer is not None:
-        tok = pathlib.Path(tokenizer)
-        tok = tok / "tokenizer.json" if tok.is_dir() else tok
-        if not tok.is_file():
-            raise FileNotFoundError(f"tokenizer file {tok} does not exist")
+    tok = tokenizer_file(tokenizer)
     with atomic.atomic_folder(folder, overwrite=overwrite, sources=sources) as tmp:
         if cfg is not None:
             atomic.write_text(tmp / CONFIG_FILE, json.dumps(cfg.to_hf_dict(), indent=2))

@@ -58,7 +58,7 @@ def _cmd_convert(args) -> int:
             index = save_hf_checkpoint(model, dst, narrow=args.narrow, max_shard_bytes=args.max_shard_size, tokenizer=tok,
                                        overwrite=args.force, progress=not args.quiet, extra=extra, sources=[src])
             n = len(set(index["weight_map"].values()))
-            kept = f", including {len(extra)} copied unchanged (mtp.*, vision.*, aligner.*)" if extra else ""
+            kept = f", including {len(extra)} copied unchanged ({', '.join(_groups(e.name for e in extra))})" if extra else ""
             print(f"wrote {len(index['weight_map'])} tensors{kept} in {n} shard(s) to {dst}", file=sys.stderr)
         else:
             if report.skipped:

@@ -62,11 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _extra_commands():
-    """Subcommands owned by other modules (generate, convert, plan, train, demo), when present."""
+    """Subcommands owned by other modules (generate, convert, plan, train, demo, serve), when present."""
     import importlib
 
     out = []
-    for mod in ("dsv41_jax.cli.generate", "dsv41_jax.cli.convert", "sharding.cli_plan", "dsv41_jax.cli.train"):
+    for mod in ("dsv41_jax.cli.generate", "dsv41_jax.cli.convert", "sharding.cli_plan", "dsv41_jax.cli.train",
+                "dsv41_jax.cli.serve"):
         try:
             out.append(importlib.import_module(mod).register)
         except ModuleNotFoundError as e:

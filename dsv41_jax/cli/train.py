@@ -117,7 +117,7 @@ def _cmd_train(args) -> int:
         ckpt.close()
     out = None
     if args.export:
-        out = export_checkpoint(args.export, cfg, run.master(), run.formats, overwrite=args.force)
+        out = export_checkpoint(args.export, cfg, run.master(), run.formats, overwrite=args.force, tokenizer=tok)
         print(f"dsv41 train: exported the served FP8/FP4 checkpoint to {out}", file=sys.stderr)
     if args.json:
         print(json.dumps({"start_step": start, "step": run.step, "documents": len(docs),

@@ -102,9 +102,10 @@ class CaseRunner:
         """Feed the schedule's calls; returns (logits [N, V], per-call agreement flags).
 
         Stored decisions are always passed (and compared); `impose` decides whether they replace
-        the model's own, so free and forced runs share one compilation. A lone prefill call is
-        padded at the end to a length bucket: causality keeps the real rows unchanged
-        (tests/test_model.py::test_causality), and it bounds the number of compilations.
+        the model's own, so free and forced runs share one compilation. Calls are never padded:
+        the oracle's elementwise kernels choose SLEEF or glibc by the call's token count
+        (docs/NUMERICS.md, "torch's vector body and scalar tail"), so a padded call would
+        compute its last rows differently.
         """
         cache = init_cache(self.cfg, 1)
         step = self._step(quirk, collect)
@@ -112,7 +113,7 @@ class CaseRunner:
         per_layer: dict[int, bool] = {}
         for i, call in enumerate(schedule):
             s, n = call["start_pos"], call["n_tokens"]
-            T = _bucket(n, self.cfg.max_seq_len) if len(schedule) == 1 and replay is None else n
+            T = n
             toks = np.concatenate([tokens[s:s + n], np.zeros(T - n, tokens.dtype)])
             forced = self._pad_forced(forced_calls[i], T) if forced_calls is not None else None
             if forced is not None:
@@ -183,13 +184,6 @@ class CaseRunner:
             if ex is not None:
                 experts[r.layer] = ex[rows][None].astype(np.int32)
         return {"topk": topk, "experts": experts}
-
-
-def _bucket(n: int, limit: int) -> int:
-    for b in (8, 16, 40, 64, 128, 256, 512, 1024):
-        if n <= b <= limit:
-            return b
-    return n
 
 
 def _judge_free(name, ours, ref, tol) -> Entry:

@@ -13,7 +13,7 @@ from flax import nnx
 
 from dsv41_jax.numerics import quant
 from dsv41_jax.numerics.exact_ops import no_fma, torch_sum_last
-from dsv41_jax.layers.activations import sigmoid, sqrt
+from dsv41_jax.numerics.activations import sigmoid, sqrt
 from dsv41_jax.layers.basic import QLinear, inv_sqrt, mean_square, weight_kind
 
 

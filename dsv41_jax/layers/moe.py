@@ -14,18 +14,8 @@ from flax import nnx
 
 from dsv41_jax.numerics import gemm, quant
 from dsv41_jax.numerics.exact_ops import no_fma, torch_sum_last, true_divide
-from dsv41_jax.layers.activations import sigmoid, silu, softplus, sqrt
+from dsv41_jax.numerics.activations import sigmoid, softplus, sqrt, swiglu
 from dsv41_jax.layers.basic import QLinear, matmul, weight_kind
-
-
-def swiglu(gate: jax.Array, up: jax.Array, limit: float, mode: str = "fast") -> jax.Array:
-    """silu(min(gate, L)) * clamp(up, ±L) in fp32 (the clamps come from training)."""
-    gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
-    if limit > 0:
-        up = jnp.clip(up, -limit, limit)
-        gate = jnp.minimum(gate, limit)
-    out = silu(gate, mode) * up
-    return no_fma(out) if mode == "exact" else out
 
 
 class Gate(nnx.Module):

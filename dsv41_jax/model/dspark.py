@@ -28,7 +28,7 @@ from dsv41_jax.layers.basic import QLinear, RMSNorm, matmul, weight_kind
 from dsv41_jax.layers.mhc_site import HyperSite, collapse, expand
 from dsv41_jax.layers.moe import MoE
 from dsv41_jax.layers.rope import cos_sin, layer_rope
-from dsv41_jax.layers.sparse_attention import sparse_attention
+from pallas_kernels.sparse_attention.dense_reference import sparse_attention
 from dsv41_jax.numerics import kv_layout
 from dsv41_jax.numerics.exact_ops import sum_in_order
 

@@ -26,7 +26,7 @@ from dsv41_jax.layers.mhc_site import HyperSite, collapse, expand
 from dsv41_jax.layers.moe import MoE
 from dsv41_jax.layers.rope import cos_sin, layer_rope
 from dsv41_jax.runtime import Runtime
-from dsv41_jax.layers.sparse_attention import sparse_attention
+from pallas_kernels.sparse_attention.dense_reference import sparse_attention
 from dsv41_jax.model.dspark import build_stages, tap
 
 
@@ -284,7 +284,7 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
         f_pre, f_post, f_comb = block.hc_ffn.mixes(h, mode)
         x = block.ffn_norm(collapse(h, a_pre), mode)
         forced_e = None if forced is None else forced.get("experts", {}).get(l)
-        y, info = block.ffn(x, mode, forced=forced_e, impl=_impl(runtime),
+        y, info = block.ffn(x, mode, forced=forced_e, impl=runtime.resolved_impl(),
                             impose=True if forced is None else forced.get("impose", True))
         if forced_e is not None:
             own = jax.lax.top_k(info["scores"] + block.ffn.gate.bias[...], cfg.n_activated_experts)[1]
@@ -306,12 +306,6 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
     x = model.norm(final, mode)
     logits = matmul(x.astype(jnp.float32), model.head[...].astype(jnp.float32), "btd,vd->btv", jnp.float32, mode)
     return logits, new_cache, aux
-
-
-def _impl(runtime: Runtime) -> str:
-    if runtime.impl == "auto":
-        return "pallas" if jax.default_backend() in ("tpu", "gpu") else "xla"
-    return runtime.impl
 
 
 def _index_keys_for(cfg: ModelConfig, cache: dict, role, runtime: Runtime) -> jax.Array:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import jax
@@ -36,13 +37,21 @@ from dsv41_jax.serving.split_prefill import (check_splittable, decoder_pass, enc
 @dataclass
 class Request:
     """A prompt to continue. With `resume_from`, the prompt continues the tokens stored in that
-    prefix-cache file; with `save_to`, the sequence's global cache is stored when it finishes."""
+    prefix-cache file; with `save_to`, the sequence's global cache is stored when it finishes.
+
+    `on_token(token, logprobs)` is called with every token as it is generated (for streaming);
+    `logprobs` is the log-softmax row [V] (numpy float32, banned ids at -inf) when
+    `want_logprobs`, else None. `forced_tokens` (tests only) replaces the first sampled tokens
+    by these ids; the model still runs on them, so the engine's path is the production one."""
 
     prompt: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     request_id: str | None = None
     resume_from: str | None = None
     save_to: str | None = None
+    on_token: Callable | None = None
+    want_logprobs: bool = False
+    forced_tokens: tuple[int, ...] = ()
 
 
 @dataclass
@@ -263,12 +272,25 @@ class Engine:
             a = slot_arrays([sp])
             first = int(sample(logits, a["temperature"], a["top_p"], a["top_k"], a["seed"],
                                jnp.zeros((1,), jnp.int32), self.banned)[0])
+            first = self._emit(req, 0, first, logits, 0)
             times["first_token"] = time.perf_counter()
             self.cache = self._insert(self.cache, row, slot)
             st = _Slot(req, tokens + [first], len(tokens), [first], times)
             st.prompt_tokens, st.cached_tokens = len(req.prompt), cached
             self.table[slot] = st
             self._maybe_finish(slot)
+
+    def _emit(self, req: Request, drawn: int, token: int, logits, row: int) -> int:
+        """The token to keep (a forced one in tests), reported to `req.on_token`."""
+        if drawn < len(req.forced_tokens):
+            token = int(req.forced_tokens[drawn])
+        if req.on_token is not None:
+            lp = None
+            if req.want_logprobs:
+                z = jnp.where(self.banned, -jnp.inf, logits[row].astype(jnp.float32))
+                lp = np.asarray(jax.nn.log_softmax(z))
+            req.on_token(token, lp)
+        return token
 
     def _maybe_finish(self, slot: int):
         st = self.table[slot]
@@ -315,11 +337,38 @@ class Engine:
             for i, st in enumerate(self.table):
                 if st is None:
                     continue
+                tok = self._emit(st.request, len(st.generated), int(nxt[i]), logits, i)
                 st.in_cache += 1
-                st.generated.append(int(nxt[i]))
-                st.tokens.append(int(nxt[i]))
+                st.generated.append(tok)
+                st.tokens.append(tok)
                 self._maybe_finish(i)
         return [self.done[k] for k in self.done if k not in before]
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop a waiting or running request (a client went away); its slot is free for the next
+        step. Returns whether the request was found."""
+        for k, (req, _) in enumerate(self.waiting):
+            if req.request_id == request_id:
+                del self.waiting[k]
+                return True
+        for i, st in enumerate(self.table):
+            if st is not None and st.request.request_id == request_id:
+                self.table[i] = None
+                return True
+        return False
+
+    def reset(self) -> list[str]:
+        """Forget every request and start from an empty cache (after a failed step, whose donated
+        cache may be gone). Returns the ids that were dropped."""
+        dropped = [req.request_id for req, _ in self.waiting] + [st.request.request_id for st in self.table if st]
+        self.waiting.clear()
+        self.table = [None] * self.slots
+        self.cache = empty_cache(self.cfg, self.slots, self.capacity)
+        return dropped
+
+    def occupancy(self) -> tuple[int, int]:
+        """(running requests, waiting requests)."""
+        return sum(st is not None for st in self.table), len(self.waiting)
 
     def idle(self) -> bool:
         return not self.waiting and all(st is None for st in self.table)

@@ -26,10 +26,10 @@ from dsv41_jax.numerics import kv_layout, quant
 from dsv41_jax.layers.indexer import candidate_pool, select_topk
 from dsv41_jax.layers.mhc_site import collapse, expand
 from dsv41_jax.layers.rope import apply_rope, cos_sin, layer_rope
-from dsv41_jax.model.transformer import _impl, _index_keys_for, _scatter_container, _window_indices, _write_ring
+from dsv41_jax.model.transformer import _index_keys_for, _scatter_container, _window_indices, _write_ring
 from dsv41_jax.runtime import Runtime
 from dsv41_jax.serving import fast_index
-from dsv41_jax.layers.sparse_attention import sparse_attention
+from pallas_kernels.sparse_attention.dense_reference import sparse_attention
 
 
 def embed(model, tokens: jax.Array):
@@ -258,7 +258,7 @@ def run_layers(model, h: jax.Array, pre: jax.Array, cache: dict, *, start: jax.A
         h = expand(a_out, h, a_post, a_comb)
         f_pre, f_post, f_comb = block.hc_ffn.mixes(h, mode)
         x = block.ffn_norm(collapse(h, a_pre), mode)
-        y, _ = block.ffn(x, mode, impl=_impl(runtime))
+        y, _ = block.ffn(x, mode, impl=runtime.resolved_impl())
         h = expand(y, h, f_post, f_comb)
         pre = f_pre
     aux["pool"] = pool

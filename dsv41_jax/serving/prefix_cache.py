@@ -205,3 +205,17 @@ def load_prefix(path, cfg: ModelConfig, *, capacity: int | None = None, fingerpr
     cache["length"] = jnp.full((1,), n, jnp.int32)
     cache["published"] = jnp.full((1,), header["published"], jnp.int32)
     return cache, tokens.copy()
+
+
+def read_tokens(path) -> np.ndarray:
+    """The token ids a prefix-cache file holds (framing and the tokens' checksum verified; the
+    cache arrays are checked by `load_prefix`)."""
+    path = pathlib.Path(path)
+    header, payload = _read(path)
+    entry = next((e for e in header["arrays"] if e["name"] == "tokens"), None)
+    if entry is None:
+        raise PrefixCacheError(f"prefix cache {path} lacks its token ids")
+    data = payload[entry["offset"]:entry["offset"] + entry["nbytes"]]
+    if _sha(data) != entry["sha256"]:
+        raise PrefixCacheError(f"prefix cache {path} is corrupt: its token ids fail their checksum")
+    return np.frombuffer(data, dtype=np.int32).copy()

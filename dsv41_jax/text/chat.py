@@ -36,7 +36,7 @@ DEFAULT_EFFORT_TABLE: Mapping[str, int] = types.MappingProxyType({"low": 50, "hi
 DEFAULT_EFFORT_NAME = "high"  # reference DEFAULT_REASONING_EFFORT, used when effort is None
 EFFORT_MIN, EFFORT_MAX = 1, 100
 IMAGE_ESCAPED = "<|deepseek_image|>"
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def escape_image_placeholder(text: str) -> str:
@@ -127,14 +127,16 @@ def _tool_call(call, where: str) -> tuple[str | None, str, dict]:
     if not isinstance(function, Mapping) or not isinstance(function.get("name"), str) or not function["name"]:
         raise ValueError(f"{where}: each tool call needs {{'function': {{'name': str, 'arguments': ...}}}}, got {call!r}")
     arguments = function.get("arguments", {})
-    if isinstance(arguments, str):
+    for _ in range(2):  # a JSON object, its JSON text, or that text encoded once more (clients do send it)
+        if not isinstance(arguments, str):
+            break
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
         except json.JSONDecodeError as err:
             raise ValueError(f"{where}: arguments of {function['name']!r} are not valid JSON: {err}") from err
     if not isinstance(arguments, Mapping):
         raise ValueError(f"{where}: arguments of {function['name']!r} must be a JSON object, got {arguments!r}")
-    return call.get("id"), function["name"], dict(arguments)
+    return call.get("id", function.get("id")), function["name"], dict(arguments)
 
 
 def _assistant(msg: Mapping, where: str) -> _Turn:
@@ -163,7 +165,7 @@ def _validated(messages) -> list[_Turn]:
             raise ValueError(f"{where}: unknown role {role!r}; accepted roles are {ROLES}")
         if role == "system":
             turns.append(_Turn("system", content=_required_text(msg, where)))
-        elif role == "user":
+        elif role in ("user", "developer"):  # developer: a user turn, as SGLang and vLLM render it
             turns.append(_Turn("user", blocks=(_Block(_required_text(msg, where)),)))
         elif role == "tool":
             call_id = msg.get("tool_call_id") or ""

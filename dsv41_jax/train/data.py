@@ -70,12 +70,39 @@ class ByteTokenizer:
         out.append(buf.decode("utf-8", errors="replace"))
         return "".join(out)
 
+    def save_json(self, path) -> pathlib.Path:
+        """Write this tokenizer as a tokenizer.json the `tokenizers` library loads, with the same
+        ids: a byte-level BPE with no merges (GPT-2's byte-to-character alphabet) and the specials
+        as added tokens. Exported checkpoints carry it, so `dsv41 serve` needs no other step."""
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+        vocab = dict(self._special_ids)
+        vocab.update({ch: self.n_special + b for b, ch in _byte_alphabet().items()})
+        tok = Tokenizer(models.BPE(vocab, []))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in self.SPECIALS])
+        path = pathlib.Path(path)
+        path = path / "tokenizer.json" if path.is_dir() else path
+        tok.save(str(path))
+        return path
+
     def token_texts(self) -> list[str]:
         """Per-id text for the Engram token map (bytes that are not text get their own key)."""
         texts = list(self.SPECIALS)
         for b in range(256):
             texts.append(chr(b) if 32 <= b < 127 or b in (9, 10, 13) else f"<0x{b:02X}>")
         return texts
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, which the `tokenizers` ByteLevel steps use."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    table = {b: chr(b) for b in printable}
+    extra = (b for b in range(256) if b not in table)
+    table.update({b: chr(256 + n) for n, b in enumerate(extra)})
+    return table
 
 
 def load_tokenizer(path: str | None):

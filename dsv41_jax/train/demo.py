@@ -124,7 +124,7 @@ def run_demo(out_dir=None, *, steps: int = 50, batch_size: int = 8, seq_len: int
              f"({run.step} steps; setup, compilation and the first 10: {t_compiled - t0:.0f}s, the rest: {t_trained - t_compiled:.0f}s); "
              f"orbax checkpoint in {ckpt.directory}")
 
-    served_dir = export_checkpoint(out / "served", cfg, run.master(), run.formats)
+    served_dir = export_checkpoint(out / "served", cfg, run.master(), run.formats, tokenizer=tok)
     gen_cfg, model = load_exported(served_dir, cfg.replace(max_seq_len=2 * seq_len, max_batch_size=1))
     print_fn(f"exported FP8/FP4 checkpoint to {served_dir}; sampling from it:")
     prompt = "def "

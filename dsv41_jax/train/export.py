@@ -21,16 +21,27 @@ def serving_model(cfg: ModelConfig, master: dict, formats: dict[str, Format]):
 
 
 def export_checkpoint(out_dir, cfg: ModelConfig, master: dict, formats: dict[str, Format], *,
-                      overwrite: bool = False) -> pathlib.Path:
+                      overwrite: bool = False, tokenizer=None) -> pathlib.Path:
     """Write fp32 masters as an HF checkpoint folder (`hf_writer.write_hf_folder`: config.json,
     shards, index; atomically). A non-empty out_dir is refused unless overwrite=True (CLI:
-    --force), which replaces it as a whole. Returns the folder."""
+    --force), which replaces it as a whole. `tokenizer`: the one trained with (a loaded
+    tokenizer.json, or the byte-level `ByteTokenizer`, written as a tokenizer.json), so the folder
+    is self-contained for `dsv41 generate` / `dsv41 serve`. Returns the folder."""
+    import tempfile
+
     from dsv41_jax.checkpoint.atomic import check_destination
     from dsv41_jax.checkpoint.hf_writer import model_entries, write_hf_folder
+    from dsv41_jax.train.data import ByteTokenizer
 
     check_destination(out_dir, overwrite=overwrite)  # before the masters are quantized
     model = serving_model(cfg, master, formats)
-    write_hf_folder(out_dir, cfg, model_entries(model), overwrite=overwrite)
+    with tempfile.TemporaryDirectory() as tmp:
+        tok_file = None
+        if isinstance(tokenizer, ByteTokenizer):
+            tok_file = tokenizer.save_json(pathlib.Path(tmp) / "tokenizer.json")
+        elif tokenizer is not None:
+            tok_file = tokenizer.path
+        write_hf_folder(out_dir, cfg, model_entries(model), overwrite=overwrite, tokenizer=tok_file)
     return pathlib.Path(out_dir)
 
 

@@ -29,7 +29,7 @@ from dsv41_jax.layers.indexer import candidate_pool
 from dsv41_jax.layers.mhc_site import collapse, expand
 from dsv41_jax.layers.basic import matmul
 from dsv41_jax.layers.rope import apply_rope, cos_sin, layer_rope
-from dsv41_jax.layers.sparse_attention import sparse_attention
+from pallas_kernels.sparse_attention.dense_reference import sparse_attention
 
 sg = jax.lax.stop_gradient
 

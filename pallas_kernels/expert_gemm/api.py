@@ -90,7 +90,7 @@ def expert_gemm_moe(experts, rows, expert_ids, weights, *, impl="pallas", interp
     give each row's expert and routing weight. Same math as `Experts.grouped`: sort rows by
     expert, W1 and W3, clamped SwiGLU times the weight, W2, unsort.
     """
-    from dsv41_jax.layers.moe import swiglu
+    from dsv41_jax.numerics.activations import swiglu
 
     if experts.kind != "fp4":
         raise ValueError(f"expert_gemm_moe: needs MXFP4 experts, got kind {experts.kind!r}")

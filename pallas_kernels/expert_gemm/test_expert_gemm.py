@@ -159,7 +159,7 @@ def test_expert_gemm_moe_matches_per_row_linear():
     from types import SimpleNamespace
 
     from dsv41_jax.numerics import gemm
-    from dsv41_jax.layers.moe import swiglu
+    from dsv41_jax.numerics.activations import swiglu
     from pallas_kernels import expert_gemm_moe
 
     rng = np.random.default_rng(9)

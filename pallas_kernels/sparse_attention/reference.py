@@ -3,7 +3,7 @@
 It dequantizes both caches with `dsv41_jax.numerics.kv_layout`, concatenates them (window rows first, then
 compressed rows, as the reference's `torch.cat([kv, compress_kv])` does; reference model.py:
 Attention.forward), shifts the compressed indices past the window rows, and calls the model's
-`dsv41_jax.layers.sparse_attention.sparse_attention`, so the kernels share one definition of the math.
+`dense_reference.sparse_attention` (this folder), so the kernels share one definition of the math.
 When the index lists are shorter than the caches (decode at long context), it gathers the
 selected quantized rows first and dequantizes only those; dequantization is exact, so both
 orders give the same numbers, but a 1M-entry cache is never expanded to bf16.
@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv41_jax.numerics import kv_layout
+from pallas_kernels.sparse_attention.dense_reference import sparse_attention
 
 
 def combined_kv_and_indices(window, compressed, window_idx, compressed_idx, dtype):
@@ -64,8 +65,6 @@ def _slots(idx):
 
 def sparse_sink_attention_reference(q, window, compressed, window_idx, compressed_idx, sink, scale, *, mode="fast"):
     """o[B, S, H, D] in q.dtype; see `pallas_kernels.sparse_sink_attention` for the contract."""
-    from dsv41_jax.layers.sparse_attention import sparse_attention
-
     has_win = window is not None and window_idx is not None and window_idx.shape[-1] > 0
     has_comp = compressed is not None and compressed_idx is not None and compressed_idx.shape[-1] > 0
     if not (has_win or has_comp):

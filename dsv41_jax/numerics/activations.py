@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax.numerics.exact_ops import exact_sqrt, true_divide
+from dsv41_jax.numerics.exact_ops import exact_sqrt, no_fma, true_divide
 from dsv41_jax.numerics.sleef_exp import expf_u10, log1pf_u10
 
 
@@ -41,3 +41,13 @@ def softplus(x: jax.Array, mode: str = "fast") -> jax.Array:
 def sqrt(x: jax.Array, mode: str = "fast") -> jax.Array:
     """float32 sqrt; exact mode guarantees IEEE rounding (see `exact_ops.exact_sqrt`)."""
     return exact_sqrt(x) if mode == "exact" else jnp.sqrt(x)
+
+
+def swiglu(gate: jax.Array, up: jax.Array, limit: float, mode: str = "fast") -> jax.Array:
+    """silu(min(gate, L)) * clamp(up, ±L) in fp32 (the clamps come from training)."""
+    gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
+    if limit > 0:
+        up = jnp.clip(up, -limit, limit)
+        gate = jnp.minimum(gate, limit)
+    out = silu(gate, mode) * up
+    return no_fma(out) if mode == "exact" else out

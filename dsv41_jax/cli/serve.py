@@ -1,0 +1,100 @@
+"""`dsv41 serve`: an OpenAI-compatible HTTP server on the continuous-batching engine (docs/SERVING.md).
+
+Cheap checks first (folder, tokenizer.json, options), so a bad input fails with exit code 2
+before any weights are read. Then the checkpoint is loaded, the engine thread started and
+uvicorn serves until interrupted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+from dsv41_jax.cli.generate import InputError, _mesh_shardings, _positive
+
+
+def _byte_size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = text.strip().lower().removesuffix("b").removesuffix("i")
+    try:
+        return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a byte count such as 4G or 500M, got {text!r}") from None
+
+
+def load_server(args):
+    """(app, worker, options) for the parsed arguments; raises InputError on bad input."""
+    from dsv41_jax.checkpoint import checkpoint_format, load
+    from dsv41_jax.runtime import Runtime
+    from dsv41_jax.serving.http.server import ServeOptions, build
+    from dsv41_jax.text.tokenizer import load_tokenizer
+
+    folder = pathlib.Path(args.checkpoint)
+    if not folder.is_dir():
+        raise InputError(f"--checkpoint {folder}: no such folder")
+    if not (folder / "tokenizer.json").is_file():
+        raise InputError(f"--checkpoint {folder}: no tokenizer.json; copy the tokenizer.json that ships with the "
+                         "weights into it (checkpoints from `dsv41 train --export` and `dsv41 demo` carry one)")
+    checkpoint_format(folder)
+    tokenizer = load_tokenizer(folder)
+    overrides = {"max_batch_size": args.max_batch}
+    if args.max_model_len is not None:
+        overrides["max_seq_len"] = args.max_model_len
+    if args.numerics == "exact":
+        import jax
+
+        jax.config.update("jax_enable_x64", True)
+    cfg, model, report = load(folder, shardings=_mesh_shardings(args.devices), progress=not args.quiet,
+                              config_overrides=overrides)
+    if not args.quiet:
+        print(report.summary(), file=sys.stderr)
+    opts = ServeOptions(model_name=args.served_model_name or folder.resolve().name, max_batch=args.max_batch,
+                        max_model_len=cfg.max_seq_len, prefill_chunk=args.prefill_chunk,
+                        exact_prefill=args.exact_prefill, max_queue=args.max_queue, api_key=args.api_key,
+                        cache_dir=args.prefix_cache_dir, cache_bytes=args.prefix_cache_bytes,
+                        runtime=Runtime(mode=args.numerics, impl=args.impl), test_hooks=args.test_hooks)
+    app, worker = build(model, tokenizer, opts)
+    return app, worker, opts
+
+
+def _cmd_serve(args) -> int:
+    from dsv41_jax.serving.http.server import serve
+
+    try:
+        app, worker, opts = load_server(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"dsv41 serve: {e}", file=sys.stderr)
+        return 2
+    info = {"url": f"http://{args.host}:{args.port}", "model": opts.model_name, "max_model_len": opts.max_model_len,
+            "max_batch": opts.max_batch}
+    print(json.dumps(info) if args.json else f"dsv41 serve: {opts.model_name} on {info['url']} "
+          f"(max batch {opts.max_batch}, max model length {opts.max_model_len})", file=sys.stderr)
+    serve(app, worker, args.host, args.port)
+    return 0
+
+
+def register(subparsers) -> None:
+    s = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (chat/completions, completions, models)",
+                              description="Serve a checkpoint over an OpenAI-compatible HTTP API "
+                                          "(docs/SERVING.md). Bad inputs exit with code 2.")
+    s.add_argument("--checkpoint", required=True, metavar="DIR", help="HF or orbax checkpoint folder with tokenizer.json")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    s.add_argument("--served-model-name", metavar="NAME", help="the model id clients send (default: the folder name)")
+    s.add_argument("--max-batch", type=_positive, default=4, help="concurrent sequences (engine slots, default 4)")
+    s.add_argument("--max-model-len", type=_positive, default=None, help="prompt + completion limit (default: the config's)")
+    s.add_argument("--max-queue", type=_positive, default=256, help="waiting requests before 429 (default 256)")
+    s.add_argument("--prefill-chunk", type=_positive, default=512, help="prefill chunk length (default 512)")
+    s.add_argument("--exact-prefill", action="store_true", help="prefill every layer over every token (no CED split)")
+    s.add_argument("--devices", type=_positive, default=1, help="a replicated mesh over the first N devices")
+    s.add_argument("--numerics", choices=("fast", "exact"), default="fast", help="fp32 accumulation (fast) or float64 (exact)")
+    s.add_argument("--impl", choices=("xla", "pallas", "auto"), default="xla", help="attention/MoE implementation")
+    s.add_argument("--prefix-cache-dir", metavar="DIR", help="keep conversation caches in this folder")
+    s.add_argument("--prefix-cache-bytes", type=_byte_size, default=1 << 30,
+                   help="byte budget of the conversation caches, LRU-evicted (default 1G)")
+    s.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1/*")
+    s.add_argument("--test-hooks", action="store_true", help=argparse.SUPPRESS)
+    s.add_argument("--json", action="store_true", help="print the start-up line as JSON")
+    s.add_argument("--quiet", action="store_true", help="no progress bar or load summary on stderr")
+    s.set_defaults(func=_cmd_serve)

@@ -1,0 +1,182 @@
+"""Conversation caches on disk: a request whose prompt extends one served earlier resumes from it.
+
+The next turn of a conversation repeats the earlier turns, so its prompt starts with tokens
+whose global cache was already computed. Each stored file (`prefix_cache.save_prefix`: the
+global KV only, about 890 B per token at the released shape) holds one token sequence; a new
+prompt resumes from the longest stored sequence it starts with, and the engine prefills only the
+new tokens plus the replayed window (docs/SERVING.md "Conversation caches").
+
+- Match: token prefixes, found through hashes of fixed-size token blocks (a chain hash per block
+  count), then confirmed token by token.
+- Files: named by a hash of their tokens, written atomically by `save_prefix`, under a byte
+  budget with least-recently-used eviction.
+- A file that fails `load_prefix`'s checks (corrupt, truncated, another model) is deleted and
+  the next-best match is tried; the request never fails because of a cache file.
+- What is stored: every completion (prompt + generated tokens): in chat mode the next turn
+  extends it. In thinking mode the next turn drops this turn's reasoning and re-renders the
+  generation header, so it extends only the prompt without its final `<think>`; that prefix is
+  stored too (one extra prefill from the best match, after the reply, off the request's path).
+
+Every method except `attach` runs in the engine thread (through the job's callbacks).
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import pathlib
+import traceback
+
+import numpy as np
+
+from dsv41_jax.serving import prefix_cache
+from dsv41_jax.serving.engine import Request
+
+SUFFIX = ".dsv41"
+BLOCK = 16
+
+
+def _chain(tokens, block: int = BLOCK) -> list[str]:
+    """hash[k] identifies tokens[:k * block] (hash[0] is the empty prefix)."""
+    out, h = [""], hashlib.sha256()
+    arr = np.asarray(tokens, np.int32)
+    for k in range(len(arr) // block):
+        h.update(arr[k * block:(k + 1) * block].tobytes())
+        out.append(h.copy().hexdigest()[:32])
+    return out
+
+
+class ConversationStore:
+    """Stored sequences under `folder`, at most `budget` bytes, LRU-evicted."""
+
+    def __init__(self, folder, budget: int, engine, metrics):
+        self.folder = pathlib.Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.budget, self.engine, self.metrics = budget, engine, metrics
+        self.files: collections.OrderedDict[pathlib.Path, tuple[np.ndarray, int]] = collections.OrderedDict()
+        self.index: dict[tuple[int, str], set[pathlib.Path]] = collections.defaultdict(set)
+        self.pinned: collections.Counter = collections.Counter()  # files queued requests resume from
+        for f in sorted(self.folder.glob("*" + SUFFIX), key=lambda p: p.stat().st_mtime):
+            try:
+                self._add(f, prefix_cache.read_tokens(f))
+            except (prefix_cache.PrefixCacheError, OSError, ValueError):
+                f.unlink(missing_ok=True)  # unreadable leftovers are recomputed when needed
+        self._evict()
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _add(self, path: pathlib.Path, tokens: np.ndarray):
+        if path in self.files:
+            self._drop(path, unlink=False)
+        k = len(tokens) // BLOCK
+        self.files[path] = (tokens, path.stat().st_size)
+        self.index[(k, _chain(tokens)[k])].add(path)
+        self._gauges()
+
+    def _drop(self, path: pathlib.Path, unlink: bool = True):
+        tokens, _ = self.files.pop(path)
+        k = len(tokens) // BLOCK
+        self.index[(k, _chain(tokens)[k])].discard(path)
+        if unlink:
+            path.unlink(missing_ok=True)
+        self._gauges()
+
+    def _gauges(self):
+        self.metrics.cache_files.set(len(self.files))
+        self.metrics.cache_bytes.set(sum(size for _, size in self.files.values()))
+
+    def _evict(self):
+        """Drop least recently used files until the budget holds; files a queued request will
+        resume from are kept (the engine reads them at admission)."""
+        for path in list(self.files):
+            if sum(size for _, size in self.files.values()) <= self.budget:
+                return
+            if not self.pinned[path]:
+                self._drop(path)
+
+    def path_for(self, tokens) -> pathlib.Path:
+        return self.folder / (hashlib.sha256(np.asarray(tokens, np.int32).tobytes()).hexdigest()[:32] + SUFFIX)
+
+    def candidates(self, prompt) -> list[tuple[pathlib.Path, int]]:
+        """Stored sequences the prompt starts with, longest first."""
+        prompt = np.asarray(prompt, np.int32)
+        chain = _chain(prompt)
+        found = []
+        for k in range(len(chain) - 1, -1, -1):
+            for path in self.index.get((k, chain[k]), ()):
+                tokens, _ = self.files[path]
+                if len(tokens) <= len(prompt) and np.array_equal(tokens, prompt[:len(tokens)]):
+                    found.append((path, len(tokens)))
+        return sorted(found, key=lambda c: -c[1])
+
+    def best(self, prompt) -> tuple[pathlib.Path | None, int]:
+        """The longest usable match (verified with `load_prefix`); bad files are deleted."""
+        e = self.engine
+        for path, n in self.candidates(prompt):
+            try:
+                prefix_cache.load_prefix(path, e.cfg, capacity=max(e.capacity, n), fingerprint=e.fingerprint)
+            except (prefix_cache.PrefixCacheError, OSError, ValueError) as err:
+                print(f"dsv41 serve: ignoring conversation cache {path.name}: {err}")
+                self._drop(path)
+                continue
+            self.files.move_to_end(path)
+            return path, n
+        return None, 0
+
+    def save(self, tokens, cache_row) -> pathlib.Path:
+        path = self.path_for(tokens)
+        prefix_cache.save_prefix(path, self.engine.cfg, cache_row, tokens, fingerprint=self.engine.fingerprint)
+        self._add(path, np.asarray(tokens, np.int32))
+        self._evict()
+        return path
+
+    # ------------------------------------------------------------------ request hooks
+    def attach(self, job, *, thinking: bool, chat: bool):
+        """Called on the event loop: set the job's engine-thread callbacks."""
+        job.full_prompt = list(job.request.prompt)
+        job.thinking = thinking and chat
+        job.on_admit, job.on_finish, job.on_cancel = self._admit, self._finish, self._cancelled
+        job.resumed = (None, 0)
+
+    def _cancelled(self, job):
+        path, _ = job.resumed
+        if path is not None:
+            self.pinned[path] -= 1
+
+    def _admit(self, job):
+        prompt = job.full_prompt
+        path, n = self.best(prompt)
+        if path is not None and n > 0:
+            self.metrics.cache_hits.inc()
+            self.metrics.cached_tokens.inc(n)
+            job.request.prompt = prompt[n:]
+            job.request.resume_from = str(path)
+            self.pinned[path] += 1
+        else:
+            self.metrics.cache_misses.inc()
+        job.resumed = (path, n)
+        job.request.save_to = str(self.folder / f".pending-{job.request.request_id}{SUFFIX}")
+
+    def _finish(self, job, result):
+        path, _ = job.resumed
+        if path is not None:
+            self.pinned[path] -= 1
+        pending = pathlib.Path(job.request.save_to)
+        tokens = job.full_prompt + result.tokens[:-1]
+        if pending.is_file():
+            final = self.path_for(tokens)
+            pending.replace(final)
+            self._add(final, np.asarray(tokens, np.int32))
+            self._evict()
+        if job.thinking and len(job.full_prompt) > 1:
+            self._store_prefix(job.full_prompt[:-1])
+
+    def _store_prefix(self, prefix: list[int]):
+        """Compute and store the cache of `prefix`, resuming from the best stored match."""
+        if self.path_for(prefix) in self.files:
+            self.files.move_to_end(self.path_for(prefix))
+            return
+        path, n = self.best(prefix)
+        try:
+            _, row, tokens, _ = self.engine.prefill(Request(prefix[n:], resume_from=None if path is None else str(path)))
+            self.save(tokens, row)
+        except Exception:  # noqa: BLE001 - a cache that cannot be stored is only a lost speed-up
+            traceback.print_exc()

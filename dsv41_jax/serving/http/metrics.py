@@ -1,0 +1,38 @@
+"""The server's Prometheus metrics, in a registry of their own (one per server, so tests can run
+several in one process)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    """Counters and histograms the HTTP layer and the engine thread update."""
+
+    def __init__(self, slots: int):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("dsv41_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("dsv41_prompt_tokens", "prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("dsv41_generation_tokens", "tokens generated", registry=r)
+        self.queue_depth = Gauge("dsv41_queue_depth", "requests waiting for a slot", registry=r)
+        self.running = Gauge("dsv41_running_requests", "requests holding a slot", registry=r)
+        self.occupancy = Gauge("dsv41_batch_occupancy", "fraction of the batch slots in use", registry=r)
+        Gauge("dsv41_batch_slots", "batch slots of the engine", registry=r).set(slots)
+        self.ttft = Histogram("dsv41_time_to_first_token_seconds", "submission to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("dsv41_inter_token_latency_seconds", "time between two tokens of a request",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.cache_hits = Counter("dsv41_prefix_cache_hits", "requests resumed from a conversation cache file",
+                                  registry=r)
+        self.cache_misses = Counter("dsv41_prefix_cache_misses", "requests with no usable conversation cache",
+                                    registry=r)
+        self.cached_tokens = Counter("dsv41_prefix_cache_hit_tokens", "prompt tokens restored from a cache file",
+                                     registry=r)
+        self.cache_bytes = Gauge("dsv41_prefix_cache_bytes", "bytes of conversation cache files on disk", registry=r)
+        self.cache_files = Gauge("dsv41_prefix_cache_files", "conversation cache files on disk", registry=r)
+        self.engine_errors = Counter("dsv41_engine_errors", "engine steps that failed (their requests got 500)",
+                                     registry=r)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)

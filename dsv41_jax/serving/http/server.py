@@ -1,0 +1,116 @@
+"""Assemble a server from a model and a tokenizer, and run it with uvicorn.
+
+`build` wires Engine -> EngineWorker -> FastAPI app; `BackgroundServer` runs the real uvicorn
+server in a thread on 127.0.0.1 (for tests, benches and notebooks); `dsv41 serve` calls `serve`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import socket
+import threading
+import time
+
+from dsv41_jax.runtime import Runtime
+from dsv41_jax.serving.engine import Engine
+from dsv41_jax.serving.http.app import ServerConfig, build_app
+from dsv41_jax.serving.http.metrics import Metrics
+from dsv41_jax.serving.http.worker import EngineWorker
+
+
+@dataclasses.dataclass
+class ServeOptions:
+    """The engine and server knobs of `dsv41 serve` (see its --help)."""
+
+    model_name: str = "dsv41"
+    max_batch: int = 4
+    max_model_len: int | None = None
+    min_capacity: int = 256
+    prefill_chunk: int = 512
+    exact_prefill: bool = False
+    max_queue: int = 256
+    api_key: str | None = None
+    cache_dir: str | None = None
+    cache_bytes: int = 1 << 30
+    runtime: Runtime = Runtime()
+    test_hooks: bool = False
+
+
+def banned_ids(cfg, tokenizer) -> list[int]:
+    """Ids never to sample: the input-only sentinels and ids the tokenizer does not have."""
+    import numpy as np
+
+    from dsv41_jax.serving.generate import allowed_ids
+
+    return [int(i) for i in np.flatnonzero(~allowed_ids(cfg.vocab_size, tokenizer))]
+
+
+def build(model, tokenizer, opts: ServeOptions):
+    """(FastAPI app, EngineWorker) for a loaded model; the worker thread is not started."""
+    from dsv41_jax.serving.generate import _engram_tables
+
+    cfg = model.cfg
+    max_len = opts.max_model_len or cfg.max_seq_len
+    engram = _engram_tables(cfg, tokenizer) if cfg.engram_layer_ids else None
+    engine = Engine(model, slots=opts.max_batch, max_seq_len=max_len, min_capacity=min(opts.min_capacity, max_len),
+                    prefill_chunk=opts.prefill_chunk, exact_prefill=opts.exact_prefill, runtime=opts.runtime,
+                    banned_ids=banned_ids(cfg, tokenizer), engram=engram)
+    metrics = Metrics(opts.max_batch)
+    worker = EngineWorker(engine, metrics, max_queue=opts.max_queue)
+    conversations = None
+    if opts.cache_dir is not None:
+        from dsv41_jax.serving.http.conversations import ConversationStore
+
+        conversations = ConversationStore(opts.cache_dir, opts.cache_bytes, engine, metrics)
+    scfg = ServerConfig(opts.model_name, max_len, api_key=opts.api_key, test_hooks=opts.test_hooks,
+                        conversations=conversations)
+    app = build_app(worker, tokenizer, scfg)
+    app.state.conversations = conversations
+    return app, worker
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class BackgroundServer:
+    """The real uvicorn server in a daemon thread, plus the engine thread; `close()` stops both."""
+
+    def __init__(self, app, worker: EngineWorker, host: str = "127.0.0.1", port: int | None = None):
+        import uvicorn
+
+        self.app, self.worker, self.host, self.port = app, worker, host, port or free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level="warning",
+                                                    timeout_graceful_shutdown=1))
+        self.thread = threading.Thread(target=self.server.run, name="dsv41-http", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> "BackgroundServer":
+        self.worker.start()
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the HTTP server did not start on {self.url}")
+            time.sleep(0.05)
+        return self
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.worker.stop()
+
+
+def serve(app, worker: EngineWorker, host: str, port: int):
+    """Run in the foreground until interrupted."""
+    import uvicorn
+
+    worker.start()
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="info")
+    finally:
+        worker.stop()

@@ -1,0 +1,166 @@
+"""The engine thread: the only thread that touches the `Engine`.
+
+HTTP handlers run on the asyncio event loop and never call the engine; they hand a `Job` to
+`EngineWorker.submit` and read its events from an asyncio queue. The thread takes submissions
+and cancellations from a thread-safe inbox between engine steps (so a client that went away
+frees its slot at the next step), runs `Engine.step`, and posts each token and the final result
+back to the job's event loop with `call_soon_threadsafe`. A step that raises fails the requests
+it held (HTTP 500) and the engine is reset; the thread keeps serving.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import queue
+import threading
+import time
+import traceback
+
+from dsv41_jax.serving.engine import Engine, Request
+from dsv41_jax.serving.http.metrics import Metrics
+
+
+@dataclasses.dataclass
+class Job:
+    """One request on its way through the engine thread. `events` receives
+    ("token", id, logprobs), then ("done", Result) or ("error", status, message)."""
+
+    request: Request
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    submitted: float = dataclasses.field(default_factory=time.perf_counter)
+    last_token: float | None = None
+    fail_in_engine: bool = False  # tests: raise inside the engine step (the 500 path)
+    on_finish: object = None  # called in the engine thread with the Result (conversation caches)
+    on_admit: object = None  # called in the engine thread before submit (may set resume_from)
+    on_cancel: object = None  # called in the engine thread when the request is dropped
+
+
+class QueueFull(Exception):
+    pass
+
+
+class EngineWorker:
+    """Runs `engine` in a daemon thread; `max_queue` bounds the requests not yet in a slot."""
+
+    def __init__(self, engine: Engine, metrics: Metrics, *, max_queue: int = 256):
+        self.engine, self.metrics, self.max_queue = engine, metrics, max_queue
+        self.inbox: queue.Queue = queue.Queue()
+        self.jobs: dict[str, Job] = {}
+        self._ids = itertools.count()
+        self._pending = 0  # submitted but not yet taken from the inbox
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="dsv41-engine", daemon=True)
+
+    def start(self):
+        self.thread.start()
+
+    def stop(self):
+        self._stop.set()
+        self.inbox.put(("wake",))
+        self.thread.join(timeout=30)
+
+    # ------------------------------------------------------------------ event-loop side
+    def depth(self) -> int:
+        """Requests waiting for a slot (inbox plus the engine's queue)."""
+        return self._pending + self.engine.occupancy()[1]
+
+    def submit(self, job: Job) -> str:
+        with self._lock:
+            if self.depth() >= self.max_queue:
+                raise QueueFull(f"the queue holds {self.depth()} requests (max {self.max_queue})")
+            self._pending += 1
+        job.request.request_id = job.request.request_id or f"r{next(self._ids)}"
+        self.inbox.put(("submit", job))
+        return job.request.request_id
+
+    def cancel(self, request_id: str):
+        self.inbox.put(("cancel", request_id))
+
+    # ------------------------------------------------------------------ engine thread
+    def _post(self, job: Job, event: tuple):
+        job.loop.call_soon_threadsafe(job.events.put_nowait, event)
+
+    def _on_token(self, job: Job):
+        def emit(token: int, logprobs):
+            if job.fail_in_engine:
+                raise RuntimeError("test fault injected inside the engine step")
+            now = time.perf_counter()
+            if job.last_token is None:
+                self.metrics.ttft.observe(now - job.submitted)
+            else:
+                self.metrics.itl.observe(now - job.last_token)
+            job.last_token = now
+            self.metrics.generation_tokens.inc()
+            self._post(job, ("token", token, logprobs))
+        return emit
+
+    def _take(self, block: bool):
+        try:
+            item = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return False
+        if item[0] == "submit":
+            job = item[1]
+            with self._lock:
+                self._pending -= 1
+            try:
+                if job.on_admit is not None:
+                    job.on_admit(job)
+                job.request.on_token = self._on_token(job)
+                self.engine.submit(job.request)
+            except ValueError as e:
+                self._post(job, ("error", 400, str(e)))
+            except Exception as e:  # noqa: BLE001 - any failure is this request's 500
+                traceback.print_exc()
+                self._post(job, ("error", 500, f"internal error: {type(e).__name__}: {e}"))
+            else:
+                self.jobs[job.request.request_id] = job
+                self.metrics.prompt_tokens.inc(len(job.request.prompt))
+        elif item[0] == "cancel":
+            job = self.jobs.pop(item[1], None)
+            if job is not None:
+                self.engine.cancel(item[1])
+                if job.on_cancel is not None:
+                    job.on_cancel(job)
+        return True
+
+    def _gauges(self):
+        running, waiting = self.engine.occupancy()
+        self.metrics.running.set(running)
+        self.metrics.queue_depth.set(waiting + self._pending)
+        self.metrics.occupancy.set(running / self.engine.slots)
+
+    def _run(self):
+        while not self._stop.is_set():
+            idle = self.engine.idle()
+            if self._take(block=idle):
+                while self._take(block=False):
+                    pass
+            self._gauges()
+            if self.engine.idle():
+                continue
+            try:
+                finished = self.engine.step()
+            except Exception as e:  # noqa: BLE001 - the step's requests fail, the server stays up
+                traceback.print_exc()
+                self.metrics.engine_errors.inc()
+                self.engine.reset()  # every request the engine held is gone, including one being admitted
+                for job in self.jobs.values():
+                    self._post(job, ("error", 500, f"internal error in the engine step: {type(e).__name__}: {e}"))
+                self.jobs.clear()
+                continue
+            for result in finished:
+                job = self.jobs.pop(result.request_id, None)
+                self.engine.done.pop(result.request_id, None)
+                if job is None:
+                    continue
+                if job.on_finish is not None:
+                    try:
+                        job.on_finish(job, result)
+                    except Exception:  # noqa: BLE001 - a cache write never fails the request
+                        traceback.print_exc()
+                self._post(job, ("done", result))
+            self._gauges()
