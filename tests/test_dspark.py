@@ -182,6 +182,7 @@ def test_every_drafter_parameter_has_logical_axes():
     assert param_logical_axes(("mtp", 1, "ffn", "experts", "w2_scale"))[0] == "expert"
 
 
+@pytest.mark.slow  # two abstract full-size models: minutes on a loaded 2-core box
 def test_speculative_cost_at_the_released_shapes():
     """Draft + verify vs plain decode from the real shapes: six verified tokens read more distinct
     experts than one, so the break-even acceptance length by bytes grows with the batch."""
