@@ -11,6 +11,8 @@ import json
 import pathlib
 import sys
 
+from dsv41_jax.cli.argtypes import non_negative_int, positive_int
+
 
 class InputError(ValueError):
     """A bad command-line input; reported as `dsv41 generate: ...` with exit code 2."""
@@ -66,10 +68,6 @@ def _mesh_shardings(n_devices: int):
 
 
 def _run(args) -> int:
-    from dsv41_jax.checkpoint import checkpoint_format, load
-    from dsv41_jax.checkpoint.hf_loader import read_config
-    from dsv41_jax.serving.generate import Generator, Sampling, TextStream
-    from dsv41_jax.runtime import Runtime
     from dsv41_jax.text.tokenizer import load_tokenizer
 
     folder = pathlib.Path(args.checkpoint)
@@ -77,14 +75,22 @@ def _run(args) -> int:
         raise InputError(f"--checkpoint {folder}: no such folder")
     if not (folder / "tokenizer.json").is_file():
         raise InputError(f"--checkpoint {folder}: no tokenizer.json; copy the tokenizer.json that ships with the weights into it")
+    tokenizer = load_tokenizer(folder)
+    prompt = _prompt_ids(args, tokenizer)
+    if args.print_prompt_ids:
+        print(json.dumps(prompt))
+        return 0
+    from dsv41_jax.checkpoint import checkpoint_format, load
+    from dsv41_jax.checkpoint.hf_loader import read_config
+    from dsv41_jax.runtime import Runtime
+    from dsv41_jax.serving.generate import Generator, Sampling, TextStream
+
     checkpoint_format(folder)
     overrides = {"max_batch_size": 1}
     if args.max_seq_len is not None:
         overrides["max_seq_len"] = args.max_seq_len
     cfg = read_config(folder, overrides)
     sampling = Sampling(args.temperature, args.top_p, args.seed)
-    tokenizer = load_tokenizer(folder)
-    prompt = _prompt_ids(args, tokenizer)
     if len(prompt) > cfg.max_seq_len:
         raise InputError(f"the prompt is {len(prompt)} tokens but the cache holds max_seq_len={cfg.max_seq_len}; "
                          "shorten the prompt or pass a larger --max-seq-len")
@@ -152,13 +158,6 @@ def _cmd_generate(args) -> int:
         return 1
 
 
-def _positive(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
 def register(subparsers) -> None:
     s = subparsers.add_parser("generate", help="generate a reply from a checkpoint (streams to stdout)",
                               description="Chat-encode a prompt, run the checkpoint and stream the reply. Bad inputs exit with code 2.")
@@ -169,12 +168,12 @@ def register(subparsers) -> None:
     s.add_argument("--effort", metavar="low|high|max|N", help="reasoning effort for thinking mode: a name (low/high/max = 50/75/100) or 1-100")
     s.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=False,
                    help="thinking mode (<think>) or chat mode (</think>, the default)")
-    s.add_argument("--max-new-tokens", type=_positive, default=256)
+    s.add_argument("--max-new-tokens", type=positive_int, default=256)
     s.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0, the recommended setting)")
     s.add_argument("--top-p", type=float, default=0.95, help="nucleus mass (default 0.95)")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--max-seq-len", type=_positive, default=None, help="cache length (default: the config's)")
-    s.add_argument("--devices", type=_positive, default=1,
+    s.add_argument("--seed", type=non_negative_int, default=0)
+    s.add_argument("--max-seq-len", type=positive_int, default=None, help="cache length (default: the config's)")
+    s.add_argument("--devices", type=positive_int, default=1,
                    help="run on a replicated mesh over the first N devices (default 1: the first device)")
     s.add_argument("--impl", choices=("xla", "pallas", "auto"), default="xla", help="attention/MoE implementation")
     s.add_argument("--speculative", choices=("dspark",), default=None,
@@ -182,6 +181,8 @@ def register(subparsers) -> None:
                         "blocks / drafted / accepted counts and the mean acceptance length")
     s.add_argument("--json", action="store_true", help="print one JSON object (tokens, text, finish_reason) instead of streaming")
     s.add_argument("--quiet", action="store_true", help="no progress bar or load summary on stderr")
+    s.add_argument("--print-prompt-ids", action="store_true",
+                   help="print the chat-encoded prompt's token ids (a JSON list) and exit without loading weights")
     s.add_argument("--check-finite", action="store_true",
                    help="runtime NaN/inf guard: NaN attention rows are not zeroed as if masked, and non-finite logits stop "
                         "generation with an error (exit 1)")
