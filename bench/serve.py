@@ -31,12 +31,12 @@ def _percentiles(xs) -> dict:
     return {f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)}
 
 
-async def _one(client, model: str, messages, max_tokens: int) -> dict:
+async def _one(client, model: str, messages, max_tokens: int, **kw) -> dict:
     t0 = time.perf_counter()
     times = []
     stream = await client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
                                                   temperature=0, stream=True,
-                                                  stream_options={"include_usage": True})
+                                                  stream_options={"include_usage": True}, **kw)
     usage, text = None, ""
     async for chunk in stream:
         if chunk.usage is not None:
@@ -74,18 +74,20 @@ async def load_level(client, model: str, concurrency: int, requests: int, rng, l
 
 async def follow_up(client, model: str, rng, turns: int = 3) -> dict:
     """TTFT of a follow-up turn resumed from the conversation cache vs the same turn after the cache
-    folder was emptied (the caller's `clear`), averaged over `turns` conversations."""
+    folder was emptied (the caller's `clear`), averaged over `turns` conversations. Thinking mode:
+    the follow-up extends the first prompt whatever the (random) model replied."""
     cached, cold, hits = [], [], []
+    think = {"reasoning_effort": "low"}
     for i in range(turns):
-        first = _prompt(rng, 60)
-        r1 = await _one(client, model, first, 8)
-        second = first + [{"role": "assistant", "content": r1["text"]}, {"role": "user", "content": "and then"}]
-        warm = await _one(client, model, second, 8)
+        first = _prompt(rng, 400)
+        await _one(client, model, first, 8, **think)
+        second = first + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "and then"}]
+        warm = await _one(client, model, second, 8, **think)
         cached.append(warm["ttft"])
         hits.append(warm["cached"])
         yield_ = yield second  # the driver clears the cache, then we send the same turn cold
         del yield_
-        cold.append((await _one(client, model, second, 8))["ttft"])
+        cold.append((await _one(client, model, second, 8, **think))["ttft"])
     yield {"ttft_cached_s": float(np.mean(cached)), "ttft_uncached_s": float(np.mean(cold)),
            "cached_tokens": hits, "ratio_uncached_over_cached": float(np.mean(cold) / np.mean(cached))}
 
@@ -120,7 +122,9 @@ async def main_async(args) -> dict:
                                 timeout=3600)
     rng = np.random.default_rng(args.seed)
     lengths, outputs = [5, 20, 60, 120], [4, 16, 32]
-    await _one(client, args.model, _prompt(rng, 5), 2)  # compile outside the measurements
+    for n in (*lengths, 400) if args.concurrency else (400,):  # compile the prefill shapes outside the measurements
+        await _one(client, args.model, _prompt(rng, n), 2)
+        await _one(client, args.model, _prompt(rng, n), 2, reasoning_effort="low")
     out = {"url": args.url, "levels": []}
     for c in args.concurrency:
         level = await load_level(client, args.model, c, args.requests or max(2 * c, 8), rng, lengths, outputs)
@@ -149,7 +153,8 @@ def main(argv=None) -> int:
     p.add_argument("--url", help="a running server (default: start a tiny synthetic one in-process)")
     p.add_argument("--model", default="tiny")
     p.add_argument("--api-key")
-    p.add_argument("--concurrency", default="1,4,16,64", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--concurrency", default="1,4,16,64", type=lambda s: [int(x) for x in s.split(",") if x],
+                   help="comma-separated levels ('' = only the follow-up measurement)")
     p.add_argument("--requests", type=int, help="requests per level (default: 2 x concurrency, at least 8)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")

@@ -8,8 +8,12 @@ refused with a message that names the field and the layer.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
+import math
 import pathlib
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -18,6 +22,10 @@ SUPPORTED_MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
 
 class ConfigError(ValueError):
     """A config that cannot describe a working V4.1 model."""
+
+
+class ConfigWarning(UserWarning):
+    """A config key that is probably a typo of a field (it is kept, unused, as an extra key)."""
 
 
 @dataclass(frozen=True)
@@ -124,6 +132,8 @@ class ModelConfig:
     eos_token_id: int = 1
     pad_token_id: int = 2
     image_token_id: int = 129264
+    # DSpark, the speculative drafter (docs/ARCHITECTURE.md "DSpark"): n_mtp_layers window-only
+    # stages stored as mtp.{k}.*, a 1 + (block_size - 1) token block, taps of the target layers
     n_mtp_layers: int = 3
     # vision tower + aligner (docs/VISION.md); vision_n_layers 0 = text only (no tower, no bias_vl)
     vision_n_layers: int = 32
@@ -136,6 +146,12 @@ class ModelConfig:
     vision_max_n_token: int = 1024
     vision_min_pixels: int = 544 * 544
     vision_max_wh_ratio: int | None = None
+    dspark_block_size: int = 5
+    dspark_noise_token_id: int = 128799
+    dspark_target_layer_ids: tuple[int, ...] = (37, 38, 39)
+    dspark_markov_rank: int = 256
+    dspark_n_routed_experts: int = 128
+    dspark_n_activated_experts: int = 3
     # runtime limits: they size the caches, not the weights
     max_seq_len: int = 4096
     max_batch_size: int = 4
@@ -184,10 +200,15 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
         """Read a flat `inference/config.json` / golden `model_args`, or an HF `config.json`."""
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"a config must be a JSON object of fields, got a {_json_type(d)}")
         d = dict(d)
         top_type = d.get("model_type")
         if "text_config" in d or top_type is not None:
-            text = dict(d.get("text_config", d))
+            text = d.get("text_config", d)
+            if not isinstance(text, Mapping):
+                raise ConfigError(f"text_config: must be an object of model fields, got a {_json_type(text)}")
+            text = dict(text)
             for key in ("bos_token_id", "eos_token_id", "pad_token_id", "image_token_id"):
                 if key in d and key not in text:
                     text[key] = d[key]
@@ -201,13 +222,16 @@ class ModelConfig:
             for k, v in text.items():
                 flat[_HF_TO_FLAT.get(k, k)] = v
             rs = flat.pop("rope_scaling", None) or {}
+            q = d.get("quantization_config") or {}
+            for name, value in (("rope_scaling", rs), ("quantization_config", q)):
+                if not isinstance(value, Mapping):
+                    raise ConfigError(f"{name}: must be an object, got a {_json_type(value)}")
             if rs:
                 flat["rope_factor"] = rs.get("factor", 1.0)
                 flat["beta_fast"] = rs.get("beta_fast", 32)
                 flat["beta_slow"] = rs.get("beta_slow", 1)
                 flat["original_seq_len"] = rs.get("original_max_position_embeddings", 0)
             flat.pop("model_type", None)
-            q = d.get("quantization_config") or {}
             flat.setdefault("dtype", "fp8" if q.get("quant_method") == "fp8" else "bf16")
             flat.setdefault("expert_dtype", q.get("expert_dtype"))
             vision = d.get("vision_config")
@@ -229,6 +253,7 @@ class ModelConfig:
                 extra[k] = v
         if "n_routed_experts" in kwargs and "n_activated_experts" not in kwargs and "num_experts_per_tok" in extra:
             kwargs["n_activated_experts"] = extra["num_experts_per_tok"]
+        _warn_misspelt(extra, known)
         kwargs["extra"] = tuple(sorted((k, json.dumps(v, sort_keys=True)) for k, v in extra.items()))
         return cls(**kwargs).validated()
 
@@ -243,6 +268,8 @@ class ModelConfig:
             d = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ConfigError(f"{path} holds a JSON {_json_type(d)}, not an object of config fields")
         if "model_args" in d:  # golden-folder config
             d = d["model_args"]
         return cls.from_dict(d)
@@ -320,6 +347,21 @@ class ModelConfig:
         return _derive_roles(self)
 
     @property
+    def has_dspark(self) -> bool:
+        """Whether the config describes the DSpark drafter (reference: `dspark_block_size` and stages)."""
+        return self.n_mtp_layers > 0 and self.dspark_block_size > 0
+
+    def without_dspark(self) -> "ModelConfig":
+        """The same backbone with no drafter (a checkpoint that ships no mtp.* tensors)."""
+        return self.replace(n_mtp_layers=0)
+
+    @property
+    def dspark_moe(self) -> tuple[int, int]:
+        """(routed, activated) experts of a DSpark stage; 0 falls back to the backbone's (reference)."""
+        return (self.dspark_n_routed_experts or self.n_routed_experts,
+                self.dspark_n_activated_experts or self.n_activated_experts)
+
+    @property
     def decoder_start(self) -> int:
         """First decoder layer: the first ratio-1 KV source (the CED projection); n_layers if none."""
         for s in self.kv_source_layers:
@@ -342,13 +384,106 @@ class ModelConfig:
         return self
 
 
+_FLAT_TO_HF = {v: k for k, v in _HF_TO_FLAT.items() if k != v}
+_MISSING = object()
+
+# Sizes that must be at least 1, and generous ceilings (tens of times the release) that catch a
+# typo such as 1e6 layers before anything is built from it; token ids are int32 on device.
+_POSITIVE = ("vocab_size", "dim", "moe_inter_dim", "n_layers", "n_heads", "n_routed_experts", "n_activated_experts",
+             "q_lora_rank", "head_dim", "o_groups", "o_lora_rank", "window_size", "index_n_heads", "index_head_dim",
+             "index_topk", "hc_mult", "max_seq_len", "max_batch_size")
+_CEILINGS = {
+    "vocab_size": (2**31 - 1, "token ids are int32"), "n_layers": (1024, "the release has 43"),
+    "n_routed_experts": (65536, "the release has 384"), "max_seq_len": (2**30, "positions are int32"),
+    "max_batch_size": (2**20, "caches are sized by it"),
+    **{n: (65536, "the release's largest width is 7168") for n in
+       ("dim", "moe_inter_dim", "q_lora_rank", "head_dim", "o_lora_rank", "index_head_dim", "engram_head_dim")},
+    **{n: (4096, "the release has 64 heads") for n in ("n_heads", "index_n_heads", "engram_n_heads", "o_groups")},
+    **{n: (2**20, "far beyond any V4.1 model") for n in ("window_size", "index_topk", "candidate_topk_blocks",
+                                                        "candidate_block_size", "hc_mult", "hc_sinkhorn_iters")},
+    "engram_vocab_size": (2**40, "far beyond the release's 1.6e7"),
+}
+
+
+def _json_type(value) -> str:
+    """The JSON name of a Python value's type, for messages about config files."""
+    names = {bool: "boolean", int: "integer", float: "number", str: "string", list: "list", tuple: "list",
+             dict: "object", type(None): "null"}
+    return next((n for t, n in names.items() if type(value) is t), type(value).__name__)
+
+
+def _label(name: str) -> str:
+    hf = _FLAT_TO_HF.get(name)
+    return f"{name} (HF config.json: {hf})" if hf else name
+
+
+def _check_types(c: ModelConfig) -> None:
+    """Each field holds the JSON type its default has; otherwise a ConfigError naming it."""
+    for f in dataclasses.fields(c):
+        if f.name == "extra":
+            continue
+        value, default = getattr(c, f.name), f.default
+        if f.name == "expert_dtype" and value is None:
+            continue
+        if isinstance(default, bool):
+            ok, want = isinstance(value, bool), "true or false"
+        elif isinstance(default, int):
+            ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
+        elif isinstance(default, float):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            want = "a finite number"
+        elif isinstance(default, str):
+            ok, want = isinstance(value, str), "a string"
+        elif isinstance(default, tuple):
+            ok = isinstance(value, tuple) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+            want = "a list of integers"
+        else:
+            continue
+        if not ok:
+            raise ConfigError(f"{_label(f.name)}: must be {want}, got {value!r} ({_json_type(value)})")
+
+
+def _check_sizes(c: ModelConfig) -> None:
+    for name in _POSITIVE:
+        if getattr(c, name) <= 0:
+            raise ConfigError(f"{_label(name)}: must be at least 1, got {getattr(c, name)}")
+    for name, (ceiling, why) in _CEILINGS.items():
+        if getattr(c, name) > ceiling:
+            raise ConfigError(f"{_label(name)}: {getattr(c, name)} is beyond any V4.1 model (at most {ceiling}: {why}); "
+                              "is it a typo?")
+    for n in c.engram_num_embeddings:
+        if not 0 < n <= 2**40:
+            raise ConfigError(f"engram_num_embeddings: {n} must be in 1..2**40")
+    for name in ("n_mtp_layers", "engram_max_ngram_size", "engram_vocab_size", "engram_n_heads", "engram_head_dim"):
+        if getattr(c, name) < 0:
+            raise ConfigError(f"{_label(name)}: must not be negative, got {getattr(c, name)}")
+
+
+# Keys of the released configs that this package carries but does not model (DSpark and the vision
+# tower have their own prefixes); they are never reported as typos.
+RELEASE_EXTRA_KEYS = frozenset({"hidden_act", "max_position_embeddings", "num_key_value_heads", "temperature",
+                                "tie_word_embeddings", "topk_method"})
+_EXTRA_PREFIXES = ("dspark_", "vision_", "_")
+
+
+def _warn_misspelt(extra: Mapping, known: set) -> None:
+    """Warn about extra keys that look like a typo of a field name (flat or HF spelling)."""
+    names = sorted((known - {"extra"}) | set(_HF_TO_FLAT))
+    for key in extra:
+        if key.startswith(_EXTRA_PREFIXES) or key in RELEASE_EXTRA_KEYS or key in names:
+            continue
+        close = difflib.get_close_matches(key, names, n=1, cutoff=0.8)
+        if close:
+            warnings.warn(f"config key {key!r} is not a V4.1 field; did you mean {close[0]!r}? "
+                          "(it is kept as an extra key and not used)", ConfigWarning, stacklevel=3)
+
+
 def _validate(c: ModelConfig) -> None:
     def fail(field_name: str, msg: str):
         raise ConfigError(f"{field_name}: {msg}")
 
-    for name in ("vocab_size", "dim", "n_layers", "n_heads", "head_dim", "window_size", "max_seq_len", "max_batch_size"):
-        if getattr(c, name) <= 0:
-            fail(name, f"must be positive, got {getattr(c, name)}")
+    _check_types(c)
+    _check_sizes(c)
     if len(c.compress_ratios) < c.n_layers:
         fail("compress_ratios", f"has {len(c.compress_ratios)} entries but n_layers is {c.n_layers}")
     for l, r in enumerate(c.compress_ratios[: c.n_layers]):
@@ -431,10 +566,34 @@ def _validate(c: ModelConfig) -> None:
             fail("vision_max_wh_ratio", f"must be positive or null, got {c.vision_max_wh_ratio}")
         if not 0 <= c.image_token_id < c.vocab_size:
             fail("image_token_id", f"{c.image_token_id} is outside the vocabulary 0..{c.vocab_size - 1}")
+    if c.has_dspark:
+        _validate_dspark(c, fail)
     for s in c.kv_source_layers:
         r = c.compress_ratios[s]
         if c.max_seq_len % r:
             fail("max_seq_len", f"{c.max_seq_len} must be a multiple of layer {s}'s compress ratio {r}")
+
+
+def _validate_dspark(c: ModelConfig, fail) -> None:
+    if not c.dspark_target_layer_ids:
+        fail("dspark_target_layer_ids", "DSpark needs at least one target layer (its taps feed main_proj)")
+    for l in c.dspark_target_layer_ids:
+        if not 0 <= l < c.n_layers:
+            fail("dspark_target_layer_ids", f"layer {l} is outside 0..{c.n_layers - 1}")
+    if list(c.dspark_target_layer_ids) != sorted(set(c.dspark_target_layer_ids)):
+        fail("dspark_target_layer_ids", f"{list(c.dspark_target_layer_ids)} must be strictly increasing")
+    if c.dspark_block_size < 2:
+        fail("dspark_block_size", f"{c.dspark_block_size}: a block is the anchor plus at least one draft")
+    if not 0 <= c.dspark_noise_token_id < c.vocab_size:
+        fail("dspark_noise_token_id", f"{c.dspark_noise_token_id} is outside the vocabulary 0..{c.vocab_size - 1}")
+    if c.dspark_markov_rank <= 0:
+        fail("dspark_markov_rank", f"must be positive, got {c.dspark_markov_rank}")
+    routed, active = c.dspark_moe
+    if active > routed:
+        fail("dspark_n_activated_experts", f"{active} exceeds dspark_n_routed_experts {routed}")
+    stage_ratios = c.compress_ratios[c.n_layers: c.n_layers + c.n_mtp_layers]
+    if any(stage_ratios):
+        fail("compress_ratios", f"DSpark stages (layers {c.n_layers}..) are window-only: their ratios must be 0, got {list(stage_ratios)}")
 
 
 def _derive_roles(c: ModelConfig) -> tuple[LayerRole, ...]:

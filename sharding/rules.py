@@ -95,6 +95,12 @@ _PARAM_AXES: dict[str, tuple[str, ...]] = {
     "vision.blocks.mlp.w1": ("vision_mlp", "vision_embed"),
     "vision.blocks.mlp.w2": ("vision_embed", "vision_mlp"),
     "vision.norm": ("vision_embed",),
+    # DSpark stages (mtp.K.*) reuse the block entries above; these are theirs alone
+    "main_proj": ("embed", "dspark_taps"),
+    "main_norm": ("embed",),
+    "markov_head.embed": ("vocab", "markov_rank"),
+    "markov_head.head": ("vocab", "markov_rank"),
+    "confidence_head.proj": ("confidence_out", "confidence_in"),
 }
 
 # Cache arrays, keyed by the top-level cache entry (see `dsv41_jax.model.transformer.init_cache`).
@@ -114,7 +120,7 @@ ROUTED, ENGRAM_TABLE, OTHER, VISION = "routed_experts", "engram_tables", "other_
 def _module_key(path: tuple) -> str:
     """('layers', 3, 'attn', 'wq_b', 'scale') -> 'attn.wq_b'; experts' 'w1_scale' -> 'ffn.experts.w1'."""
     names = [str(p) for p in path if not isinstance(p, int)]
-    if names and names[0] == "layers":
+    if names and names[0] in ("layers", "mtp"):
         names = names[1:]
     if len(names) > 1 and names[-1] in ("weight", "scale") and ".".join(names) not in _PARAM_AXES:
         names = names[:-1]

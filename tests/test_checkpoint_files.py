@@ -249,7 +249,7 @@ def test_prefix_cache_path_that_is_a_folder_is_reported_as_a_folder(tmp_path):
     from dsv41_jax.serving.prefix_cache import PrefixCacheError, load_prefix
 
     with pytest.raises(PrefixCacheError, match="is a folder"):
-        load_prefix(tmp_path, MICRO)
+        load_prefix(tmp_path, MICRO, fingerprint="0" * 64)
 
 
 # ---------------------------------------------------------------------- NaN / inf weights

@@ -88,3 +88,60 @@ def test_bad_json_file(tmp_path):
         ModelConfig.from_file(p)
     with pytest.raises(ConfigError, match="does not exist"):
         ModelConfig.from_file(tmp_path / "missing.json")
+
+
+def _info(path):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "dsv41_jax.cli.main", "info", "--config", str(path)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_wrong_types_and_absurd_sizes_are_rc2_naming_the_field(tmp_path):
+    """The issue's probes, through `dsv41 info` (real CLI): each config is refused at once, rc 2,
+    with the field (and its HF name) in the message. 10**6 layers used to hang info for > 10 min."""
+    flat = ModelConfig.tiny().to_flat_dict()
+    hf = ModelConfig.tiny().to_hf_dict()
+    cases = {
+        "str_vocab": (dict(flat, vocab_size="512"), "vocab_size: must be an integer, got '512' (string)"),
+        "null_vocab": (dict(flat, vocab_size=None), "vocab_size: must be an integer, got None (null)"),
+        "float_hidden": (dict(hf, text_config=dict(hf["text_config"], hidden_size=128.5)),
+                         "dim (HF config.json: hidden_size): must be an integer, got 128.5 (number)"),
+        "zero_experts": (dict(flat, n_routed_experts=0), "n_routed_experts: must be at least 1, got 0"),
+        "zero_groups": (dict(flat, o_groups=0), "o_groups: must be at least 1, got 0"),
+        "a_list": ([flat], "holds a JSON list, not an object of config fields"),
+        "str_text_config": (dict(hf, text_config="deepseek"), "text_config: must be an object of model fields, got a string"),
+        "million_layers": (dict(flat, n_layers=10**6, compress_ratios=[0] * 10**6),
+                           "n_layers (HF config.json: num_hidden_layers): 1000000 is beyond any V4.1 model (at most 1024"),
+        "huge_vocab": (dict(flat, vocab_size=10**30), "vocab_size: 1000000000000000000000000000000 is beyond any V4.1 model"),
+        "float_vocab": (dict(flat, vocab_size=1e30), "vocab_size: must be an integer, got 1e+30 (number)"),
+        "bool_flag": (dict(flat, norm_topk_prob="yes"), "norm_topk_prob: must be true or false"),
+        "bad_ratios": (dict(flat, compress_ratios=[0, 2.5]), "compress_ratios: must be a list of integers"),
+    }
+    for name, (config, message) in cases.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(config))
+        if name in ("million_layers", "float_hidden", "a_list"):  # one real CLI run per kind of probe
+            out = _info(path)
+            assert out.returncode == 2 and out.stderr.startswith("dsv41 info: ") and message in out.stderr, (name, out.stderr)
+            assert "Traceback" not in out.stderr
+        else:
+            with pytest.raises(ConfigError) as e:
+                ModelConfig.from_file(path)
+            assert message in str(e.value), (name, str(e.value))
+
+
+def test_misspelt_keys_warn_with_a_suggestion(tmp_path):
+    flat = ModelConfig.tiny().to_flat_dict()
+    path = tmp_path / "typo.json"
+    # the warning comes as the keys are read; o_groups=0 then stops info before JAX is imported (cheap)
+    path.write_text(json.dumps(dict(flat, vocab_szie=7, dspark_block_size=4, hidden_act="silu", o_groups=0)))
+    out = _info(path)
+    assert out.returncode == 2 and "o_groups: must be at least 1" in out.stderr, out.stderr
+    assert "dsv41: warning: config key 'vocab_szie' is not a V4.1 field; did you mean 'vocab_size'?" in out.stderr
+    assert "dspark_block_size" not in out.stderr and "hidden_act" not in out.stderr  # released extras are no typos
+    hf = ModelConfig.tiny().to_hf_dict()
+    with pytest.warns(UserWarning, match="'num_hiden_layers' is not a V4.1 field; did you mean 'num_hidden_layers'"):
+        loaded = ModelConfig.from_dict(dict(hf, text_config=dict(hf["text_config"], num_hiden_layers=3)))
+    assert loaded.n_layers == ModelConfig.tiny().n_layers  # loads, with the field's own value

@@ -62,3 +62,14 @@ def test_golden_check_cli_whole_folder(golden_root):
     assert out.returncode == 0 and not failed, failed
     for c in cases:
         assert set(c) >= {"name", "passed", "max_abs_err", "argmax_agreement", "forced_decisions", "topk_sets_equal"}
+
+
+def test_golden_check_on_a_folder_without_cases_says_so(tmp_path):
+    """An empty folder used to print an empty table; now: rc 2 and the reason (real CLI)."""
+    out = subprocess.run([sys.executable, "-m", "dsv41_jax.cli.main", "golden-check", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and f"found no golden cases in {tmp_path}" in out.stderr, out.stderr
+    (tmp_path / "quant_vectors.safetensors").write_bytes(b"")
+    out = subprocess.run([sys.executable, "-m", "dsv41_jax.cli.main", "golden-check", str(tmp_path), "--only", "main_fp9"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "found no case set named ['main_fp9']" in out.stderr and "['quant']" in out.stderr

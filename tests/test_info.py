@@ -17,6 +17,7 @@ def flash():
 def test_released_figures(flash):
     assert abs(flash["backbone_params"] / 552e9 - 1) < 0.01
     assert abs(flash["engram_params"] / 196.6e9 - 1) < 0.01
+    assert abs(flash["dspark_params"] / 14.2e9 - 1) < 0.01  # mtp.*: "about 14B parameters", apart from the backbone
     assert abs(flash["active_params_decode"] / 16e9 - 1) < 0.03
     assert abs(flash["active_params_prefill_split"] / 8e9 - 1) < 0.05
     assert flash["global_kv_bytes_per_token"] == 890

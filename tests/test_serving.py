@@ -287,7 +287,7 @@ def test_prefix_cache_refuses_bad_files(micro, tmp_path):
         prefix_cache.load_prefix(cut, cfg, fingerprint=fp)
     cut.write_bytes(raw[:20])
     with pytest.raises(prefix_cache.PrefixCacheError, match="truncated"):
-        prefix_cache.load_prefix(cut, cfg)
+        prefix_cache.load_prefix(cut, cfg, fingerprint=fp)
     flipped = bytearray(raw)
     flipped[-5] ^= 0x40
     bad = tmp_path / "bad.dsv41"
@@ -298,14 +298,73 @@ def test_prefix_cache_refuses_bad_files(micro, tmp_path):
     flipped[30] ^= 0x01  # inside the JSON header
     bad.write_bytes(bytes(flipped))
     with pytest.raises(prefix_cache.PrefixCacheError, match="header checksum"):
-        prefix_cache.load_prefix(bad, cfg)
+        prefix_cache.load_prefix(bad, cfg, fingerprint=fp)
     bad.write_bytes(b"not a cache at all, just text")
     with pytest.raises(prefix_cache.PrefixCacheError, match="not a dsv41 prefix cache"):
-        prefix_cache.load_prefix(bad, cfg)
+        prefix_cache.load_prefix(bad, cfg, fingerprint=fp)
     with pytest.raises(prefix_cache.PrefixCacheError, match="does not exist"):
-        prefix_cache.load_prefix(tmp_path / "missing", cfg)
+        prefix_cache.load_prefix(tmp_path / "missing", cfg, fingerprint=fp)
     with pytest.raises(prefix_cache.PrefixCacheError, match="token ids were given"):
-        prefix_cache.save_prefix(path, cfg, row, toks[:-1])
+        prefix_cache.save_prefix(path, cfg, row, toks[:-1], fingerprint=fp)
+    # the weights check is the default: no fingerprint is no load; skipping it is spelled out
+    with pytest.raises(TypeError, match="fingerprint"):
+        prefix_cache.load_prefix(path, cfg)
+    with pytest.raises(ValueError, match="prefix_cache.UNCHECKED to skip"):
+        prefix_cache.load_prefix(path, cfg, fingerprint=None)
+    assert np.array_equal(prefix_cache.load_prefix(path, cfg, fingerprint=prefix_cache.UNCHECKED)[1], toks)
+    # a header that publishes more positions than it caches, or records no fingerprint, is refused
+    rewritten = tmp_path / "rewritten.dsv41"
+    with pytest.raises(prefix_cache.PrefixCacheError, match="5 positions are published but only 4 tokens"):
+        prefix_cache.load_prefix(_with_header(raw, rewritten, n_tokens=4, published=5), cfg, fingerprint=fp)
+    with pytest.raises(prefix_cache.PrefixCacheError, match="records no model fingerprint"):
+        prefix_cache.load_prefix(_with_header(raw, rewritten, model_fingerprint=None), cfg, fingerprint=fp)
+
+
+def _with_header(raw: bytes, path, **changes):
+    """A copy of a prefix-cache file with header fields changed and a valid header checksum."""
+    import hashlib
+    import json
+    import struct
+
+    prefix = struct.Struct("<8sIQ")
+    magic, version, hlen = prefix.unpack_from(raw)
+    header = json.loads(raw[prefix.size:prefix.size + hlen])
+    header.update(changes)
+    hb = json.dumps(header, sort_keys=True).encode()
+    path.write_bytes(prefix.pack(magic, version, len(hb)) + hb + hashlib.sha256(hb).digest() + raw[prefix.size + hlen + 32:])
+    return path
+
+
+def test_model_fingerprint_covers_every_byte_of_every_tensor(micro):
+    params = micro["params"]
+    fp = prefix_cache.model_fingerprint(params)
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    big = max(leaves, key=lambda kv: kv[1].size)
+    assert big[1].size > 1 << 14  # larger than anything the old fingerprint read
+    for path, leaf in (big, leaves[0]):
+        raw = np.asarray(leaf).copy().reshape(-1).view(np.uint8)
+        raw[raw.size // 2 + 1] ^= 0x10  # one bit of one byte in the middle
+        changed = jax.tree_util.tree_map_with_path(
+            lambda p, x: raw.view(leaf.dtype).reshape(leaf.shape) if p == path else x, params)
+        assert prefix_cache.model_fingerprint(changed) != fp, jax.tree_util.keystr(path)
+    assert prefix_cache.model_fingerprint(jax.tree.map(np.array, params)) == fp  # a copy is the same weights
+
+
+def test_tensor_digest_is_the_same_sums_on_host_and_device(monkeypatch):
+    import ml_dtypes  # noqa: F401  (registers the dtype names with numpy)
+
+    for dtype, on_device in (("uint8", False), ("float32", False), ("bfloat16", True), ("float8_e4m3fn", True)):
+        x = (np.random.default_rng(1).standard_normal(600) * 50).astype(dtype)
+        b = [int(v) for v in x.reshape(-1).view(np.uint8)]
+        # oracle: Python integers, reduced mod 2^32 at the end
+        first = sum(v * (2 * i + 1) for i, v in enumerate(b)) % 2**32
+        second = sum((v + 1) * (((i * 0x9E3779B1) % 2**32) | 1) for i, v in enumerate(b)) % 2**32
+        assert prefix_cache.tensor_digest(x) == (first, second), dtype
+        if on_device:  # the accelerator path (jit; compiled per dtype, so two of them)
+            assert tuple(int(v) for v in prefix_cache._digest(jnp.asarray(x))) == (first, second), dtype
+        with monkeypatch.context() as m:
+            m.setattr(prefix_cache, "_CHUNK", 7)  # chunk edges do not change the sums
+            assert prefix_cache.tensor_digest(x) == (first, second), dtype
 
 
 # ------------------------------------------------------------------------------- buckets
@@ -414,7 +473,7 @@ def test_info_cache_bytes_match_the_cache_layout():
 def test_prefix_file_holds_only_global_parts(micro, tmp_path):
     cfg = micro["cfg"]
     row, toks = _turn1(micro)
-    header = prefix_cache.save_prefix(tmp_path / "p", cfg, row, toks)
+    header = prefix_cache.save_prefix(tmp_path / "p", cfg, row, toks, fingerprint="0" * 64)
     names = {e["name"].split(".")[0] for e in header["arrays"]}
     assert names == {"tokens", "compressed", "index_keys", "compressor"}
     rows = sum(e["nbytes"] for e in header["arrays"] if e["name"].split(".")[0] in ("compressed", "index_keys"))

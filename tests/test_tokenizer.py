@@ -47,8 +47,10 @@ def test_special_ids_are_read_not_assumed(tmp_path):
 
 
 def test_encode_decode_and_lookups(tok):
+    # encode() is for text: special-token text stays characters ([UNK] in this word vocabulary)
+    assert tok.backend_tokenizer.encode("<｜User｜>hi there<｜Assistant｜>").ids == [128803, WORD_IDS["hi"], WORD_IDS["there"], 128804]
     ids = tok.encode("<｜User｜>hi there<｜Assistant｜>")
-    assert ids == [128803, WORD_IDS["hi"], WORD_IDS["there"], 128804]
+    assert WORD_IDS["hi"] in ids and not set(ids) & set(tok.added_tokens())
     assert tok.encode("hi", add_special=True) == [WORD_IDS["hi"]]  # this file has no post-processor
     assert tok.token_to_id(st.THINK_END) == 128822
     assert tok.id_to_token(128799) == st.SYSTEM

@@ -21,11 +21,16 @@ from train_fixtures import TOKENIZER, micro_config
 
 
 def test_byte_tokenizer_round_trips_text_and_specials():
+    from dsv41_jax.text.pieces import caller, encoder
+
     text = f"{st.USER}héllo\n{st.ASSISTANT}{st.THINK_END}wörld{st.EOS}"
-    ids = TOKENIZER.encode(text)
-    assert TOKENIZER.decode(ids) == text
+    ids = TOKENIZER.encode(text)  # text: the marker spellings stay bytes
+    assert TOKENIZER.decode(ids) == text and min(ids) >= TOKENIZER.n_special
+    ids = TOKENIZER.encode_pieces([encoder(st.USER), caller("héllo\n"), encoder(st.ASSISTANT + st.THINK_END),
+                                   caller(f"wörld{st.EOS}"), encoder(st.EOS)])
+    assert TOKENIZER.decode(ids) == text + st.EOS
     assert ids[0] == TOKENIZER.SPECIALS.index(st.USER)
-    assert ids.count(TOKENIZER.eos_id) == 1
+    assert ids.count(TOKENIZER.eos_id) == 1  # the one the encoder wrote
     assert max(ids) < TOKENIZER.vocab_size == 264
 
 

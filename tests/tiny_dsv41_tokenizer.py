@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from dsv41_jax.text import special_tokens as st
 
@@ -60,6 +60,29 @@ def build_tokenizer_json(
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     # Specials already in the model vocabulary keep those ids when added.
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "tokenizer.json"
+    tokenizer.save(str(path))
+    return path
+
+
+def build_byte_tokenizer_json(folder: Path, *, specials: dict[str, int], plain: dict[str, int] = None) -> Path:
+    """A lossless byte-level BPE (no merges: one token per byte, ids 10..265) plus added tokens.
+
+    specials are added as special tokens, `plain` as non-special added tokens (files mark e.g.
+    `<think>` that way). decode(encode(text)) == text for any text, so a test can compare ids
+    with the exact prompt string.
+    """
+    plain = dict(plain or {})
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: 10 + i for i, ch in enumerate(sorted(alphabet))}
+    vocab.update(specials)
+    vocab.update(plain)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "tokenizer.json"
     tokenizer.save(str(path))

@@ -11,6 +11,8 @@ import json
 import pathlib
 import sys
 
+from dsv41_jax.cli.argtypes import non_negative_int, positive_int
+
 
 class InputError(ValueError):
     """A bad command-line input; reported as `dsv41 generate: ...` with exit code 2."""
@@ -66,10 +68,6 @@ def _mesh_shardings(n_devices: int):
 
 
 def _run(args) -> int:
-    from dsv41_jax.checkpoint import checkpoint_format, load
-    from dsv41_jax.checkpoint.hf_loader import read_config
-    from dsv41_jax.serving.generate import Generator, Sampling, TextStream
-    from dsv41_jax.runtime import Runtime
     from dsv41_jax.text.tokenizer import load_tokenizer
 
     folder = pathlib.Path(args.checkpoint)
@@ -77,14 +75,22 @@ def _run(args) -> int:
         raise InputError(f"--checkpoint {folder}: no such folder")
     if not (folder / "tokenizer.json").is_file():
         raise InputError(f"--checkpoint {folder}: no tokenizer.json; copy the tokenizer.json that ships with the weights into it")
+    tokenizer = load_tokenizer(folder)
+    prompt = _prompt_ids(args, tokenizer)
+    if args.print_prompt_ids:
+        print(json.dumps(prompt))
+        return 0
+    from dsv41_jax.checkpoint import checkpoint_format, load
+    from dsv41_jax.checkpoint.hf_loader import read_config
+    from dsv41_jax.runtime import Runtime
+    from dsv41_jax.serving.generate import Generator, Sampling, TextStream
+
     checkpoint_format(folder)
     overrides = {"max_batch_size": 1}
     if args.max_seq_len is not None:
         overrides["max_seq_len"] = args.max_seq_len
     cfg = read_config(folder, overrides)
     sampling = Sampling(args.temperature, args.top_p, args.seed)
-    tokenizer = load_tokenizer(folder)
-    prompt = _prompt_ids(args, tokenizer)
     if len(prompt) > cfg.max_seq_len:
         raise InputError(f"the prompt is {len(prompt)} tokens but the cache holds max_seq_len={cfg.max_seq_len}; "
                          "shorten the prompt or pass a larger --max-seq-len")
@@ -93,7 +99,7 @@ def _run(args) -> int:
                               language_model_only=args.language_model_only)
     if not args.quiet:
         print(report.summary(), file=sys.stderr)
-    gen = Generator(cfg, model, tokenizer, runtime=Runtime(mode="fast", impl=args.impl, check_finite=args.check_finite))
+    runtime = Runtime(mode="fast", impl=args.impl, check_finite=args.check_finite)
     stream = TextStream(tokenizer, skip_ids=[tokenizer.eos_id])
 
     def show(tok: int) -> None:
@@ -101,16 +107,43 @@ def _run(args) -> int:
             sys.stdout.write(stream.push(tok))
             sys.stdout.flush()
 
-    result = gen.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, on_token=show)
+    spec = None
+    if args.speculative == "dspark":
+        result, spec = _speculate(args, cfg, model, tokenizer, prompt, runtime, show)
+    else:
+        gen = Generator(cfg, model, tokenizer, runtime=runtime)
+        result = gen.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, on_token=show)
     if args.json:
         text = tokenizer.decode([t for t in result.tokens if t != tokenizer.eos_id])
-        print(json.dumps({"prompt_tokens": result.prompt_tokens, "completion_tokens": len(result.tokens),
-                          "tokens": result.tokens, "text": text, "finish_reason": result.finish_reason}))
+        doc = {"prompt_tokens": result.prompt_tokens, "completion_tokens": len(result.tokens),
+               "tokens": result.tokens, "text": text, "finish_reason": result.finish_reason}
+        if spec is not None:
+            doc["speculative"] = spec
+        print(json.dumps(doc))
     else:
         sys.stdout.write("\n")
         if result.finish_reason == "cache_full":
             print(f"stopped: the cache is full (max_seq_len={cfg.max_seq_len})", file=sys.stderr)
     return 0
+
+
+def _speculate(args, cfg, model, tokenizer, prompt, runtime, show):
+    """--speculative dspark: DSpark drafts, one verification forward per block (serving/speculative.py)."""
+    from dsv41_jax.serving.generate import Generation, _engram_tables, allowed_ids
+    from dsv41_jax.serving.speculative import SpeculativeDecoder
+
+    if args.temperature > 0 and args.top_p < 1:
+        raise InputError(f"--speculative dspark samples the full distribution at --temperature > 0; pass --top-p 1 "
+                         f"(got {args.top_p}) or --temperature 0")
+    engram = _engram_tables(cfg, tokenizer) if cfg.engram_layer_ids else None
+    dec = SpeculativeDecoder(model, runtime=runtime, engram=engram)  # refuses a model without the drafter
+    r = dec.generate(prompt, args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                     allowed=allowed_ids(cfg.vocab_size, tokenizer), stop_tokens=(tokenizer.eos_id,), on_token=show)
+    reason = "eos" if r.tokens and r.tokens[-1] == tokenizer.eos_id else (
+        "length" if len(r.tokens) >= args.max_new_tokens else "cache_full")
+    result = Generation(prompt_tokens=r.prompt_tokens, tokens=r.tokens, finish_reason=reason)
+    return result, {"blocks": r.blocks, "drafted": r.drafted, "accepted": r.accepted,
+                    "mean_acceptance_length": r.mean_acceptance_length}
 
 
 def _cmd_generate(args) -> int:
@@ -126,13 +159,6 @@ def _cmd_generate(args) -> int:
         return 1
 
 
-def _positive(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
 def register(subparsers) -> None:
     s = subparsers.add_parser("generate", help="generate a reply from a checkpoint (streams to stdout)",
                               description="Chat-encode a prompt, run the checkpoint and stream the reply. Bad inputs exit with code 2.")
@@ -143,16 +169,21 @@ def register(subparsers) -> None:
     s.add_argument("--effort", metavar="low|high|max|N", help="reasoning effort for thinking mode: a name (low/high/max = 50/75/100) or 1-100")
     s.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=False,
                    help="thinking mode (<think>) or chat mode (</think>, the default)")
-    s.add_argument("--max-new-tokens", type=_positive, default=256)
+    s.add_argument("--max-new-tokens", type=positive_int, default=256)
     s.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0, the recommended setting)")
     s.add_argument("--top-p", type=float, default=0.95, help="nucleus mass (default 0.95)")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--max-seq-len", type=_positive, default=None, help="cache length (default: the config's)")
-    s.add_argument("--devices", type=_positive, default=1,
+    s.add_argument("--seed", type=non_negative_int, default=0)
+    s.add_argument("--max-seq-len", type=positive_int, default=None, help="cache length (default: the config's)")
+    s.add_argument("--devices", type=positive_int, default=1,
                    help="run on a replicated mesh over the first N devices (default 1: the first device)")
     s.add_argument("--impl", choices=("xla", "pallas", "auto"), default="xla", help="attention/MoE implementation")
+    s.add_argument("--speculative", choices=("dspark",), default=None,
+                   help="speculative decoding with the checkpoint's DSpark drafter (mtp.* tensors); --json adds the "
+                        "blocks / drafted / accepted counts and the mean acceptance length")
     s.add_argument("--json", action="store_true", help="print one JSON object (tokens, text, finish_reason) instead of streaming")
     s.add_argument("--quiet", action="store_true", help="no progress bar or load summary on stderr")
+    s.add_argument("--print-prompt-ids", action="store_true",
+                   help="print the chat-encoded prompt's token ids (a JSON list) and exit without loading weights")
     s.add_argument("--check-finite", action="store_true",
                    help="runtime NaN/inf guard: NaN attention rows are not zeroed as if masked, and non-finite logits stop "
                         "generation with an error (exit 1)")

@@ -4,17 +4,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 
 
 def _cmd_info(args) -> int:
     from dsv41_jax.config import ConfigError, ModelConfig
-    from dsv41_jax.model.info import format_info, model_info
 
     try:
         cfg = ModelConfig.load(args.config)
     except ConfigError as e:
         print(f"dsv41 info: {e}", file=sys.stderr)
         return 2
+    from dsv41_jax.model.info import format_info, model_info
+
     info = model_info(cfg)
     if args.json:
         print(json.dumps({"config": args.config, **info}, indent=1))
@@ -26,12 +28,22 @@ def _cmd_info(args) -> int:
 def _cmd_golden_check(args) -> int:
     import pathlib
 
-    from dsv41_jax.golden.check import format_table, run_all
-
     root = pathlib.Path(args.dir)
     if not root.is_dir():
         print(f"dsv41 golden-check: {root} is not a folder", file=sys.stderr)
         return 2
+    from dsv41_jax.golden import data as golden_data
+
+    found = [gc.name for gc in golden_data.discover(root)]
+    found += ["quant"] if (root / "quant_vectors.safetensors").is_file() else []
+    unknown = sorted(set(args.only or ()) - set(found))
+    if not found or unknown:
+        what = f"no case set named {unknown}" if found else "no golden cases"
+        print(f"dsv41 golden-check: found {what} in {root} (it holds {found or 'none'}); a golden folder holds "
+              "config folders with cases.json and config.json, and/or quant_vectors.safetensors", file=sys.stderr)
+        return 2
+    from dsv41_jax.golden.check import format_table, run_all
+
     entries = run_all(root, impl=args.impl, interpret=args.impl == "pallas", only=args.only)
     if args.json:
         print(json.dumps({"cases": [e.to_json() for e in entries]}, indent=1))
@@ -76,7 +88,15 @@ def _extra_commands():
     return out
 
 
+def _format_warning(message, category, filename, lineno, line=None, _default=warnings.formatwarning):
+    """Config warnings (a misspelt key) as one `dsv41: warning: ...` line; others as Python prints them."""
+    if category.__name__ == "ConfigWarning":
+        return f"dsv41: warning: {message}\n"
+    return _default(message, category, filename, lineno, line)
+
+
 def main(argv=None) -> int:
+    warnings.formatwarning = _format_warning
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -11,7 +11,8 @@ import json
 import pathlib
 import sys
 
-from dsv41_jax.cli.generate import InputError, _mesh_shardings, _positive
+from dsv41_jax.cli.argtypes import positive_int
+from dsv41_jax.cli.generate import InputError, _mesh_shardings
 
 
 def _byte_size(text: str) -> int:
@@ -82,12 +83,12 @@ def register(subparsers) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     s.add_argument("--served-model-name", metavar="NAME", help="the model id clients send (default: the folder name)")
-    s.add_argument("--max-batch", type=_positive, default=4, help="concurrent sequences (engine slots, default 4)")
-    s.add_argument("--max-model-len", type=_positive, default=None, help="prompt + completion limit (default: the config's)")
-    s.add_argument("--max-queue", type=_positive, default=256, help="waiting requests before 429 (default 256)")
-    s.add_argument("--prefill-chunk", type=_positive, default=512, help="prefill chunk length (default 512)")
+    s.add_argument("--max-batch", type=positive_int, default=4, help="concurrent sequences (engine slots, default 4)")
+    s.add_argument("--max-model-len", type=positive_int, default=None, help="prompt + completion limit (default: the config's)")
+    s.add_argument("--max-queue", type=positive_int, default=256, help="waiting requests before 429 (default 256)")
+    s.add_argument("--prefill-chunk", type=positive_int, default=512, help="prefill chunk length (default 512)")
     s.add_argument("--exact-prefill", action="store_true", help="prefill every layer over every token (no CED split)")
-    s.add_argument("--devices", type=_positive, default=1, help="a replicated mesh over the first N devices")
+    s.add_argument("--devices", type=positive_int, default=1, help="a replicated mesh over the first N devices")
     s.add_argument("--numerics", choices=("fast", "exact"), default="fast", help="fp32 accumulation (fast) or float64 (exact)")
     s.add_argument("--impl", choices=("xla", "pallas", "auto"), default="xla", help="attention/MoE implementation")
     s.add_argument("--prefix-cache-dir", metavar="DIR", help="keep conversation caches in this folder")

@@ -5,15 +5,7 @@ import argparse
 import json
 import sys
 
-
-def _positive(kind):
-    def parse(text: str):
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-        return value
-
-    return parse
+from dsv41_jax.cli.argtypes import non_negative_int, positive_float, positive_int
 
 
 def register(subparsers) -> None:
@@ -25,14 +17,14 @@ def register(subparsers) -> None:
     s.add_argument("--init-from", help="checkpoint folder (safetensors + config.json) whose FP8/FP4 weights to fine-tune")
     s.add_argument("--qat", dest="qat", action="store_true", default=True, help="fake-quantize FP8/FP4 weights (default)")
     s.add_argument("--no-qat", dest="qat", action="store_false", help="train the masters without weight fake-quant")
-    s.add_argument("--lora", type=int, default=0, metavar="RANK", help="train LoRA adapters of this rank instead of all weights")
+    s.add_argument("--lora", type=non_negative_int, default=0, metavar="RANK", help="train LoRA adapters of this rank instead of all weights")
     s.add_argument("--lora-alpha", type=float, default=0.0)
     s.add_argument("--mesh", help="device mesh, e.g. 'data=2,tensor=4' (default: all devices on data)")
-    s.add_argument("--steps", type=_positive(int), default=300)
-    s.add_argument("--batch-size", type=_positive(int), default=8)
-    s.add_argument("--seq-len", type=int, default=None, help="default: the config's max_seq_len")
-    s.add_argument("--lr", type=_positive(float), default=3e-4)
-    s.add_argument("--warmup", type=int, default=None, help="warmup steps (default: 5%% of --steps)")
+    s.add_argument("--steps", type=positive_int, default=300)
+    s.add_argument("--batch-size", type=positive_int, default=8)
+    s.add_argument("--seq-len", type=positive_int, default=None, help="default: the config's max_seq_len")
+    s.add_argument("--lr", type=positive_float, default=3e-4)
+    s.add_argument("--warmup", type=non_negative_int, default=None, help="warmup steps (default: 5%% of --steps)")
     s.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw")
     s.add_argument("--weight-decay", type=float, default=0.1)
     s.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
@@ -41,16 +33,19 @@ def register(subparsers) -> None:
     s.add_argument("--balance-weight", type=float, default=1e-4)
     s.add_argument("--bias-rate", type=float, default=1e-3)
     s.add_argument("--indexer-kl-weight", type=float, default=1.0)
-    s.add_argument("--kl-positions", type=int, default=8)
+    s.add_argument("--kl-positions", type=non_negative_int, default=8)
     s.add_argument("--replay-prob", type=float, default=0.0, help="replay-aware decoder windows with this probability")
     s.add_argument("--ckpt-dir", help="orbax checkpoint folder (resumes from its latest step)")
-    s.add_argument("--keep", type=_positive(int), default=3, help="checkpoints to keep")
-    s.add_argument("--save-every", type=_positive(int), default=100)
+    s.add_argument("--accept-changed-settings", action="store_true",
+                   help="resume even though the corpus, batch size, learning rate, seed or other settings differ "
+                        "from the checkpoint's (shape-changing differences are always refused)")
+    s.add_argument("--keep", type=positive_int, default=3, help="checkpoints to keep")
+    s.add_argument("--save-every", type=positive_int, default=100)
     s.add_argument("--export", metavar="DIR", help="write the trained model in the served FP8/FP4 formats here "
                                                    "(an HF checkpoint folder; checked before training starts)")
     s.add_argument("--force", action="store_true",
                    help="let --export replace a non-empty checkpoint folder (atomically, once the new one is complete)")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=non_negative_int, default=0)
     s.add_argument("--log-every", type=int, default=10)
     s.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for the MFU estimate")
     s.add_argument("--no-progress", action="store_true")
@@ -60,16 +55,24 @@ def register(subparsers) -> None:
 
     d = subparsers.add_parser("demo", help="train a tiny V4.1 with QAT on the stdlib's sources, save, generate")
     d.add_argument("--out", help="output folder (default: a new temporary folder)")
-    d.add_argument("--steps", type=_positive(int), help="training steps (default: 50)")
-    d.add_argument("--time-budget", type=_positive(float),
+    d.add_argument("--steps", type=positive_int, help="training steps (default: 50)")
+    d.add_argument("--time-budget", type=positive_float,
                    help="seconds of training after which to stop early on a slow machine (default: 90)")
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--seed", type=non_negative_int, default=0)
     d.add_argument("--json", action="store_true",
                    help="print a JSON summary on stdout (the human-readable report goes to stderr)")
     d.set_defaults(func=_cmd_demo)
 
 
 def _cmd_train(args) -> int:
+    from dsv41_jax.train.ckpt_dir import check_directory
+
+    try:  # before the heavy imports and any work: a bad --ckpt-dir costs a second, not a run
+        if args.ckpt_dir:
+            check_directory(args.ckpt_dir)
+    except ValueError as e:
+        print(f"dsv41 train: {e}", file=sys.stderr)
+        return 2
     from dsv41_jax.checkpoint.atomic import check_destination
     from dsv41_jax.config import ConfigError, ModelConfig
     from dsv41_jax.train import data as D
@@ -103,8 +106,11 @@ def _cmd_train(args) -> int:
                                              lr_embed_mult=args.lr_embed_mult, lr_engram_mult=args.lr_engram_mult))
         init = masters_from_checkpoint(args.init_from, serving_formats(cfg), cfg) if args.init_from else None
         ckpt = Checkpointer(args.ckpt_dir, keep=args.keep) if args.ckpt_dir else None
-        # bad --mesh, a batch the mesh cannot split, a checkpoint of another model: usage errors
-        run = prepare(cfg, tcfg, mesh_spec=args.mesh, init_master=init, checkpointer=ckpt)
+        # the tokenized corpus (so also the tokenizer), not its paths: moving the files is no change
+        settings = {"corpus": f"{len(docs)} documents, sha256 {D.corpus_digest(docs)[:16]}"}
+        # bad --mesh, a batch the mesh cannot split, a checkpoint of another run: usage errors
+        run = prepare(cfg, tcfg, mesh_spec=args.mesh, init_master=init, checkpointer=ckpt, settings=settings,
+                      accept_changes=args.accept_changed_settings)
     except (ConfigError, ValueError, OSError) as e:
         print(f"dsv41 train: {e}", file=sys.stderr)
         return 2

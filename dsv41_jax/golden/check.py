@@ -1,7 +1,10 @@
 """`dsv41 golden-check DIR`: run every case of a golden folder and compare with the oracle.
 
 Entries (docs/REFERENCE.md §8 contract): `quant/<vector>`, `<config>/<case>[free]`, `[forced]`, decode cases
-as `[published]`/`[corrected]` (+ `-forced`), and `<config>/replay_layer<l>` single-layer replays.
+as `[published]`/`[corrected]` (+ `-forced`), `<config>/replay_layer<l>` single-layer replays, and
+for DSpark configs `[draft]`, `[draft-forced]`, `[draft-corrected]`, `[draft-corrected-forced]`
+(`golden/dspark.py`). A decode file without the corrected schedule's decisions (dspark_fp8) has
+its `[corrected-forced]` entry impose only the stored prefill decisions.
 Image cases (`vl_prefill`, `vl_decode`) add `<config>/<case>[vision]`: ViT output, aligner output
 and merged embeddings, bit-exact; their logits and decisions are judged as the text cases'.
 
@@ -102,19 +105,20 @@ class CaseRunner:
         """Feed the schedule's calls; returns (logits [N, V], per-call agreement flags).
 
         Stored decisions are always passed (and compared); `impose` decides whether they replace
-        the model's own, so free and forced runs share one compilation. A lone prefill call is
-        padded at the end to a length bucket: causality keeps the real rows unchanged
-        (tests/test_model.py::test_causality), and it bounds the number of compilations.
+        the model's own, so free and forced runs share one compilation. Calls are never padded:
+        the oracle's elementwise kernels choose SLEEF or glibc by the call's token count
+        (docs/NUMERICS.md, "torch's vector body and scalar tail"), so a padded call would
+        compute its last rows differently.
         spans: optional (rows [L, dim], token_types [L]) of the prompt's image spans; each call
         gets its slice (calls past the prompt get none).
         """
         cache = init_cache(self.cfg, 1)
         step = self._step(quirk, collect)
-        outs, traces = [], []
+        outs, traces, taps = [], [], []
         per_layer: dict[int, bool] = {}
         for i, call in enumerate(schedule):
             s, n = call["start_pos"], call["n_tokens"]
-            T = _bucket(n, self.cfg.max_seq_len) if len(schedule) == 1 and replay is None else n
+            T = n
             toks = np.concatenate([tokens[s:s + n], np.zeros(T - n, tokens.dtype)])
             forced = self._pad_forced(forced_calls[i], T) if forced_calls is not None else None
             if forced is not None:
@@ -129,11 +133,14 @@ class CaseRunner:
             logits, cache, aux = step(self.params, jnp.asarray(toks[None], jnp.int32), cache, eids, forced,
                                       replay if i == 0 else None, call_spans)
             outs.append(np.asarray(logits[0, :n]))
+            if "main_hidden" in aux:  # DSpark taps of this call's rows
+                taps.append(np.asarray(aux["main_hidden"][0, :n]))
             for kind in ("topk_agree", "experts_agree"):
                 for l, v in aux[kind].items():
                     per_layer[l] = per_layer.get(l, True) and bool(np.all(np.asarray(v)[0, :n]))
             traces.append(jax.tree.map(np.asarray, aux["trace"]) if collect else None)
-        return np.concatenate(outs, 0), {"agree": all(per_layer.values()), "per_layer": per_layer, "traces": traces}
+        return np.concatenate(outs, 0), {"agree": all(per_layer.values()), "per_layer": per_layer, "traces": traces,
+                                         "taps": np.concatenate(taps, 0) if taps else None}
 
     def _pad_forced(self, forced, T):
         k = self.cfg.n_activated_experts
@@ -147,6 +154,31 @@ class CaseRunner:
             v = np.asarray(v)
             pad = np.broadcast_to(np.arange(k), (v.shape[0], T - v.shape[1], k))
             out["experts"][l] = jnp.asarray(np.concatenate([v, pad], 1), jnp.int32)
+        return out
+
+    # ---------------------------------------------------------------------------- DSpark
+    def draft_entries(self, t, base, variant, P, free_logits, free_taps, forced_taps, tol) -> list:
+        """`[draft]` / `[draft-forced]` (published) or `[draft-corrected]` / `[draft-corrected-forced]`.
+
+        The oracle stored main-model and stage decisions for the published schedule only, so the
+        corrected forced entry imposes the stored corrected draft ids on the free corrected run's taps.
+        """
+        from dsv41_jax.golden import dspark as gd
+
+        if not hasattr(self, "_drafter"):
+            self._drafter = gd.Drafter(self.graphdef, self.params, self.cfg)
+        sfx = "_corrected" if variant == "corrected" else ""
+        name = "draft" if not sfx else "draft-corrected"
+        S = t[f"dspark.output_ids{sfx}"].shape[0]
+        anchors = np.argmax(free_logits[P:P + S], -1)
+        # stored ids passed but not imposed: the free run shares the forced run's compilation
+        free = gd.forced_steps(self.cfg, t, f"dspark.output_ids{sfx}", with_experts=False, impose=False)
+        ours = self._drafter.run(free_taps[:P], free_taps[P:P + S], anchors, P, free)
+        out = [gd.judge(f"{base}[{name}]", ours, t, sfx, tol, False, (free_taps[:P], free_taps[P:]))]
+        taps = forced_taps if not sfx else free_taps
+        steps = gd.forced_steps(self.cfg, t, f"dspark.output_ids{sfx}", with_experts=not sfx, impose=True)
+        ours = self._drafter.run(taps[:P], taps[P:P + S], t[f"dspark.input_ids{sfx}"], P, steps)
+        out.append(gd.judge(f"{base}[{name}-forced]", ours, t, sfx, tol, not sfx, (taps[:P], taps[P:])))
         return out
 
     # ---------------------------------------------------------------------------- decisions
@@ -163,13 +195,6 @@ class CaseRunner:
             if ex is not None:
                 experts[r.layer] = ex[rows][None].astype(np.int32)
         return {"topk": topk, "experts": experts}
-
-
-def _bucket(n: int, limit: int) -> int:
-    for b in (8, 16, 40, 64, 128, 256, 512, 1024):
-        if n <= b <= limit:
-            return b
-    return n
 
 
 def _judge_free(name, ours, ref, tol) -> Entry:
@@ -221,17 +246,19 @@ def check_case(runner: CaseRunner, case: dict) -> list[Entry]:
             continue
         ref = np.concatenate([t["prefill_logits"], t[key]], 0)
         forced = [runner.forced_from(t, "select.prefill.", slice(0, P))]
+        stored = any(k.startswith(prefix) for k in t)  # dspark_fp8 stores no corrected decode decisions
         for i in range(1, len(sched)):
-            forced.append(runner.forced_from(t, prefix, slice(i - 1, i)))
-        ours, _ = runner.run(tokens, sched, quirk=quirk, forced_calls=forced, impose=False, spans=spans)
+            forced.append(runner.forced_from(t, prefix, slice(i - 1, i)) if stored else {"topk": {}, "experts": {}})
+        ours, free = runner.run(tokens, sched, quirk=quirk, forced_calls=forced, impose=False, spans=spans)
         if variant == "corrected":  # the oracle's corrected decode equals its prefill bit for bit: judge tightly
             entries.append(_judge_forced(f"{base}[{variant}]", ours, ref, True, tol, forced=False))
         else:
             entries.append(_judge_free(f"{base}[{variant}]", ours, ref, tol))
-        if not any(k.startswith(prefix) for k in t):  # no stored decode decisions for this variant
-            continue  # (vl_decode keeps only the published ones): nothing to force or compare
+        free_logits = ours
         ours, res = runner.run(tokens, sched, quirk=quirk, forced_calls=forced, spans=spans)
         entries.append(_judge_forced(f"{base}[{variant}-forced]", ours, ref, res["agree"], tol))
+        if runner.cfg.has_dspark and f"dspark.output_ids{'_corrected' if variant == 'corrected' else ''}" in t:
+            entries.extend(runner.draft_entries(t, base, variant, P, free_logits, free["taps"], res["taps"], tol))
     return entries
 
 

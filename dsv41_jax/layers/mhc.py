@@ -5,6 +5,9 @@ choice 1) bit for bit on its kernel vectors, which requires mirroring torch's CP
 arithmetic exactly:
   * sigmoid(z) = 1 / (1 + exp(-z)) and softmax = exp(z - max) * (1 / sum), with torch's CPU exp
     (SLEEF expf_u10, see `sleef_exp`); with ``exp_impl="xla"`` ~1 % of exps are 1 ulp off;
+  * torch.sigmoid's scalar tail: the coefficients of the last T mod 8 tokens of a call (all of
+    them in decode) come from glibc's expf, not SLEEF's (``exp_impl="torch"``, what exact mode
+    uses; it needs 64-bit types). Without it ``post`` and ``pre`` were 1 ulp off on ~4 % of those;
   * every normalisation is a true IEEE division (XLA would otherwise turn x / broadcast(s) into
     x * (1/s)); sums over 4 entries run left to right; multiply-then-add is never fused into an
     FMA (XLA contracts those under jit).
@@ -15,15 +18,32 @@ import jax
 import jax.numpy as jnp
 
 from dsv41_jax.numerics.exact_ops import no_fma, sum_in_order, true_divide
+from dsv41_jax.numerics.glibc_expf import expf_glibc
 from dsv41_jax.numerics.sleef_exp import expf_u10
+from dsv41_jax.numerics.torch_loops import scalar_tail_mask
+
+EXP_IMPLS = ("torch", "sleef", "xla")
 
 
 def _exp(x: jax.Array, exp_impl: str) -> jax.Array:
-    if exp_impl == "sleef":
+    if exp_impl in ("sleef", "torch"):
         return expf_u10(x)
     if exp_impl == "xla":
         return jnp.exp(x)
-    raise ValueError(f"exp_impl must be 'sleef' or 'xla', got {exp_impl!r}")
+    raise ValueError(f"exp_impl must be one of {EXP_IMPLS}, got {exp_impl!r}")
+
+
+def _sigmoid(z: jax.Array, exp_impl: str) -> jax.Array:
+    """1 / (1 + exp(-z)). "torch": the oracle's `torch.sigmoid` on the contiguous [T, hc] block of
+    one call: SLEEF exp in the vector body, glibc expf in the scalar tail (numerics/torch_loops)."""
+    one = jnp.float32(1.0)
+    body = one / (one + _exp(-z, exp_impl))
+    if exp_impl != "torch":
+        return body
+    tail = scalar_tail_mask(z.shape, min(2, z.ndim))
+    if not tail.any():
+        return body
+    return jnp.where(tail, one / (one + expf_glibc(-z)), body)
 
 
 def sinkhorn_split(
@@ -65,7 +85,7 @@ def sinkhorn_split(
     one = f32(1.0)
 
     def sigmoid(z):
-        return one / (one + _exp(-z, exp_impl))
+        return _sigmoid(z, exp_impl)
 
     def affine(part, k):  # torch: one multiply, then one add (never fused)
         return no_fma(part * scale[k]) + base[sl[k]]

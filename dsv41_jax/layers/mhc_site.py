@@ -34,7 +34,9 @@ class HyperSite(nnx.Module):
         # oracle's coefficients were one ulp off, enough to flip bf16 roundings downstream
         rs = inv_sqrt(mean_square(x, mode) + jnp.float32(self.norm_eps), mode)
         m = matmul(x, self.fn[...], "...k,mk->...m", jnp.float32, mode) * rs
-        return sinkhorn_split(m, self.scale[...], self.base[...], self.hc, self.iters, self.hc_eps)
+        # exact: torch.sigmoid's SLEEF body + glibc tail of the oracle's [T, hc] call (docs/NUMERICS.md)
+        return sinkhorn_split(m, self.scale[...], self.base[...], self.hc, self.iters, self.hc_eps,
+                              exp_impl="torch" if mode == "exact" else "sleef")
 
 
 def collapse(h: jax.Array, pre: jax.Array) -> jax.Array:

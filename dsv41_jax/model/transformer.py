@@ -27,6 +27,7 @@ from dsv41_jax.layers.moe import MoE
 from dsv41_jax.layers.rope import cos_sin, layer_rope
 from dsv41_jax.runtime import Runtime
 from pallas_kernels.sparse_attention.dense_reference import sparse_attention
+from dsv41_jax.model.dspark import build_stages, tap
 
 
 COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
@@ -61,6 +62,8 @@ class Transformer(nnx.Module):
         ])
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.head = nnx.Param((jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.dim), jnp.float32) * 2 / cfg.dim ** 0.5).astype(jnp.bfloat16))
+        # DSpark stages (mtp.{k}.*); they share embed and head (dsv41_jax.model.dspark)
+        self.mtp = build_stages(cfg, rngs)
         if cfg.vision_enabled:  # the VL path (docs/VISION.md); dsv41_jax.vision.merge builds the span rows
             from dsv41_jax.vision.tower import ViT, Aligner
 
@@ -198,6 +201,7 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
     pre = jnp.zeros((B, T, cfg.hc_mult), jnp.float32).at[..., 0].set(1.0)
     topk_of: dict[int, jax.Array] = {}
     pool = None
+    taps = []  # DSpark: the stream entering each target layer, after its Engram
 
     for block in model.layers:
         l, role = block.layer, block.role
@@ -215,6 +219,8 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
             h, pre = replay[l][0].astype(h.dtype), replay[l][1].astype(jnp.float32)
         if collect:
             trace[f"layer{l}.block_input"], trace[f"layer{l}.pre_mix_in"] = h, pre
+        if cfg.has_dspark and l in cfg.dspark_target_layer_ids:
+            taps.append(tap(h))
         a_pre, a_post, a_comb = block.hc_attn.mixes(h, mode)
         x = block.attn_norm(collapse(h, pre), mode)
         attn = block.attn
@@ -313,6 +319,8 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
                           f"layer{l}.gate_indices": info["experts"]})
         pre = f_pre
 
+    if taps:
+        aux["main_hidden"] = jnp.concatenate(taps, -1)
     final = collapse(h, pre)
     if collect:
         trace["final_hidden"] = final

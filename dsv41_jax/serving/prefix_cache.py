@@ -8,7 +8,8 @@ window of tokens (`split_prefill.replay_window`).
 File layout (little endian):
     magic b"DSV41PFX" | u32 format version | u64 header length | header (UTF-8 JSON)
     | SHA-256 of the header (32 B) | payload (the arrays, back to back)
-The header names the config (every architecture field), an optional model fingerprint, and
+The header names the config (every architecture field), the model fingerprint (a digest of
+every byte of every weight, `model_fingerprint`), and
 each array's dtype, shape, offset, size and SHA-256. Writes go to a temporary file in the same
 folder that is renamed over the target, so a reader never sees half a file. A file that is
 truncated, corrupt, or written for another config or model is refused with the reason.
@@ -40,6 +41,19 @@ class PrefixCacheError(ValueError):
     """A prefix-cache file that cannot be used with this model."""
 
 
+# Pass as `fingerprint=` to load a cache without checking which weights wrote it (a deliberate choice).
+UNCHECKED = "unchecked"
+
+
+def _checked_fingerprint(fingerprint, who: str) -> str:
+    if fingerprint == UNCHECKED and who == "load_prefix":
+        return fingerprint
+    if not (isinstance(fingerprint, str) and len(fingerprint) == 64 and all(c in "0123456789abcdef" for c in fingerprint)):
+        extra = " or prefix_cache.UNCHECKED to skip the check" if who == "load_prefix" else ""
+        raise ValueError(f"{who}: fingerprint must be model_fingerprint(params) (64 hex digits){extra}, got {fingerprint!r}")
+    return fingerprint
+
+
 def config_fields(cfg: ModelConfig) -> dict:
     """The architecture fields a stored cache depends on (runtime limits excluded)."""
     out = {}
@@ -55,15 +69,55 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def model_fingerprint(params, max_elements: int = 1 << 14) -> str:
-    """A cheap identity of a set of weights: every parameter's path, shape and dtype, plus the
-    bytes of the small ones (norm gains, sinks, gate biases), which differ between checkpoints."""
+# Two position-weighted byte sums per tensor, modulo 2^32: changing any one byte changes the first
+# (its weight 2i+1 is odd, hence invertible), and the second's pseudo-random odd weights make
+# compensating edits elsewhere in the tensor unlikely to cancel in both.
+_GOLDEN = 0x9E3779B1
+
+
+def tensor_digest(x) -> tuple[int, int]:
+    """A cheap 64-bit digest of every byte of one array, computed where the array lives.
+
+    On an accelerator: one fused reduction over the tensor's bytes (no copy to the host), so
+    the digests of a whole checkpoint cost about one read of the weights. Host arrays (numpy, or
+    jax arrays on CPU) take the same sums in numpy, chunk by chunk, to skip a compile per shape.
+    """
+    if isinstance(x, jax.Array) and any(d.platform != "cpu" for d in x.devices()):
+        return tuple(int(v) for v in jax.device_get(_digest(x)))
+    data = np.ascontiguousarray(np.asarray(x)).reshape(-1).view(np.uint8)
+    first = second = np.uint32(0)
+    with np.errstate(over="ignore"):
+        for start in range(0, data.size, _CHUNK):
+            b = data[start:start + _CHUNK].astype(np.uint32)
+            i = np.arange(start, start + b.size, dtype=np.uint64).astype(np.uint32)
+            first += np.sum(b * (np.uint32(2) * i + np.uint32(1)), dtype=np.uint32)
+            second += np.sum((b + np.uint32(1)) * ((i * np.uint32(_GOLDEN)) | np.uint32(1)), dtype=np.uint32)
+    return int(first), int(second)
+
+
+_CHUNK = 1 << 24
+
+
+@jax.jit
+def _digest(x: jax.Array) -> jax.Array:
+    data = x if x.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(x, jnp.uint8)
+    b = data.reshape(-1).astype(jnp.uint32)
+    i = jnp.arange(b.size, dtype=jnp.uint32)
+    first = jnp.sum(b * (jnp.uint32(2) * i + jnp.uint32(1)), dtype=jnp.uint32)
+    second = jnp.sum((b + jnp.uint32(1)) * ((i * jnp.uint32(_GOLDEN)) | jnp.uint32(1)), dtype=jnp.uint32)
+    return jnp.stack([first, second])
+
+
+def model_fingerprint(params) -> str:
+    """The identity of a set of weights: every parameter's path, shape, dtype and the digest of
+    all its bytes (`tensor_digest`), combined with SHA-256. Computed once when an engine loads
+    its weights; any changed byte of any tensor changes it."""
     h = hashlib.sha256()
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        shape, dtype = tuple(leaf.shape), str(leaf.dtype)
-        h.update(f"{jax.tree_util.keystr(path)}|{shape}|{dtype};".encode())
-        if int(np.prod(shape)) <= max_elements and not isinstance(leaf, jax.ShapeDtypeStruct):
-            h.update(np.asarray(jax.device_get(leaf)).tobytes())
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            raise ValueError(f"model_fingerprint needs the weights themselves; {jax.tree_util.keystr(path)} is abstract")
+        first, second = tensor_digest(leaf)
+        h.update(f"{jax.tree_util.keystr(path)}|{tuple(leaf.shape)}|{leaf.dtype}|{first:08x}{second:08x};".encode())
     return h.hexdigest()
 
 
@@ -84,8 +138,12 @@ def _global_arrays(cfg: ModelConfig, cache: dict, row: int, n: int) -> dict[str,
     return out
 
 
-def save_prefix(path, cfg: ModelConfig, cache: dict, tokens, *, row: int = 0, fingerprint: str | None = None) -> dict:
-    """Write row `row` of `cache` (holding exactly `tokens`) to `path`, atomically. Returns the header."""
+def save_prefix(path, cfg: ModelConfig, cache: dict, tokens, *, fingerprint: str, row: int = 0) -> dict:
+    """Write row `row` of `cache` (holding exactly `tokens`) to `path`, atomically. Returns the header.
+
+    fingerprint: `model_fingerprint` of the weights that computed the cache (checked on load).
+    """
+    fingerprint = _checked_fingerprint(fingerprint, "save_prefix")
     path = pathlib.Path(path)
     tokens = np.asarray(tokens, np.int32).reshape(-1)
     n = int(jax.device_get(cache["length"][row]))
@@ -156,21 +214,39 @@ def _check_identity(path, header: dict, cfg: ModelConfig, fingerprint: str | Non
         raise PrefixCacheError(f"prefix cache {path} was written for another model config; differing fields: "
                                + "; ".join(diff[:8]) + (" ..." if len(diff) > 8 else ""))
     stored = header.get("model_fingerprint")
-    if fingerprint is not None and stored is not None and stored != fingerprint:
+    if fingerprint == UNCHECKED:
+        return
+    if stored is None:
+        raise PrefixCacheError(f"prefix cache {path} records no model fingerprint, so it cannot be matched to these "
+                               "weights; write it again, or pass fingerprint=prefix_cache.UNCHECKED to accept it")
+    if stored != fingerprint:
         raise PrefixCacheError(f"prefix cache {path} was written by other weights (fingerprint {stored[:16]}..., "
                                f"this model {fingerprint[:16]}...)")
 
 
-def load_prefix(path, cfg: ModelConfig, *, capacity: int | None = None, fingerprint: str | None = None,
-                min_capacity: int = 256):
+def _check_counts(path, header: dict) -> int:
+    n, published = header.get("n_tokens"), header.get("published")
+    for name, v in (("n_tokens", n), ("published", published)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise PrefixCacheError(f"prefix cache {path}: header field {name} is {v!r}, not a count")
+    if published > n:
+        raise PrefixCacheError(f"prefix cache {path}: header says {published} positions are published but only "
+                               f"{n} tokens are cached; the file is inconsistent, write it again")
+    return n
+
+
+def load_prefix(path, cfg: ModelConfig, *, fingerprint: str, capacity: int | None = None, min_capacity: int = 256):
     """Read a prefix cache into a fresh one-row cache. Returns (cache, tokens int32 [N]).
 
+    fingerprint: `model_fingerprint` of the weights that will continue from the cache; a file
+    written by other weights (or with no fingerprint) is refused. `UNCHECKED` skips the check.
     The window rings are empty: rebuild them with `replay_window` on the last window of tokens.
     """
+    fingerprint = _checked_fingerprint(fingerprint, "load_prefix")
     path = pathlib.Path(path)
     header, payload = _read(path)
     _check_identity(path, header, cfg, fingerprint)
-    n = int(header["n_tokens"])
+    n = _check_counts(path, header)
     capacity = capacity or capacity_for(cfg, n, min_capacity, maximum=max(n, cfg.max_seq_len))
     if n > capacity:
         raise PrefixCacheError(f"prefix cache {path} holds {n} tokens, more than the capacity {capacity}")

@@ -28,6 +28,7 @@ import types
 from collections.abc import Mapping, Sequence
 
 from dsv41_jax.text import dsml as chat_dsml
+from dsv41_jax.text import pieces as P
 from dsv41_jax.text import special_tokens as st
 
 # The reference encoder's table (checkpoint encoding.py, as pinned by vLLM's conformance test)
@@ -85,8 +86,10 @@ class _Block:
     text: str
     tool_call_id: str | None = None  # set only for tool results
 
-    def render(self) -> str:
-        return self.text if self.tool_call_id is None else f"<tool_result>{self.text}</tool_result>"
+    def render(self) -> list[P.Piece]:
+        if self.tool_call_id is None:
+            return [P.caller(self.text)]
+        return [P.encoder("<tool_result>"), P.caller(self.text), P.encoder("</tool_result>")]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,38 +229,42 @@ def _attach_tools(turns: list[_Turn], functions: tuple[Mapping, ...]) -> list[_T
     return [_Turn("system", functions=functions)] + turns
 
 
-def _render(turns: list[_Turn], *, thinking: bool, budget: int, keep_reasoning: bool, add_bos: bool) -> str:
+def _render(turns: list[_Turn], *, thinking: bool, budget: int, keep_reasoning: bool, add_bos: bool) -> list[P.Piece]:
+    """The prompt as pieces: the encoder's markers and instructions, and the callers' text."""
     user_like = [i for i, t in enumerate(turns) if t.role == "user" or (t.role == "system" and i > 0)]
     last_user = user_like[-1] if user_like else -1
     drop = thinking and not keep_reasoning
-    out = [st.BOS] if add_bos else []
+    out = [P.encoder(st.BOS)] if add_bos else []
     for i, turn in enumerate(turns):
         if i == 0 and (thinking or turn.role == "system"):
-            out.append(st.SYSTEM)
+            out.append(P.encoder(st.SYSTEM))
         if i == 0 and thinking:
-            out.append(effort_line(budget))
+            out.append(P.encoder(effort_line(budget)))
         if turn.role == "system":
-            out.append((st.SYSTEM if i > 0 else "") + turn.content)
+            out += [P.encoder(st.SYSTEM if i > 0 else ""), P.caller(turn.content)]
             if turn.functions:
-                out.append("\n\n" + chat_dsml.render_tool_definitions(turn.functions, escape_image_placeholder))
+                out.append(P.encoder("\n\n"))
+                out += chat_dsml.render_tool_definitions(turn.functions, escape_image_placeholder)
         elif turn.role == "user":
-            out.append(st.USER + "\n\n".join(b.render() for b in turn.blocks))
+            out.append(P.encoder(st.USER))
+            for j, block in enumerate(turn.blocks):
+                out += ([P.encoder("\n\n")] if j else []) + block.render()
         else:
             if thinking and (not drop or i > last_user):
-                out.append(turn.reasoning + st.THINK_END)
-            out.append(turn.content)
+                out += [P.caller(turn.reasoning), P.encoder(st.THINK_END)]
+            out.append(P.caller(turn.content))
             if turn.calls:
                 calls = [(name, args) for _, name, args in turn.calls]
-                out.append(chat_dsml.render_tool_calls(calls, escape_image_placeholder))
-            out.append(st.EOS)
+                out += chat_dsml.render_tool_calls(calls, escape_image_placeholder)
+            out.append(P.encoder(st.EOS))
         next_is_reply = i + 1 == len(turns) or turns[i + 1].role == "assistant"
         if next_is_reply and (turn.role == "user" or (turn.role == "system" and i > 0)):
             opens_thinking = thinking and (not drop or i >= last_user)
-            out.append(st.ASSISTANT + (st.THINK_START if opens_thinking else st.THINK_END))
-    return "".join(out)
+            out.append(P.encoder(st.ASSISTANT + (st.THINK_START if opens_thinking else st.THINK_END)))
+    return out
 
 
-def encode_chat(
+def encode_chat_pieces(
     messages,
     *,
     thinking: bool,
@@ -266,8 +273,9 @@ def encode_chat(
     effort_table=None,
     add_bos: bool = True,
     drop_thinking: bool = True,
-) -> str:
-    """The DeepSeek-V4.1 prompt text for `messages` (OpenAI chat format).
+) -> list[P.Piece]:
+    """The DeepSeek-V4.1 prompt for `messages` (OpenAI chat format), as pieces that say which
+    text the encoder wrote (dsv41_jax.text.pieces); `encode_chat` joins them.
 
     thinking: thinking mode (`<think>` after the final `<｜Assistant｜>`) or chat (`</think>`).
     effort: int 1-100 or a name from `effort_table` (default {"low": 50, "high": 75, "max": 100});
@@ -286,13 +294,23 @@ def encode_chat(
     return _render(turns, thinking=thinking, budget=budget, keep_reasoning=keep, add_bos=add_bos)
 
 
+def encode_chat(messages, **kwargs) -> str:
+    """The DeepSeek-V4.1 prompt text for `messages`; arguments as for `encode_chat_pieces`.
+
+    The text is the reference encoder's string. Tokenize prompts with `encode_chat_ids`, never
+    by encoding this text: only there does special-token text from callers stay plain text.
+    """
+    return P.join(encode_chat_pieces(messages, **kwargs))
+
+
 def encode_chat_ids(tokenizer, messages, **kwargs) -> list[int]:
-    """Token ids of `encode_chat(messages, **kwargs)` with a dsv41_jax.text.tokenizer.Tokenizer.
+    """Token ids of the prompt for `messages` with a dsv41_jax.text.tokenizer.Tokenizer (or the
+    training byte tokenizer): control ids only for the encoder's own markers, callers' text as text.
 
     Fails if the tokenizer lacks a role/reasoning marker as an added token (the prompt would
     silently become plain text), and if the image id shows up (escaping must prevent that).
     """
-    text = encode_chat(messages, **kwargs)
+    pieces = encode_chat_pieces(messages, **kwargs)
     added = set(tokenizer.added_tokens().values())
     missing = [m for m in st.STRUCTURAL if m not in added]
     if missing:
@@ -300,7 +318,7 @@ def encode_chat_ids(tokenizer, messages, **kwargs) -> list[int]:
             f"{tokenizer.path} lacks the special tokens {missing} as added tokens; "
             "the prompt would be tokenized as plain text. Is this the DeepSeek-V4.1 tokenizer.json?"
         )
-    ids = tokenizer.encode(text, add_special=False)
+    ids = tokenizer.encode_pieces(pieces)
     image_id = tokenizer.token_to_id(st.IMAGE)
     if image_id is not None and image_id in ids:
         raise RuntimeError(f"image id {image_id} appeared in a text-only prompt; placeholder escaping failed")

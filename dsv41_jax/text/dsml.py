@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping, Sequence
 
+from dsv41_jax.text import pieces as P
 from dsv41_jax.text import special_tokens as st
 
 CALLS_TAG = st.DSML + " calls"
@@ -56,32 +57,41 @@ def _tools_preamble() -> str:
     return "\n\n".join(paragraphs)
 
 
-def render_tool_definitions(functions: Sequence[Mapping], escape: Callable[[str], str]) -> str:
+def render_tool_definitions(functions: Sequence[Mapping], escape: Callable[[str], str]) -> list[P.Piece]:
     """The block appended (after a blank line) to the system message when tools are offered.
 
-    `functions` are the OpenAI `function` objects, one JSON line each, in the caller's order.
+    `functions` are the OpenAI `function` objects, one JSON line each, in the caller's order;
+    the schemas are caller text (dsv41_jax.text.pieces), the instructions around them the encoder's.
     """
-    schemas = "\n".join(escape(to_json(dict(f))) for f in functions)
+    out = [P.encoder(f"{_tools_preamble()}\n\n")]
+    for i, function in enumerate(functions):
+        out += [P.encoder("\n")] if i else []
+        out.append(P.caller(escape(to_json(dict(function)))))
     closing = "You MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls."
-    return f"{_tools_preamble()}\n\n{schemas}\n\n{closing}\n"
+    return out + [P.encoder(f"\n\n{closing}\n")]
 
 
-def _render_parameter(name: str, value, escape: Callable[[str], str]) -> str:
+def _render_parameter(name: str, value, escape: Callable[[str], str]) -> list[P.Piece]:
     # Strings go in raw with string="true"; everything else as JSON with string="false".
     is_string = isinstance(value, str)
     text = value if is_string else to_json(value)
     flag = "true" if is_string else "false"
-    return f'<{PARAMETER_TAG} name="{escape(name)}" string="{flag}">{escape(text)}</{PARAMETER_TAG}>'
+    return [P.encoder(f'<{PARAMETER_TAG} name="'), P.caller(escape(name)), P.encoder(f'" string="{flag}">'),
+            P.caller(escape(text)), P.encoder(f"</{PARAMETER_TAG}>")]
 
 
-def render_tool_calls(calls: Sequence[tuple[str, Mapping]], escape: Callable[[str], str]) -> str:
+def render_tool_calls(calls: Sequence[tuple[str, Mapping]], escape: Callable[[str], str]) -> list[P.Piece]:
     """The `\\n\\n<｜DSML｜ calls>...</｜DSML｜ calls>` tail of an assistant turn.
 
-    `calls` are (function name, decoded argument object) pairs, in call order.
+    `calls` are (function name, decoded argument object) pairs, in call order; names and
+    arguments are caller text.
     """
-    invokes = []
-    for name, arguments in calls:
-        params = "\n".join(_render_parameter(k, v, escape) for k, v in arguments.items())
-        invokes.append(f'<{INVOKE_TAG} name="{escape(name)}">\n{params}\n</{INVOKE_TAG}>')
-    body = "\n".join(invokes)
-    return f"\n\n<{CALLS_TAG}>\n{body}\n</{CALLS_TAG}>"
+    out = [P.encoder(f"\n\n<{CALLS_TAG}>\n")]
+    for i, (name, arguments) in enumerate(calls):
+        out += [P.encoder("\n")] if i else []
+        out += [P.encoder(f'<{INVOKE_TAG} name="'), P.caller(escape(name)), P.encoder('">\n')]
+        for j, (key, value) in enumerate(arguments.items()):
+            out += [P.encoder("\n")] if j else []
+            out += _render_parameter(key, value, escape)
+        out.append(P.encoder(f"\n</{INVOKE_TAG}>"))
+    return out + [P.encoder(f"\n</{CALLS_TAG}>")]

@@ -9,10 +9,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 
 import tokenizers
 
+from dsv41_jax.text import pieces as P
 from dsv41_jax.text import special_tokens as st
 
 TOKENIZER_FILENAME = "tokenizer.json"
@@ -24,6 +26,7 @@ class Tokenizer:
 
     `backend_tokenizer` carries the same name as in HF fast tokenizers so code that accepts
     either (e.g. dsv41_jax.engram.tokens) can reach the Rust tokenizer uniformly.
+    `text_backend` is the same file with added-token matching off: text is only ever characters.
     """
 
     backend_tokenizer: tokenizers.Tokenizer
@@ -31,14 +34,24 @@ class Tokenizer:
     bos_id: int
     eos_id: int
     pad_id: int
+    text_backend: tokenizers.Tokenizer = dataclasses.field(repr=False)
+    control_ids: dict[str, int] = dataclasses.field(repr=False)
+    control_pattern: re.Pattern | None = dataclasses.field(repr=False)
 
     def encode(self, text: str, add_special: bool = False) -> list[int]:
-        """Ids for `text`. Added tokens in the text (e.g. <｜User｜>) are always matched;
-        `add_special` only controls the file's post-processor (e.g. an automatic BOS), which
-        chat prompts must not use because the encoder writes BOS itself."""
+        """Ids for `text` as plain text: special-token text in it (e.g. `<｜User｜>` typed by a
+        user or found in a document) stays characters, so no caller can forge a control token.
+        Only the chat encoder emits control ids, through `encode_pieces`. `add_special` only
+        controls the file's post-processor (e.g. an automatic BOS), which chat prompts must not
+        use because the encoder writes BOS itself."""
         if not isinstance(text, str):
             raise TypeError(f"encode expects str, got {type(text).__name__}")
-        return self.backend_tokenizer.encode(text, add_special_tokens=add_special).ids
+        return self.text_backend.encode(text, add_special_tokens=add_special).ids
+
+    def encode_pieces(self, pieces) -> list[int]:
+        """Ids for a prompt built by the chat encoder (dsv41_jax.text.pieces): added tokens are
+        matched only in the encoder's own pieces."""
+        return P.encode_pieces(pieces, self.control_ids, self.control_pattern, self.encode)
 
     def decode(self, ids, skip_special: bool = False) -> str:
         """Text for `ids`; special tokens are kept by default so prompts round-trip."""
@@ -112,13 +125,32 @@ def load_tokenizer(
         backend = tokenizers.Tokenizer.from_str(text)
     except Exception as err:  # the Rust side raises a bare Exception
         raise ValueError(f"{path} is JSON but not a tokenizers file: {err}") from err
+    control_ids = {t.content: i for i, t in backend.get_added_tokens_decoder().items()}
     return Tokenizer(
         backend_tokenizer=backend,
         path=path,
         bos_id=_special_id(backend, bos_token, "bos", path),
         eos_id=_special_id(backend, eos_token, "eos", path),
         pad_id=_special_id(backend, pad_token, "pad", path),
+        text_backend=_text_only(text),
+        control_ids=control_ids,
+        control_pattern=P.control_pattern(control_ids),
     )
+
+
+def _text_only(text: str) -> tokenizers.Tokenizer:
+    """The same tokenizer with no added token ever matched in input text.
+
+    `encode_special_tokens` makes the Rust side tokenize *special* added tokens as ordinary
+    text but still matches the non-special ones (e.g. `<think>` in some files), so every added
+    token is marked special first. Vocabulary, normalizer and pre-tokenizer are untouched.
+    """
+    data = json.loads(text)
+    for token in data.get("added_tokens") or ():
+        token["special"] = True
+    backend = tokenizers.Tokenizer.from_str(json.dumps(data))
+    backend.encode_special_tokens = True
+    return backend
 
 
 def sentinel_ids(tokenizer: Tokenizer) -> tuple[int, ...]:

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import pathlib
 
-import jax
 import orbax.checkpoint as ocp
+
+from dsv41_jax.train.ckpt_dir import check_directory
 
 
 class Checkpointer:
     """A thin CheckpointManager wrapper with the two items a run needs (state, meta)."""
 
     def __init__(self, directory, *, keep: int = 3, async_save: bool = True, save_every: int = 1):
-        self.directory = pathlib.Path(directory).absolute()
+        self.directory = check_directory(directory)
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=save_every,
                                                enable_async_checkpointing=async_save)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))

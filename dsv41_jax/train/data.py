@@ -11,6 +11,7 @@ Batch i of a run is a pure function of (rows, seed, i): resume needs only the ba
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import pathlib
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dsv41_jax.text import pieces as P
 from dsv41_jax.text import special_tokens as st
 
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".c", ".h", ".json", ".toml", ".cfg"}
@@ -37,24 +39,30 @@ class ByteTokenizer:
         self.bos_id, self.eos_id, self.pad_id = 0, 1, 2
         self.n_special = len(self.SPECIALS)
         self._special_ids = {s: i for i, s in enumerate(self.SPECIALS)}
+        self._pattern = P.control_pattern(self.SPECIALS)
 
     @property
     def vocab_size(self) -> int:
         return self.n_special + 256
 
     def encode(self, text: str, add_special: bool = False) -> list[int]:
-        ids: list[int] = []
-        rest = text
-        while rest:
-            hits = [(rest.find(s), s) for s in self.SPECIALS if s in rest]
-            if not hits:
-                ids.extend(b + self.n_special for b in rest.encode("utf-8"))
-                break
-            at, s = min(hits)
-            ids.extend(b + self.n_special for b in rest[:at].encode("utf-8"))
-            ids.append(self._special_ids[s])
-            rest = rest[at + len(s):]
-        return ids
+        """Plain text as bytes: special-token text in a document stays characters (as in
+        dsv41_jax.text.tokenizer.Tokenizer.encode); only `encode_pieces` emits control ids."""
+        return [b + self.n_special for b in text.encode("utf-8")]
+
+    def encode_pieces(self, pieces) -> list[int]:
+        """A chat-encoder prompt (dsv41_jax.text.pieces): markers only where the encoder wrote them."""
+        return P.encode_pieces(pieces, self._special_ids, self._pattern, self.encode)
+
+    @property
+    def path(self) -> str:
+        return "the byte-level fallback tokenizer"
+
+    def added_tokens(self) -> dict[int, str]:
+        return dict(enumerate(self.SPECIALS))
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._special_ids.get(token)
 
     def decode(self, ids, skip_special: bool = False) -> str:
         out, buf = [], bytearray()
@@ -138,20 +146,53 @@ def text_document(tokenizer, text: str) -> Document:
 
 def chat_document(tokenizer, messages, thinking: bool = False) -> Document:
     """A conversation; only the assistant replies (through their EOS) are trained on."""
-    from dsv41_jax.text.chat import encode_chat
+    from dsv41_jax.text.chat import encode_chat_ids
 
-    full = tokenizer.encode(encode_chat(messages, thinking=thinking))
+    full = encode_chat_ids(tokenizer, messages, thinking=thinking)
     mask = np.zeros(len(full), bool)
     for i, msg in enumerate(messages):
         if msg.get("role") != "assistant":
             continue
-        before = tokenizer.encode(encode_chat(messages[:i], thinking=thinking))
-        upto = tokenizer.encode(encode_chat(messages[: i + 1], thinking=thinking))
+        before = encode_chat_ids(tokenizer, messages[:i], thinking=thinking)
+        upto = encode_chat_ids(tokenizer, messages[: i + 1], thinking=thinking)
         if full[: len(upto)] != upto or upto[: len(before)] != before:
             raise ValueError(f"chat turn {i}: the tokenizer does not split the conversation at turn boundaries, "
                              "so the loss mask cannot be placed; use turn texts that end cleanly")
         mask[len(before): len(upto)] = True
     return Document(np.asarray(full, np.int32), mask)
+
+
+def corpus_digest(docs) -> str:
+    """SHA-256 of the tokenized corpus (ids and target masks, in order): what a resume compares."""
+    h = hashlib.sha256()
+    for doc in docs:
+        h.update(np.int64(doc.ids.size).tobytes())
+        h.update(np.ascontiguousarray(doc.ids, np.int32).tobytes())
+        h.update(np.packbits(doc.target_mask).tobytes())
+    return h.hexdigest()
+
+
+_CONTROL_BYTES = bytes(b for b in range(32) if b not in b"\t\n\r\f")
+
+
+def read_text_file(path: pathlib.Path) -> str:
+    """The file as UTF-8 text; a ValueError naming the file when it is binary (NUL bytes,
+    invalid UTF-8, or mostly control characters), which would otherwise train on junk."""
+    raw = path.read_bytes()
+    where = raw.find(b"\0")
+    if where >= 0:
+        raise ValueError(f"training data {path} is not text (a NUL byte at offset {where}); pass UTF-8 text, "
+                         ".jsonl or chat files")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"training data {path} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start} "
+                         f"does not decode); convert it to UTF-8 or leave it out") from None
+    control = len(raw) - len(raw.translate(None, _CONTROL_BYTES))
+    if control > 0.1 * len(raw):
+        raise ValueError(f"training data {path} is not text ({control} of {len(raw)} bytes are control "
+                         "characters); pass UTF-8 text, .jsonl or chat files")
+    return text
 
 
 def read_documents(paths, tokenizer, *, max_files: int | None = None) -> list[Document]:
@@ -171,7 +212,7 @@ def read_documents(paths, tokenizer, *, max_files: int | None = None) -> list[Do
     docs = []
     for f in files:
         if f.suffix == ".jsonl":
-            for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+            for n, line in enumerate(read_text_file(f).splitlines(), 1):
                 if not line.strip():
                     continue
                 try:
@@ -185,7 +226,7 @@ def read_documents(paths, tokenizer, *, max_files: int | None = None) -> list[Do
                 else:
                     raise ValueError(f"{f}:{n}: a JSONL record needs a \"text\" or a \"messages\" field, got {sorted(rec)}")
         else:
-            text = f.read_text(encoding="utf-8", errors="replace")
+            text = read_text_file(f)
             if text.strip():
                 docs.append(text_document(tokenizer, text))
     if not docs:

@@ -20,6 +20,7 @@ from dsv41_jax.train import throughput
 from dsv41_jax.train.checkpoint import Checkpointer
 from dsv41_jax.train.params import serving_formats, serving_graph
 from dsv41_jax.train.qat_modules import build_training_model
+from dsv41_jax.train.resume import check_resume
 from dsv41_jax.train.step import TrainConfig, full_master, init_state, make_train_step
 
 
@@ -36,6 +37,7 @@ class Run:
     state_shardings: object
     batch_sharding: object
     step_fn: object
+    settings: dict = dataclasses.field(default_factory=dict)  # corpus digest, data, tokenizer (dsv41_jax.train.resume)
 
     @property
     def step(self) -> int:
@@ -51,7 +53,7 @@ class Run:
 
 def _meta(run: Run, next_batch: int) -> dict:
     return {"next_batch": int(next_batch), "model_config": run.cfg.to_flat_dict(),
-            "train_config": json_ready(dataclasses.asdict(run.tcfg))}
+            "train_config": json_ready(dataclasses.asdict(run.tcfg)), "run_settings": json_ready(run.settings)}
 
 
 def json_ready(d):
@@ -63,9 +65,28 @@ def json_ready(d):
 
 
 def prepare(cfg: ModelConfig, tcfg: TrainConfig, *, mesh_spec: str | None = None, init_master: dict | None = None,
-            checkpointer: Checkpointer | None = None, restore_step: int | None = None) -> Run:
+            checkpointer: Checkpointer | None = None, restore_step: int | None = None, settings: dict | None = None,
+            accept_changes: bool = False, log=None) -> Run:
     """A Run on `mesh_spec`: restored from `checkpointer` when it holds a checkpoint, else
-    fresh (from `init_master` fp32 masters, e.g. imported released weights, or a random init)."""
+    fresh (from `init_master` fp32 masters, e.g. imported released weights, or a random init).
+
+    settings: what else identifies the run (corpus digest, data paths, tokenizer), stored with
+    every checkpoint; a resume with other settings is refused unless `accept_changes`
+    (dsv41_jax.train.resume), and shape-changing ones always are, before orbax restores anything.
+    """
+    settings = dict(settings or {})
+    resume = checkpointer is not None and (restore_step is not None or checkpointer.latest_step() is not None)
+    if resume:  # the stored settings first: a refused resume costs no model building
+        step = checkpointer.latest_step() if restore_step is None else restore_step
+        where = f"the checkpoint at step {step} in {checkpointer.directory}"
+        try:
+            saved_meta = checkpointer.read_meta(step)
+        except Exception as e:  # orbax raises assorted types for a missing or damaged step
+            raise ValueError(f"{where} cannot be read ({type(e).__name__}: {_first_line(e)}); "
+                             "pass a folder written by dsv41 train, or a new --ckpt-dir") from None
+        check_resume(saved_meta, model_config=cfg.to_flat_dict(), train_config=json_ready(dataclasses.asdict(tcfg)),
+                     settings=json_ready(settings), where=where, accept_changes=accept_changes,
+                     log=log or (lambda line: print(f"dsv41 train: {line}", file=sys.stderr)))
     abstract_flat = serving_graph(cfg)[1]
     formats = serving_formats(cfg, abstract_flat)
     graphdef, master_shapes = build_training_model(cfg, formats, seed=tcfg.seed, exact_mhc=tcfg.exact_mhc, abstract=True)
@@ -73,14 +94,13 @@ def prepare(cfg: ModelConfig, tcfg: TrainConfig, *, mesh_spec: str | None = None
     meshlib.check_batch(mesh, tcfg.batch_size)
     abstract = jax.eval_shape(lambda m: init_state(m, tcfg), master_shapes)
     shardings = meshlib.state_shardings(mesh, abstract, meshlib.param_shapes_of(abstract))
-    resume = checkpointer is not None and (restore_step is not None or checkpointer.latest_step() is not None)
     if resume:
         target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-        state, meta = checkpointer.restore(restore_step, target)
-        saved = meta.get("model_config", {})
-        if saved and ModelConfig.from_dict(saved) != cfg:
-            raise ValueError(f"the checkpoint in {checkpointer.directory} was trained with another model config; "
-                             "pass the same --config or a new --ckpt-dir")
+        try:
+            state, meta = checkpointer.restore(step, target)
+        except Exception as e:
+            raise ValueError(f"{where} does not fit this run ({type(e).__name__}: {_first_line(e)}); "
+                             "pass the settings it was trained with, or a new --ckpt-dir") from None
         if int(meta["next_batch"]) != int(jax.device_get(state["step"])):
             raise ValueError(f"checkpoint meta says next batch {meta['next_batch']} but the state is at step "
                              f"{int(jax.device_get(state['step']))}")
@@ -93,7 +113,12 @@ def prepare(cfg: ModelConfig, tcfg: TrainConfig, *, mesh_spec: str | None = None
         state = jax.jit(lambda m: init_state(m, tcfg), out_shardings=shardings)(init_master)
     batch_sh = meshlib.batch_sharding(mesh)
     step_fn = make_train_step(graphdef, formats, cfg, tcfg, state_shardings=shardings, batch_sharding=batch_sh)
-    return Run(cfg, tcfg, formats, graphdef, mesh, state, shardings, batch_sh, step_fn)
+    return Run(cfg, tcfg, formats, graphdef, mesh, state, shardings, batch_sh, step_fn, settings)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:300] if text else "no message"
 
 
 def train(run: Run, data, *, steps: int | None = None, checkpointer: Checkpointer | None = None, save_every: int = 0,
