@@ -32,6 +32,10 @@ def test_vision_parameters_are_counted_apart(flash):
     aligner = (9 * d * D + D) + (D * D + D)
     assert flash["vision_params"] == tower + aligner + 3 * D + 40 * 384  # + delimiters + bias_vl
     assert flash["vision"]["layers"] == 32 and flash["vision"]["max_image_tokens"] == 1024
+
+
+@pytest.mark.slow  # a second full-size abstract model
+def test_language_model_only_drops_exactly_the_vision_parameters(flash):
     text_only = model_info(ModelConfig.v41_flash().language_model_only())
     assert text_only["vision_params"] == 0 and text_only["vision"] is None
     assert text_only["backbone_params"] == flash["backbone_params"]

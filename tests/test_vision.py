@@ -101,6 +101,7 @@ def test_orbax_conversion_carries_the_tower(vl, tmp_path):
         np.testing.assert_array_equal(np.asarray(b[p].get_value()), np.asarray(a[p].get_value()))
 
 
+@pytest.mark.slow  # a collecting compilation of the backbone with Engram (~1-2 min on 2 shared cores)
 def test_spans_replace_embeddings_route_with_bias_vl_and_skip_engram(vl):
     cfg, model, graphdef, params = vl
     tokens, types, rows, emb = _prompt(cfg, model, graphdef, params, np.random.default_rng(0))
