@@ -55,8 +55,29 @@ def parse_args(argv=None):
     p.add_argument("--golden", metavar="ROOT", help="compare fast and reference-rounded index scoring on the golden configs")
     p.add_argument("--golden-steps", type=int, default=32, help="teacher-forced decode steps per prompt with --golden")
     p.add_argument("--random-length", type=int, default=256, help="random prompt length with --golden")
+    p.add_argument("--speculative", action="store_true",
+                   help="only the DSpark cost table: one draft + one verification step vs one plain step, "
+                        "bytes read and FLOPs at B=1 and B=8, and the break-even acceptance length")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     return p.parse_args(argv)
+
+
+def speculative_rows(cfg, batches=(1, 8)) -> list[dict]:
+    from dsv41_jax.serving.spec_cost import break_even
+
+    rows = []
+    for b in batches:
+        r = break_even(cfg, b)
+        rows.append({"batch": b, **r})
+    print("DSpark draft + verify vs plain decode (weights read; attention over the cache not included)")
+    print(f"{'batch':>5} {'plain GB':>9} {'draft GB':>9} {'verify GB':>9} {'plain GF':>9} {'draft GF':>9} {'verify GF':>9} "
+          f"{'break-even (bytes)':>18} {'(FLOPs)':>8}")
+    for r in rows:
+        G = 1e9
+        print(f"{r['batch']:>5} {r['plain']['bytes'] / G:9.2f} {r['draft']['bytes'] / G:9.2f} {r['verify']['bytes'] / G:9.2f} "
+              f"{r['plain']['flops'] / G:9.1f} {r['draft']['flops'] / G:9.1f} {r['verify']['flops'] / G:9.1f} "
+              f"{r['break_even_tokens_per_step']['bytes']:18.2f} {r['break_even_tokens_per_step']['flops']:8.2f}")
+    return rows
 
 
 def wall_time(cfg, context: int, batch: int, steps: int) -> float:
@@ -174,6 +195,12 @@ def golden_rows(root, steps: int, random_length: int) -> list[dict]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from dsv41_jax.config import ModelConfig
+
+    if args.speculative:
+        rows = speculative_rows(ModelConfig.load(args.config))
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps({"config": args.config, "speculative": rows}, indent=2))
+        return 0
 
     if args.golden and args.no_flops:
         out = {"golden": golden_rows(args.golden, args.golden_steps, args.random_length)}

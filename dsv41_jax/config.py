@@ -66,6 +66,15 @@ _HF_TO_FLAT = {
     "max_position_embeddings": "max_position_embeddings",
 }
 
+# flat-key <- HF vision_config key
+_HF_VISION_TO_FLAT = {
+    "num_hidden_layers": "vision_n_layers", "hidden_size": "vision_dim", "num_attention_heads": "vision_n_heads",
+    "intermediate_size": "vision_inter_dim", "patch_size": "vision_patch_size", "rope_theta": "vision_rope_theta",
+    "downsample_ratio": "vision_downsample_ratio", "max_image_tokens": "vision_max_n_token",
+    "min_pixels": "vision_min_pixels", "max_wh_ratio": "vision_max_wh_ratio",
+}
+VISION_FIELDS = tuple(_HF_VISION_TO_FLAT.values())
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -123,7 +132,26 @@ class ModelConfig:
     eos_token_id: int = 1
     pad_token_id: int = 2
     image_token_id: int = 129264
+    # DSpark, the speculative drafter (docs/ARCHITECTURE.md "DSpark"): n_mtp_layers window-only
+    # stages stored as mtp.{k}.*, a 1 + (block_size - 1) token block, taps of the target layers
     n_mtp_layers: int = 3
+    # vision tower + aligner (docs/VISION.md); vision_n_layers 0 = text only (no tower, no bias_vl)
+    vision_n_layers: int = 32
+    vision_dim: int = 1024
+    vision_n_heads: int = 16
+    vision_inter_dim: int = 2816
+    vision_patch_size: int = 14
+    vision_rope_theta: float = 10000.0
+    vision_downsample_ratio: int = 3
+    vision_max_n_token: int = 1024
+    vision_min_pixels: int = 544 * 544
+    vision_max_wh_ratio: int | None = None
+    dspark_block_size: int = 5
+    dspark_noise_token_id: int = 128799
+    dspark_target_layer_ids: tuple[int, ...] = (37, 38, 39)
+    dspark_markov_rank: int = 256
+    dspark_n_routed_experts: int = 128
+    dspark_n_activated_experts: int = 3
     # runtime limits: they size the caches, not the weights
     max_seq_len: int = 4096
     max_batch_size: int = 4
@@ -148,13 +176,23 @@ class ModelConfig:
             candidate_topk_blocks=3, candidate_block_size=4, engram_layer_ids=(1, 3),
             engram_num_embeddings=(), engram_vocab_size=600, engram_n_heads=2, engram_head_dim=32,
             engram_compressed_vocab_size=389, n_mtp_layers=0, max_seq_len=128, max_batch_size=2,
+            vision_n_layers=0,
         )
         base.update(overrides)
         return cls(**base).validated()
 
     @classmethod
+    def tiny_vision(cls, **overrides) -> "ModelConfig":
+        """`tiny` with a 2-layer vision tower (patch 4, grids up to 64 span tokens)."""
+        base = dict(vision_n_layers=2, vision_dim=32, vision_n_heads=2, vision_inter_dim=48, vision_patch_size=4,
+                    vision_max_n_token=64, vision_min_pixels=256, image_token_id=511)
+        base.update(overrides)
+        return cls.tiny(**base)
+
+    @classmethod
     def preset(cls, name: str) -> "ModelConfig":
-        presets = {"v41-flash": cls.v41_flash, "tiny": cls.tiny, "tiny-noengram": lambda: cls.tiny(engram_layer_ids=())}
+        presets = {"v41-flash": cls.v41_flash, "tiny": cls.tiny, "tiny-noengram": lambda: cls.tiny(engram_layer_ids=()),
+                   "tiny-vision": cls.tiny_vision}
         if name not in presets:
             raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(presets)} or pass a config.json path")
         return presets[name]()
@@ -196,7 +234,14 @@ class ModelConfig:
             flat.pop("model_type", None)
             flat.setdefault("dtype", "fp8" if q.get("quant_method") == "fp8" else "bf16")
             flat.setdefault("expert_dtype", q.get("expert_dtype"))
-            extra = {k: v for k, v in d.items() if k not in ("text_config",)}
+            vision = d.get("vision_config")
+            if vision is None:  # an HF config without a vision_config describes a text-only model
+                flat.setdefault("vision_n_layers", 0)
+            else:
+                for k, v in vision.items():
+                    if k in _HF_VISION_TO_FLAT:
+                        flat[_HF_VISION_TO_FLAT[k]] = v
+            extra = {k: v for k, v in d.items() if k not in ("text_config", "vision_config")}
             flat["_hf_extra"] = extra
             d = flat
         known = {f.name for f in dataclasses.fields(cls)}
@@ -256,7 +301,8 @@ class ModelConfig:
         inv = {v: k for k, v in _HF_TO_FLAT.items()}
         text = {"model_type": "deepseek_v41_text"}
         skip = {"rope_factor", "beta_fast", "beta_slow", "original_seq_len", "dtype", "expert_dtype",
-                "bos_token_id", "eos_token_id", "pad_token_id", "image_token_id", "max_batch_size"}
+                "bos_token_id", "eos_token_id", "pad_token_id", "image_token_id", "max_batch_size",
+                *VISION_FIELDS}
         for k, v in flat.items():
             if k in skip:
                 continue
@@ -272,6 +318,8 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
             "pad_token_id": self.pad_token_id, "image_token_id": self.image_token_id,
             "text_config": text,
+            "vision_config": {"model_type": "deepseek_v41_vision",
+                              **{hf_key: flat[key] for hf_key, key in _HF_VISION_TO_FLAT.items()}},
         })
         if self.dtype == "fp8":
             hf["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
@@ -286,8 +334,32 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ derived roles
     @property
+    def vision_enabled(self) -> bool:
+        """Whether the model has the vision tower, aligner, span delimiters and `gate.bias_vl`."""
+        return self.vision_n_layers > 0
+
+    def language_model_only(self) -> "ModelConfig":
+        """This config without the vision path (vLLM's --language-model-only): no tower, no bias_vl."""
+        return self.replace(vision_n_layers=0)
+
+    @property
     def roles(self) -> tuple[LayerRole, ...]:
         return _derive_roles(self)
+
+    @property
+    def has_dspark(self) -> bool:
+        """Whether the config describes the DSpark drafter (reference: `dspark_block_size` and stages)."""
+        return self.n_mtp_layers > 0 and self.dspark_block_size > 0
+
+    def without_dspark(self) -> "ModelConfig":
+        """The same backbone with no drafter (a checkpoint that ships no mtp.* tensors)."""
+        return self.replace(n_mtp_layers=0)
+
+    @property
+    def dspark_moe(self) -> tuple[int, int]:
+        """(routed, activated) experts of a DSpark stage; 0 falls back to the backbone's (reference)."""
+        return (self.dspark_n_routed_experts or self.n_routed_experts,
+                self.dspark_n_activated_experts or self.n_activated_experts)
 
     @property
     def decoder_start(self) -> int:
@@ -477,10 +549,51 @@ def _validate(c: ModelConfig) -> None:
             fail("engram_head_dim", "Engram needs max_ngram_size >= 2, heads > 0 and head_dim a multiple of 32")
         if c.engram_num_embeddings and len(c.engram_num_embeddings) != len(c.engram_layer_ids):
             fail("engram_num_embeddings", f"{len(c.engram_num_embeddings)} entries for {len(c.engram_layer_ids)} Engram layers")
+    if c.vision_n_layers < 0:
+        fail("vision_n_layers", f"must be >= 0 (0 = no vision tower), got {c.vision_n_layers}")
+    if c.vision_enabled:
+        if c.vision_dim <= 0 or c.vision_n_heads <= 0 or c.vision_dim % c.vision_n_heads:
+            fail("vision_n_heads", f"vision_dim {c.vision_dim} must be a positive multiple of vision_n_heads {c.vision_n_heads}")
+        if (c.vision_dim // c.vision_n_heads) % 4:
+            fail("vision_n_heads", f"vision head dim {c.vision_dim // c.vision_n_heads} must be a multiple of 4 "
+                 "(2-D RoPE rotates half-split pairs, half of them by row and half by column)")
+        for name in ("vision_inter_dim", "vision_patch_size", "vision_downsample_ratio", "vision_min_pixels"):
+            if getattr(c, name) <= 0:
+                fail(name, f"must be positive, got {getattr(c, name)}")
+        if c.vision_max_n_token < 4:
+            fail("vision_max_n_token", f"{c.vision_max_n_token} cannot hold START, one IMAGE row and END")
+        if c.vision_max_wh_ratio is not None and c.vision_max_wh_ratio <= 0:
+            fail("vision_max_wh_ratio", f"must be positive or null, got {c.vision_max_wh_ratio}")
+        if not 0 <= c.image_token_id < c.vocab_size:
+            fail("image_token_id", f"{c.image_token_id} is outside the vocabulary 0..{c.vocab_size - 1}")
+    if c.has_dspark:
+        _validate_dspark(c, fail)
     for s in c.kv_source_layers:
         r = c.compress_ratios[s]
         if c.max_seq_len % r:
             fail("max_seq_len", f"{c.max_seq_len} must be a multiple of layer {s}'s compress ratio {r}")
+
+
+def _validate_dspark(c: ModelConfig, fail) -> None:
+    if not c.dspark_target_layer_ids:
+        fail("dspark_target_layer_ids", "DSpark needs at least one target layer (its taps feed main_proj)")
+    for l in c.dspark_target_layer_ids:
+        if not 0 <= l < c.n_layers:
+            fail("dspark_target_layer_ids", f"layer {l} is outside 0..{c.n_layers - 1}")
+    if list(c.dspark_target_layer_ids) != sorted(set(c.dspark_target_layer_ids)):
+        fail("dspark_target_layer_ids", f"{list(c.dspark_target_layer_ids)} must be strictly increasing")
+    if c.dspark_block_size < 2:
+        fail("dspark_block_size", f"{c.dspark_block_size}: a block is the anchor plus at least one draft")
+    if not 0 <= c.dspark_noise_token_id < c.vocab_size:
+        fail("dspark_noise_token_id", f"{c.dspark_noise_token_id} is outside the vocabulary 0..{c.vocab_size - 1}")
+    if c.dspark_markov_rank <= 0:
+        fail("dspark_markov_rank", f"must be positive, got {c.dspark_markov_rank}")
+    routed, active = c.dspark_moe
+    if active > routed:
+        fail("dspark_n_activated_experts", f"{active} exceeds dspark_n_routed_experts {routed}")
+    stage_ratios = c.compress_ratios[c.n_layers: c.n_layers + c.n_mtp_layers]
+    if any(stage_ratios):
+        fail("compress_ratios", f"DSpark stages (layers {c.n_layers}..) are window-only: their ratios must be 0, got {list(stage_ratios)}")
 
 
 def _derive_roles(c: ModelConfig) -> tuple[LayerRole, ...]:

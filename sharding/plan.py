@@ -18,7 +18,7 @@ import numpy as np
 from dsv41_jax.config import ModelConfig
 from sharding.activations import activation_estimate
 from sharding.mesh import MeshSpecError, format_mesh_spec, parse_mesh_spec
-from sharding.rules import (ENGRAM_TABLE, ROUTED, cache_logical_axes, get_rules, param_bucket,
+from sharding.rules import (ENGRAM_TABLE, ROUTED, VISION, cache_logical_axes, get_rules, param_bucket,
                             param_logical_axes, resolve, shard_shape)
 
 GiB = 2 ** 30
@@ -67,7 +67,7 @@ def weight_bytes(cfg: ModelConfig, sizes: Mapping[str, int], preset) -> dict:
     rules = get_rules(preset)
     n = table_shards(sizes, preset)
     rows = tuple(-(-r // n) * n for r in engram_table_rows(cfg))
-    buckets = {ROUTED: [0, 0], ENGRAM_TABLE: [0, 0], "other_weights": [0, 0]}
+    buckets = {ROUTED: [0, 0], ENGRAM_TABLE: [0, 0], "other_weights": [0, 0], VISION: [0, 0]}
     undivided = {}
     for path, shape, dtype in _abstract_params(cfg):
         if param_bucket(path) == ENGRAM_TABLE:  # stored padded to the row shards
@@ -120,8 +120,9 @@ def build_plan(cfg: ModelConfig, mesh: str | Mapping[str, int], *, batch: int, c
         row = cfg.engram_head_dim + cfg.engram_head_dim // 32
         host_engram = w["global"][ENGRAM_TABLE]
         engram_here = len(cfg.engram_layer_ids) * max(batch, min(chunk, T)) * cols * row
-    per_device = {"weights": w["per_device"][ROUTED] + w["per_device"]["other_weights"],
+    per_device = {"weights": w["per_device"][ROUTED] + w["per_device"]["other_weights"] + w["per_device"][VISION],
                   "routed_experts": w["per_device"][ROUTED], "other_weights": w["per_device"]["other_weights"],
+                  "vision_weights": w["per_device"][VISION],
                   "engram": engram_here, "cache": c["per_device"], "activations": acts["bytes"]}
     total = per_device["weights"] + per_device["engram"] + per_device["cache"] + per_device["activations"]
     out = {
@@ -176,13 +177,15 @@ def format_plan(p: dict) -> str:
     lines = [f"mesh {format_mesh_spec(p['mesh'])} ({p['devices']} devices), preset {p['preset']}, "
              f"batch {p['batch']}, context {p['context']} (prefill chunk {p['prefill_chunk']}), Engram in {p['engram_placement']}",
              "per device:",
-             f"  weights        {g(d['weights'])}  (routed experts {g(d['routed_experts']).strip()}, other {g(d['other_weights']).strip()})",
+             f"  weights        {g(d['weights'])}  (routed experts {g(d['routed_experts']).strip()}, other {g(d['other_weights']).strip()}, "
+             f"vision {g(d['vision_weights']).strip()})",
              f"  engram         {g(d['engram'])}",
              f"  caches         {g(d['cache'])}",
              f"  activations    {g(d['activations'])}  (estimate: max of decode step and prefill chunk, XLA path)",
              f"  total          {g(d['total'])}"]
     gb = p["global_bytes"]
     lines.append(f"whole model: routed {g(gb[ROUTED]).strip()}, other {g(gb['other_weights']).strip()}, "
+                 f"vision {g(gb[VISION]).strip()}, "
                  f"Engram {g(gb[ENGRAM_TABLE]).strip()}, caches {g(gb['cache']).strip()}")
     if p["host_bytes_per_process"]:
         lines.append(f"host memory per process: {g(p['host_bytes_per_process']).strip()} of Engram tables")

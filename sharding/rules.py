@@ -73,6 +73,34 @@ _PARAM_AXES: dict[str, tuple[str, ...]] = {
     "hc_ffn.fn": ("hc_mix", "hc_embed"),
     "hc_ffn.base": ("hc_mix",),
     "hc_ffn.scale": ("hc_scale",),
+    # the VL part (docs/VISION.md): bias_vl like the gate bias; the delimiters are model-width
+    # vectors; the aligner maps 9 ViT cells into the model width. The tower's own dims have names
+    # no preset shards: at 0.49 B parameters it is replicated and run data-parallel over images.
+    "ffn.gate.bias_vl": ("gate_experts",),
+    "image_start": ("embed",),
+    "image_end": ("embed",),
+    "image_newline": ("embed",),
+    "aligner.w1": ("embed", "aligner_in"),
+    "aligner.w1.bias": ("embed",),
+    "aligner.w2": ("embed", "embed_in"),
+    "aligner.w2.bias": ("embed",),
+    "vision.patch_embed.proj": ("vision_embed", "vision_patch"),
+    "vision.patch_embed.proj.bias": ("vision_embed",),
+    "vision.blocks.norm1": ("vision_embed",),
+    "vision.blocks.norm2": ("vision_embed",),
+    "vision.blocks.attn.wqkv": ("vision_qkv", "vision_embed"),
+    "vision.blocks.attn.wqkv.bias": ("vision_qkv",),
+    "vision.blocks.attn.wo": ("vision_embed", "vision_heads"),
+    "vision.blocks.attn.wo.bias": ("vision_embed",),
+    "vision.blocks.mlp.w1": ("vision_mlp", "vision_embed"),
+    "vision.blocks.mlp.w2": ("vision_embed", "vision_mlp"),
+    "vision.norm": ("vision_embed",),
+    # DSpark stages (mtp.K.*) reuse the block entries above; these are theirs alone
+    "main_proj": ("embed", "dspark_taps"),
+    "main_norm": ("embed",),
+    "markov_head.embed": ("vocab", "markov_rank"),
+    "markov_head.head": ("vocab", "markov_rank"),
+    "confidence_head.proj": ("confidence_out", "confidence_in"),
 }
 
 # Cache arrays, keyed by the top-level cache entry (see `dsv41_jax.model.transformer.init_cache`).
@@ -86,13 +114,13 @@ _CACHE_AXES: dict[str, tuple[str, ...]] = {
 }
 
 # Which bucket a parameter's bytes belong to in the plan.
-ROUTED, ENGRAM_TABLE, OTHER = "routed_experts", "engram_tables", "other_weights"
+ROUTED, ENGRAM_TABLE, OTHER, VISION = "routed_experts", "engram_tables", "other_weights", "vision_weights"
 
 
 def _module_key(path: tuple) -> str:
     """('layers', 3, 'attn', 'wq_b', 'scale') -> 'attn.wq_b'; experts' 'w1_scale' -> 'ffn.experts.w1'."""
     names = [str(p) for p in path if not isinstance(p, int)]
-    if names and names[0] == "layers":
+    if names and names[0] in ("layers", "mtp"):
         names = names[1:]
     if len(names) > 1 and names[-1] in ("weight", "scale") and ".".join(names) not in _PARAM_AXES:
         names = names[:-1]
@@ -120,6 +148,8 @@ def param_bucket(path: tuple) -> str:
         return ROUTED
     if key == "engram.embed":
         return ENGRAM_TABLE
+    if key.startswith(("vision.", "aligner.", "image_")) or key == "ffn.gate.bias_vl":
+        return VISION
     return OTHER
 
 

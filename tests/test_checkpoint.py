@@ -271,6 +271,18 @@ def test_full_size_census_matches_the_release():
     assert spec("layers.2.attn.compressor.wgate.weight")[0] == "BF16"
     assert spec("layers.2.attn.attn_sink")[0] == "F32" and spec("layers.2.hc_ffn_base")[0] == "F32"
     assert spec("head.weight") == ("BF16", (129280, 5120))
+    # the VL part (docs/VISION.md): 32 ViT blocks, aligner, delimiters, one bias_vl per layer
+    assert families["layers.*.ffn.gate.bias_vl"] == 40 and spec("layers.3.ffn.gate.bias_vl") == ("F32", (384,))
+    assert families["vision.blocks.*.attn.wqkv.weight"] == 32 and families["vision.blocks.*.mlp.w2.weight"] == 32
+    assert spec("vision.blocks.31.attn.wqkv.weight") == ("BF16", (3072, 1024))
+    assert spec("vision.blocks.0.attn.wqkv.bias") == ("BF16", (3072,))
+    assert spec("vision.blocks.0.mlp.w1.weight") == ("BF16", (5632, 1024)) and "vision.blocks.0.mlp.w1.bias" not in by_name
+    assert spec("vision.blocks.0.norm1.weight") == ("F32", (1024,)) and spec("vision.norm.weight") == ("F32", (1024,))
+    assert spec("vision.patch_embed.proj.weight") == ("BF16", (1024, 3 * 14 * 14))
+    assert spec("aligner.w1.weight") == ("BF16", (5120, 9 * 1024)) and spec("aligner.w2.bias") == ("BF16", (5120,))
+    assert all(spec(n) == ("BF16", (5120,)) for n in ("image_start", "image_end", "image_newline"))
+    vl = [t for t in tensors if t.name.startswith(("vision.", "aligner.", "image_"))]
+    assert len(vl) == 3 + 4 + 3 + 32 * 8
 
 
 # ------------------------------------------------------------------------------ errors

@@ -209,3 +209,10 @@ def test_generate_on_eight_devices_matches_one_device(ckpt, greedy_on_one_device
     allowed = allowed_ids(64, tok)
     assert all(allowed[t] for t in result["tokens"])
     assert result["text"] == greedy_on_one_device[1].rstrip("\n")  # same greedy tokens as on one device
+
+
+def test_speculative_needs_the_drafter(ckpt, capsys):
+    """This checkpoint ships no DSpark (n_mtp_layers 0): --speculative dspark is refused by name, exit 2."""
+    code, out, err = run(["--checkpoint", ckpt, "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", "2",
+                          "--max-seq-len", "64", "--speculative", "dspark", "--quiet"], capsys)
+    assert code == 2 and "needs the DSpark drafter" in err and "mtp.* tensors" in err

@@ -17,11 +17,28 @@ def flash():
 def test_released_figures(flash):
     assert abs(flash["backbone_params"] / 552e9 - 1) < 0.01
     assert abs(flash["engram_params"] / 196.6e9 - 1) < 0.01
+    assert abs(flash["dspark_params"] / 14.2e9 - 1) < 0.01  # mtp.*: "about 14B parameters", apart from the backbone
     assert abs(flash["active_params_decode"] / 16e9 - 1) < 0.03
     assert abs(flash["active_params_prefill_split"] / 8e9 - 1) < 0.05
     assert flash["global_kv_bytes_per_token"] == 890
     assert flash["row_bytes"] == {"compressed_kv": 288, "index_key": 68, "window": 528}
     assert flash["window_bytes_per_sequence"] == 40 * 128 * 528
+
+
+def test_vision_parameters_are_counted_apart(flash):
+    d, f, p, D = 1024, 2816, 14, 5120  # the released vision_config
+    block = (d * 3 * d + 3 * d) + (d * d + d) + (d * 2 * f) + (f * d) + 2 * d
+    tower = (3 * p * p * d + d) + 32 * block + d
+    aligner = (9 * d * D + D) + (D * D + D)
+    assert flash["vision_params"] == tower + aligner + 3 * D + 40 * 384  # + delimiters + bias_vl
+    assert flash["vision"]["layers"] == 32 and flash["vision"]["max_image_tokens"] == 1024
+
+
+@pytest.mark.slow  # a second full-size abstract model
+def test_language_model_only_drops_exactly_the_vision_parameters(flash):
+    text_only = model_info(ModelConfig.v41_flash().language_model_only())
+    assert text_only["vision_params"] == 0 and text_only["vision"] is None
+    assert text_only["backbone_params"] == flash["backbone_params"]
 
 
 def test_figures_follow_the_config(flash):

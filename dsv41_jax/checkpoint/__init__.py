@@ -32,13 +32,34 @@ def checkpoint_format(folder) -> str:
 
 
 def load(folder, *, shardings=None, progress: bool = True, config_overrides: dict | None = None,
-         check_values: bool = True):
+         check_values: bool = True, language_model_only: bool = False):
     """(cfg, model, report) from an HF or orbax checkpoint folder; check_values refuses NaN/inf
-    weights, naming the tensor (`values.py`; False skips that pass on huge checkpoints)."""
+    weights, naming the tensor (`values.py`; False skips that pass on huge checkpoints).
+
+    language_model_only: build the text-only model (no vision tower, no `bias_vl`), as vLLM's
+    --language-model-only; an HF load does not read those tensors at all."""
     if checkpoint_format(folder) == "orbax":
         from dsv41_jax.checkpoint.orbax_io import load_orbax_checkpoint
 
-        return load_orbax_checkpoint(folder, shardings=shardings, config_overrides=config_overrides,
-                                     check_values=check_values)
+        cfg, model, report = load_orbax_checkpoint(folder, shardings=shardings, config_overrides=config_overrides,
+                                                   check_values=check_values)
+        if language_model_only and cfg.vision_enabled:
+            cfg, model = cfg.language_model_only(), _without_vision(cfg.language_model_only(), model)
+        return cfg, model, report
     return load_checkpoint(folder, shardings=shardings, progress=progress, config_overrides=config_overrides,
-                           check_values=check_values)
+                           check_values=check_values, language_model_only=language_model_only)
+
+
+def _without_vision(text_cfg, model):
+    """The text-only model holding `model`'s backbone arrays (shared, not copied)."""
+    from flax import nnx
+
+    from dsv41_jax.checkpoint.weights import flat_params
+    from dsv41_jax.model.info import abstract_model
+
+    graphdef, state = nnx.split(abstract_model(text_cfg))
+    have = flat_params(model)
+    flat = flat_params(state)
+    for path, var in flat.items():
+        var.set_value(have[path].get_value())
+    return nnx.merge(graphdef, nnx.from_flat_state(list(flat.items())))

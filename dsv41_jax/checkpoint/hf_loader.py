@@ -6,8 +6,10 @@ uint8 bytes), and each parameter is placed with its target sharding while it is 
 block at a time (`placement.place`), so a 500 GB checkpoint never sits whole in host RAM.
 
 Everything that can be checked from the headers is checked before any data is read: missing,
-unexpected, mis-shaped and mis-typed tensors are reported together, by name. DSpark (`mtp.*`),
-vision and aligner tensors are skipped and listed in the report. A V4 config is refused by
+unexpected, mis-shaped and mis-typed tensors are reported together, by name. DSpark (`mtp.*`) is
+loaded when the config describes it; a checkpoint without mtp.* tensors loads as the backbone
+alone (the returned config has n_mtp_layers 0). Vision and aligner tensors are skipped and listed
+in the report. A V4 config is refused by
 `ModelConfig` (its compressors are per layer; V4.1 shares them, docs/REFERENCE.md §9).
 """
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dsv41_jax.checkpoint import fp8_tiles, placement, values
 from dsv41_jax.checkpoint.names import DiskTensor, disk_tensors, is_wo_a, wo_a_scale_shape
 from dsv41_jax.checkpoint.safetensors_file import SafetensorsFile, TensorInfo, normalize_index, read_header
 from dsv41_jax.config import ConfigError, ModelConfig
-from dsv41_jax.checkpoint.weights import WeightError, flat_params, is_ignored
+from dsv41_jax.checkpoint.weights import WeightError, config_for_names, flat_params, is_ignored
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -159,9 +161,10 @@ def _v4_hint(unexpected: list[str], cfg: ModelConfig) -> str:
 def _plan(cfg: ModelConfig, params: dict, infos: dict[str, TensorInfo]):
     """Group the checkpoint tensors by parameter; raise WeightError naming every problem."""
     expected = {t.name: t for t in disk_tensors(params, wo_a_fp8=False)}
-    skipped = [n for n in infos if is_ignored(n)]
+    dspark = cfg.has_dspark
+    skipped = [n for n in infos if is_ignored(n, cfg.vision_enabled, dspark=dspark)]
     wo_a_scales = {_scale_of(n) for n, t in expected.items() if is_wo_a(t.path)}
-    unexpected = [n for n in infos if n not in expected and n not in wo_a_scales and not is_ignored(n)]
+    unexpected = [n for n in infos if n not in expected and n not in wo_a_scales and not is_ignored(n, cfg.vision_enabled, dspark=dspark)]
     missing = [n for n in expected if n not in infos]
     problems = []
     by_path: dict[tuple, list[DiskTensor]] = {}
@@ -241,9 +244,12 @@ class _Reader:
 
 
 def load_checkpoint(folder, *, shardings: placement.ShardingSpec = None, progress: bool = True,
-                    config_overrides: dict | None = None, check_values: bool = True, cfg: ModelConfig | None = None):
+                    config_overrides: dict | None = None, check_values: bool = True, cfg: ModelConfig | None = None,
+                    language_model_only: bool = False):
     """Load an HF-format folder. Returns (cfg, model, report).
 
+    language_model_only: leave the vision tower, aligner, delimiters and `bias_vl` on disk (they
+      are skipped and listed in the report); the model then refuses image inputs.
     shardings: None (first device), a Sharding for every parameter, or a callable
       (param path, shape, dtype) -> Sharding; each device reads only its block.
     config_overrides: runtime fields to change (e.g. {"max_seq_len": 8192}); they size caches only.
@@ -258,8 +264,11 @@ def load_checkpoint(folder, *, shardings: placement.ShardingSpec = None, progres
     if not folder.is_dir():
         raise CheckpointError(f"checkpoint folder {folder} does not exist")
     cfg = cfg if cfg is not None else read_config(folder, config_overrides)
+    if language_model_only:
+        cfg = cfg.language_model_only()
     wm = weight_map(folder)
     infos = _headers(folder, wm)
+    cfg = config_for_names(cfg, infos)  # no mtp.* tensors: the backbone alone, speculation refused later
     graphdef, state = nnx.split(abstract_model(cfg))
     params = flat_params(state)
     by_path, skipped = _plan(cfg, params, infos)

@@ -77,7 +77,7 @@ def disk_tensors(model_or_state, *, wo_a_fp8: bool = True) -> list[DiskTensor]:
             w = path[4]
             base, kind = (w[:-len("_scale")], "scale") if w.endswith("_scale") else (w, "weight")
             for e in range(shape[0]):
-                name = f"layers.{path[1]}.ffn.experts.{e}.{base}.{kind}"
+                name = f"{path[0]}.{path[1]}.ffn.experts.{e}.{base}.{kind}"
                 out.append(DiskTensor(name, path, e, shape[1:], release_dtype(name, path, dtype)))
             continue
         name = _reference_name(path)

@@ -22,7 +22,8 @@ class WeightError(ValueError):
     """A tensor is missing, unexpected, or has the wrong shape/dtype."""
 
 
-_EXPERT = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.(weight|scale)$")
+# backbone layers (layers.L) and DSpark stages (mtp.K) share the block's names
+_EXPERT = re.compile(r"^(layers|mtp)\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.(weight|scale)$")
 _RENAMES = [  # (reference suffix regex, our path template); `_reference_name` is the inverse
     (r"hc_(attn|ffn)_fn", r"hc_\1.fn"), (r"hc_(attn|ffn)_base", r"hc_\1.base"), (r"hc_(attn|ffn)_scale", r"hc_\1.scale"),
     (r"attn\.attn_sink", "attn.attn_sink"),
@@ -37,24 +38,48 @@ def _our_path(name: str) -> tuple | None:
         return (name.split(".")[0],), None
     if name == "norm.weight":
         return ("norm", "weight"), None
+    if name in VISION_DELIMITERS:
+        return (name,), None
+    if name.startswith(("vision.", "aligner.")):  # the tower's modules mirror the checkpoint names
+        return tuple(int(p) if p.isdigit() else p for p in name.split(".")), None
     m = _EXPERT.match(name)
     if m:
-        l, e, w, kind = m.groups()
-        return ("layers", int(l), "ffn", "experts", w if kind == "weight" else f"{w}_scale"), int(e)
-    m = re.match(r"^layers\.(\d+)\.(.+)$", name)
+        top, l, e, w, kind = m.groups()
+        return (top, int(l), "ffn", "experts", w if kind == "weight" else f"{w}_scale"), int(e)
+    m = re.match(r"^(layers|mtp)\.(\d+)\.(.+)$", name)
     if not m:
         return None
-    l, rest = int(m.group(1)), m.group(2)
+    top, l, rest = m.group(1), int(m.group(2)), m.group(3)
     for pat, rep in _RENAMES:
         if re.fullmatch(pat, rest):
             rest = re.sub(pat, rep, rest)
             break
-    return ("layers", l, *[int(p) if p.isdigit() else p for p in rest.split(".")]), None
+    return (top, l, *[int(p) if p.isdigit() else p for p in rest.split(".")]), None
 
 
-def is_ignored(name: str) -> bool:
-    """Tensors outside the text backbone: DSpark (mtp.*), vision, aligner, image delimiters, VL bias."""
-    return name.startswith(("mtp.", "vision.", "aligner.", "image_")) or name.endswith("gate.bias_vl")
+VISION_DELIMITERS = ("image_start", "image_end", "image_newline")
+
+
+def is_vision_name(name: str) -> bool:
+    """The VL part of a checkpoint: tower, aligner, span delimiters and the per-layer `gate.bias_vl`."""
+    return name.startswith(("vision.", "aligner.")) or name in VISION_DELIMITERS or name.endswith("gate.bias_vl")
+
+
+def is_ignored(name: str, vision: bool = False, *, dspark: bool = False) -> bool:
+    """Tensors the model does not hold: the VL part unless the model has the tower (`vision`), and
+    DSpark (mtp.*) unless the model carries the drafter (`dspark`)."""
+    if name.startswith("mtp."):
+        return not dspark
+    return not vision and is_vision_name(name)
+
+
+def has_dspark_tensors(names: Iterable[str]) -> bool:
+    return any(n.startswith("mtp.") for n in names)
+
+
+def config_for_names(cfg: ModelConfig, names: Iterable[str]) -> ModelConfig:
+    """The config a checkpoint can fill: without the drafter when it ships no mtp.* tensors."""
+    return cfg.without_dspark() if cfg.has_dspark and not has_dspark_tensors(names) else cfg
 
 
 def flat_params(model_or_state) -> dict[tuple, nnx.Variable]:
@@ -87,14 +112,18 @@ def load_reference_state_dict(cfg: ModelConfig, get: Callable[[str], np.ndarray]
     """
     from dsv41_jax.model.transformer import Transformer
 
+    names = list(names)
+    if model is None:
+        cfg = config_for_names(cfg, names)
     abstract = model if model is not None else nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     params = flat_params(state)
+    dspark = any(p[0] == "mtp" for p in params)
     filled: dict[tuple, np.ndarray] = {}
     expert_parts: dict[tuple, dict[int, np.ndarray]] = {}
     skipped, unexpected, problems = [], [], []
     for name in names:
-        if is_ignored(name):
+        if is_ignored(name, cfg.vision_enabled, dspark=dspark):
             skipped.append(name)
             continue
         mapped = _our_path(name)
@@ -144,10 +173,12 @@ def _reference_name(path: tuple) -> str:
         return f"{path[0]}.weight"
     if path == ("norm", "weight"):
         return "norm.weight"
+    if path[0] in VISION_DELIMITERS or path[0] in ("vision", "aligner"):
+        return ".".join(map(str, path))
     rest = ".".join(map(str, path[2:]))
     rest = re.sub(r"^hc_(attn|ffn)\.(fn|base|scale)$", r"hc_\1_\2", rest)
     rest = {"engram.embed": "engram.embed.weight", "engram.embed_scale": "engram.embed.scale"}.get(rest, rest)
-    return f"layers.{path[1]}.{rest}"
+    return f"{path[0]}.{path[1]}.{rest}"
 
 
 def to_reference_state_dict(model: nnx.Module) -> dict[str, np.ndarray]:
@@ -159,7 +190,7 @@ def to_reference_state_dict(model: nnx.Module) -> dict[str, np.ndarray]:
             w = path[4]
             base, kind = (w[:2], "scale") if w.endswith("_scale") else (w, "weight")
             for e in range(value.shape[0]):
-                out[f"layers.{path[1]}.ffn.experts.{e}.{base}.{kind}"] = value[e]
+                out[f"{path[0]}.{path[1]}.ffn.experts.{e}.{base}.{kind}"] = value[e]
         else:
             out[_reference_name(path)] = value
     return out

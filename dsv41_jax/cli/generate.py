@@ -95,10 +95,11 @@ def _run(args) -> int:
         raise InputError(f"the prompt is {len(prompt)} tokens but the cache holds max_seq_len={cfg.max_seq_len}; "
                          "shorten the prompt or pass a larger --max-seq-len")
     cfg, model, report = load(folder, shardings=_mesh_shardings(args.devices), progress=not args.quiet,
-                              config_overrides=overrides, check_values=not args.no_value_check)
+                              config_overrides=overrides, check_values=not args.no_value_check,
+                              language_model_only=args.language_model_only)
     if not args.quiet:
         print(report.summary(), file=sys.stderr)
-    gen = Generator(cfg, model, tokenizer, runtime=Runtime(mode="fast", impl=args.impl, check_finite=args.check_finite))
+    runtime = Runtime(mode="fast", impl=args.impl, check_finite=args.check_finite)
     stream = TextStream(tokenizer, skip_ids=[tokenizer.eos_id])
 
     def show(tok: int) -> None:
@@ -106,16 +107,43 @@ def _run(args) -> int:
             sys.stdout.write(stream.push(tok))
             sys.stdout.flush()
 
-    result = gen.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, on_token=show)
+    spec = None
+    if args.speculative == "dspark":
+        result, spec = _speculate(args, cfg, model, tokenizer, prompt, runtime, show)
+    else:
+        gen = Generator(cfg, model, tokenizer, runtime=runtime)
+        result = gen.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, on_token=show)
     if args.json:
         text = tokenizer.decode([t for t in result.tokens if t != tokenizer.eos_id])
-        print(json.dumps({"prompt_tokens": result.prompt_tokens, "completion_tokens": len(result.tokens),
-                          "tokens": result.tokens, "text": text, "finish_reason": result.finish_reason}))
+        doc = {"prompt_tokens": result.prompt_tokens, "completion_tokens": len(result.tokens),
+               "tokens": result.tokens, "text": text, "finish_reason": result.finish_reason}
+        if spec is not None:
+            doc["speculative"] = spec
+        print(json.dumps(doc))
     else:
         sys.stdout.write("\n")
         if result.finish_reason == "cache_full":
             print(f"stopped: the cache is full (max_seq_len={cfg.max_seq_len})", file=sys.stderr)
     return 0
+
+
+def _speculate(args, cfg, model, tokenizer, prompt, runtime, show):
+    """--speculative dspark: DSpark drafts, one verification forward per block (serving/speculative.py)."""
+    from dsv41_jax.serving.generate import Generation, _engram_tables, allowed_ids
+    from dsv41_jax.serving.speculative import SpeculativeDecoder
+
+    if args.temperature > 0 and args.top_p < 1:
+        raise InputError(f"--speculative dspark samples the full distribution at --temperature > 0; pass --top-p 1 "
+                         f"(got {args.top_p}) or --temperature 0")
+    engram = _engram_tables(cfg, tokenizer) if cfg.engram_layer_ids else None
+    dec = SpeculativeDecoder(model, runtime=runtime, engram=engram)  # refuses a model without the drafter
+    r = dec.generate(prompt, args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                     allowed=allowed_ids(cfg.vocab_size, tokenizer), stop_tokens=(tokenizer.eos_id,), on_token=show)
+    reason = "eos" if r.tokens and r.tokens[-1] == tokenizer.eos_id else (
+        "length" if len(r.tokens) >= args.max_new_tokens else "cache_full")
+    result = Generation(prompt_tokens=r.prompt_tokens, tokens=r.tokens, finish_reason=reason)
+    return result, {"blocks": r.blocks, "drafted": r.drafted, "accepted": r.accepted,
+                    "mean_acceptance_length": r.mean_acceptance_length}
 
 
 def _cmd_generate(args) -> int:
@@ -149,6 +177,9 @@ def register(subparsers) -> None:
     s.add_argument("--devices", type=positive_int, default=1,
                    help="run on a replicated mesh over the first N devices (default 1: the first device)")
     s.add_argument("--impl", choices=("xla", "pallas", "auto"), default="xla", help="attention/MoE implementation")
+    s.add_argument("--speculative", choices=("dspark",), default=None,
+                   help="speculative decoding with the checkpoint's DSpark drafter (mtp.* tensors); --json adds the "
+                        "blocks / drafted / accepted counts and the mean acceptance length")
     s.add_argument("--json", action="store_true", help="print one JSON object (tokens, text, finish_reason) instead of streaming")
     s.add_argument("--quiet", action="store_true", help="no progress bar or load summary on stderr")
     s.add_argument("--print-prompt-ids", action="store_true",
@@ -158,4 +189,6 @@ def register(subparsers) -> None:
                         "generation with an error (exit 1)")
     s.add_argument("--no-value-check", action="store_true",
                    help="skip the load-time NaN/inf check of the weights (saves one pass over a huge checkpoint)")
+    s.add_argument("--language-model-only", action="store_true",
+                   help="skip the vision tower, aligner and bias_vl tensors (text prompts only; docs/VISION.md)")
     s.set_defaults(func=_cmd_generate)

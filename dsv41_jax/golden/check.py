@@ -1,7 +1,12 @@
 """`dsv41 golden-check DIR`: run every case of a golden folder and compare with the oracle.
 
 Entries (docs/REFERENCE.md §8 contract): `quant/<vector>`, `<config>/<case>[free]`, `[forced]`, decode cases
-as `[published]`/`[corrected]` (+ `-forced`), and `<config>/replay_layer<l>` single-layer replays.
+as `[published]`/`[corrected]` (+ `-forced`), `<config>/replay_layer<l>` single-layer replays, and
+for DSpark configs `[draft]`, `[draft-forced]`, `[draft-corrected]`, `[draft-corrected-forced]`
+(`golden/dspark.py`). A decode file without the corrected schedule's decisions (dspark_fp8) has
+its `[corrected-forced]` entry impose only the stored prefill decisions.
+Image cases (`vl_prefill`, `vl_decode`) add `<config>/<case>[vision]`: ViT output, aligner output
+and merged embeddings, bit-exact; their logits and decisions are judged as the text cases'.
 
 Pass criteria (justified in tests/README.md from golden/README.md's sensitivity table):
 - number-format vectors: bit-exact;
@@ -77,6 +82,7 @@ class CaseRunner:
         self.engram = gc.engram_hasher()
         self.impl, self.interpret = impl, interpret
         self._steps: dict = {}
+        self._encoder = None  # the jitted image encoder, built on the first image case
 
     def _step(self, quirk: bool, collect: bool):
         key = (quirk, collect)
@@ -95,7 +101,7 @@ class CaseRunner:
         return jnp.asarray(hash_ids(layout, token_map, tokens[None], hist).astype(np.int32))
 
     def run(self, tokens: np.ndarray, schedule: list[dict], *, quirk=False, forced_calls=None, collect=False,
-            replay=None, impose=True):
+            replay=None, impose=True, spans=None):
         """Feed the schedule's calls; returns (logits [N, V], per-call agreement flags).
 
         Stored decisions are always passed (and compared); `impose` decides whether they replace
@@ -103,10 +109,12 @@ class CaseRunner:
         the oracle's elementwise kernels choose SLEEF or glibc by the call's token count
         (docs/NUMERICS.md, "torch's vector body and scalar tail"), so a padded call would
         compute its last rows differently.
+        spans: optional (rows [L, dim], token_types [L]) of the prompt's image spans; each call
+        gets its slice (calls past the prompt get none).
         """
         cache = init_cache(self.cfg, 1)
         step = self._step(quirk, collect)
-        outs, traces = [], []
+        outs, traces, taps = [], [], []
         per_layer: dict[int, bool] = {}
         for i, call in enumerate(schedule):
             s, n = call["start_pos"], call["n_tokens"]
@@ -116,14 +124,23 @@ class CaseRunner:
             if forced is not None:
                 forced["impose"] = jnp.asarray(impose)
             eids = self._engram_ids(toks, s, tokens)
+            call_spans = None
+            if spans is not None and s < spans[1].shape[0]:
+                rows, types = spans[0][s:s + n], spans[1][s:s + n]
+                rows = np.concatenate([rows, np.zeros((T - rows.shape[0],) + rows.shape[1:], rows.dtype)])
+                types = np.concatenate([types, np.full(T - types.shape[0], -1, types.dtype)])
+                call_spans = (jnp.asarray(rows[None]), jnp.asarray(types[None], jnp.int32))
             logits, cache, aux = step(self.params, jnp.asarray(toks[None], jnp.int32), cache, eids, forced,
-                                      replay if i == 0 else None)
+                                      replay if i == 0 else None, call_spans)
             outs.append(np.asarray(logits[0, :n]))
+            if "main_hidden" in aux:  # DSpark taps of this call's rows
+                taps.append(np.asarray(aux["main_hidden"][0, :n]))
             for kind in ("topk_agree", "experts_agree"):
                 for l, v in aux[kind].items():
                     per_layer[l] = per_layer.get(l, True) and bool(np.all(np.asarray(v)[0, :n]))
             traces.append(jax.tree.map(np.asarray, aux["trace"]) if collect else None)
-        return np.concatenate(outs, 0), {"agree": all(per_layer.values()), "per_layer": per_layer, "traces": traces}
+        return np.concatenate(outs, 0), {"agree": all(per_layer.values()), "per_layer": per_layer, "traces": traces,
+                                         "taps": np.concatenate(taps, 0) if taps else None}
 
     def _pad_forced(self, forced, T):
         k = self.cfg.n_activated_experts
@@ -137,6 +154,31 @@ class CaseRunner:
             v = np.asarray(v)
             pad = np.broadcast_to(np.arange(k), (v.shape[0], T - v.shape[1], k))
             out["experts"][l] = jnp.asarray(np.concatenate([v, pad], 1), jnp.int32)
+        return out
+
+    # ---------------------------------------------------------------------------- DSpark
+    def draft_entries(self, t, base, variant, P, free_logits, free_taps, forced_taps, tol) -> list:
+        """`[draft]` / `[draft-forced]` (published) or `[draft-corrected]` / `[draft-corrected-forced]`.
+
+        The oracle stored main-model and stage decisions for the published schedule only, so the
+        corrected forced entry imposes the stored corrected draft ids on the free corrected run's taps.
+        """
+        from dsv41_jax.golden import dspark as gd
+
+        if not hasattr(self, "_drafter"):
+            self._drafter = gd.Drafter(self.graphdef, self.params, self.cfg)
+        sfx = "_corrected" if variant == "corrected" else ""
+        name = "draft" if not sfx else "draft-corrected"
+        S = t[f"dspark.output_ids{sfx}"].shape[0]
+        anchors = np.argmax(free_logits[P:P + S], -1)
+        # stored ids passed but not imposed: the free run shares the forced run's compilation
+        free = gd.forced_steps(self.cfg, t, f"dspark.output_ids{sfx}", with_experts=False, impose=False)
+        ours = self._drafter.run(free_taps[:P], free_taps[P:P + S], anchors, P, free)
+        out = [gd.judge(f"{base}[{name}]", ours, t, sfx, tol, False, (free_taps[:P], free_taps[P:]))]
+        taps = forced_taps if not sfx else free_taps
+        steps = gd.forced_steps(self.cfg, t, f"dspark.output_ids{sfx}", with_experts=not sfx, impose=True)
+        ours = self._drafter.run(taps[:P], taps[P:P + S], t[f"dspark.input_ids{sfx}"], P, steps)
+        out.append(gd.judge(f"{base}[{name}-forced]", ours, t, sfx, tol, not sfx, (taps[:P], taps[P:])))
         return out
 
     # ---------------------------------------------------------------------------- decisions
@@ -184,14 +226,17 @@ def check_case(runner: CaseRunner, case: dict) -> list[Entry]:
     sched = case["schedule"]
     base = f"{gc.name}/{case['name']}"
     tol = tolerances(gc.name)
-    entries = []
-    if case["kind"] == "prefill":
+    entries, spans = [], None
+    if case["kind"].startswith("vl_"):  # image cases: the tower's outputs first, then the text checks
+        vision_entry, spans = check_vision(runner, case, t)
+        entries.append(vision_entry)
+    if case["kind"] in ("prefill", "vl_prefill"):
         ref = t["logits"]
         n = sched[0]["n_tokens"]
         forced = [runner.forced_from(t, "select.", slice(0, n))]
-        ours, _ = runner.run(tokens, sched, forced_calls=forced, impose=False)
+        ours, _ = runner.run(tokens, sched, forced_calls=forced, impose=False, spans=spans)
         entries.append(_judge_free(f"{base}[free]", ours, ref, tol))
-        ours, res = runner.run(tokens, sched, forced_calls=forced)
+        ours, res = runner.run(tokens, sched, forced_calls=forced, spans=spans)
         entries.append(_judge_forced(f"{base}[forced]", ours, ref, res["agree"], tol))
         return entries
     P = sched[0]["n_tokens"]
@@ -201,16 +246,55 @@ def check_case(runner: CaseRunner, case: dict) -> list[Entry]:
             continue
         ref = np.concatenate([t["prefill_logits"], t[key]], 0)
         forced = [runner.forced_from(t, "select.prefill.", slice(0, P))]
+        stored = any(k.startswith(prefix) for k in t)  # dspark_fp8 stores no corrected decode decisions
         for i in range(1, len(sched)):
-            forced.append(runner.forced_from(t, prefix, slice(i - 1, i)))
-        ours, _ = runner.run(tokens, sched, quirk=quirk, forced_calls=forced, impose=False)
+            forced.append(runner.forced_from(t, prefix, slice(i - 1, i)) if stored else {"topk": {}, "experts": {}})
+        ours, free = runner.run(tokens, sched, quirk=quirk, forced_calls=forced, impose=False, spans=spans)
         if variant == "corrected":  # the oracle's corrected decode equals its prefill bit for bit: judge tightly
             entries.append(_judge_forced(f"{base}[{variant}]", ours, ref, True, tol, forced=False))
         else:
             entries.append(_judge_free(f"{base}[{variant}]", ours, ref, tol))
-        ours, res = runner.run(tokens, sched, quirk=quirk, forced_calls=forced)
+        free_logits = ours
+        ours, res = runner.run(tokens, sched, quirk=quirk, forced_calls=forced, spans=spans)
         entries.append(_judge_forced(f"{base}[{variant}-forced]", ours, ref, res["agree"], tol))
+        if runner.cfg.has_dspark and f"dspark.output_ids{'_corrected' if variant == 'corrected' else ''}" in t:
+            entries.extend(runner.draft_entries(t, base, variant, P, free_logits, free["taps"], res["taps"], tol))
     return entries
+
+
+def check_vision(runner: CaseRunner, case: dict, t: dict) -> tuple[Entry, tuple]:
+    """`<config>/<case>[vision]`: ViT output (and traced blocks), aligner output and the merged
+    embeddings, each bit-exact (the oracle's vision numerics are reproducible: tests/README.md).
+    Returns the entry and the prompt's span (rows, token_types) for the backbone checks."""
+    from dsv41_jax.vision.merge import ImageInput, make_image_encoder, span_rows
+
+    if runner._encoder is None:
+        runner._encoder = make_image_encoder(runner.graphdef, Runtime(mode="exact"), collect=True)
+    types = np.asarray(t["token_types"]).astype(np.int64)
+    images, embeds, detail, ok = [], [], [], True
+
+    def compare(label, ours, ref):
+        nonlocal ok
+        ours, ref = np.asarray(ours).astype(np.float32), np.asarray(ref).astype(np.float32)
+        bad = int(np.sum(ours != ref)) if ours.shape == ref.shape else -1
+        ok &= bad == 0
+        detail.append(f"{label} {'==' if bad == 0 else f'{bad} differ' if bad > 0 else f'shape {ours.shape} != {ref.shape}'}")
+
+    for k, im in enumerate(case["images"]):
+        img = ImageInput(im["start"], t[f"image{k}.patches"], im["n_vit_h"], im["n_vit_w"])
+        feats, emb, trace = runner._encoder(runner.params, jnp.asarray(img.patches), img.n_vit_h, img.n_vit_w)
+        for key, val in trace.items():
+            if f"trace.image{k}.{key}" in t:
+                compare(f"image{k}.{key}", val, t[f"trace.image{k}.{key}"])
+        compare(f"image{k}.vit_output", feats, t[f"image{k}.vit_output"])
+        compare(f"image{k}.vision_embeds", emb, t[f"image{k}.vision_embeds"])
+        images.append(img)
+        embeds.append(np.asarray(emb))
+    rows = span_rows(runner.model, types, images, embeds)
+    prompt = np.asarray(t["tokens"]).astype(np.int64)[:types.shape[0]]
+    merged = np.where((types >= 0)[:, None], rows, np.asarray(runner.model.embed[...])[prompt])
+    compare("merged_embeddings", merged, t["merged_embeddings"])
+    return Entry(f"{runner.gc.name}/{case['name']}[vision]", ok, detail="; ".join(detail)), (rows, types)
 
 
 def check_replays(runner: CaseRunner, case: dict) -> list[Entry]:
@@ -266,7 +350,7 @@ def run_all(root, *, impl="xla", interpret=False, only=None, log=sys.stderr) -> 
             for case in gc.cases:
                 print(f"[golden] {gc.name}/{case['name']}", file=log)
                 entries.extend(check_case(runner, case))
-                if case.get("has_intermediates"):
+                if case.get("has_intermediates") and case["kind"] == "prefill":  # vl cases trace the tower only
                     entries.extend(check_replays(runner, case))
     return entries
 

@@ -26,6 +26,15 @@ class Gate(nnx.Module):
         self.gate_temp, self.norm_topk_prob, self.route_scale = cfg.gate_temp, cfg.norm_topk_prob, cfg.route_scale
         self.weight = nnx.Param((jax.random.normal(rngs.params(), (cfg.n_routed_experts, cfg.dim)) * 2 / math.sqrt(cfg.dim)).astype(jnp.bfloat16))
         self.bias = nnx.Param(jax.random.normal(rngs.params(), (cfg.n_routed_experts,), jnp.float32) * 0.1)
+        # image-span tokens select with their own bias (docs/VISION.md); only VL checkpoints carry it
+        self.bias_vl = (nnx.Param(jax.random.normal(rngs.params(), (cfg.n_routed_experts,), jnp.float32) * 0.1)
+                        if cfg.vision_enabled else None)
+
+    def selection_bias(self, vl_mask=None):
+        """The bias added to the scores for selection: `bias_vl` where vl_mask [...] holds, else `bias`."""
+        if vl_mask is None or self.bias_vl is None:
+            return self.bias[...]
+        return jnp.where(vl_mask[..., None], self.bias_vl[...], self.bias[...])
 
     def scores(self, x, mode):
         s = matmul(x.astype(jnp.float32), self.weight[...].astype(jnp.float32), "...d,ed->...e", jnp.float32, mode)
@@ -36,12 +45,13 @@ class Gate(nnx.Module):
             return sigmoid(s, mode)
         return sqrt(softplus(s, mode), mode)
 
-    def route(self, scores, forced=None, impose=True, mode: str = "fast"):
+    def route(self, scores, forced=None, impose=True, mode: str = "fast", vl_mask=None):
         """(weights [..., k], experts [..., k]) — experts ordered by descending biased score.
 
         forced: optional expert ids that replace the choice where `impose` (a traced bool) holds.
+        vl_mask: optional bool [...], True for image-span tokens (they select with `bias_vl`).
         """
-        _, experts = jax.lax.top_k(scores + self.bias[...], self.cfg_topk)
+        _, experts = jax.lax.top_k(scores + self.selection_bias(vl_mask), self.cfg_topk)
         if forced is not None:
             experts = jnp.where(impose, forced.astype(experts.dtype), experts)
         w = jnp.take_along_axis(scores, experts, axis=-1)
@@ -140,12 +150,15 @@ class MoE(nnx.Module):
         self.topk = cfg.n_activated_experts
         self.grouped_threshold = 256  # rows above which the sorted ragged path is cheaper
 
-    def __call__(self, x, mode, forced=None, impl="xla", impose=True):
-        """x [B, T, d] bf16 -> (y bf16, info) with info = {scores, biased, experts}."""
+    def __call__(self, x, mode, forced=None, impl="xla", impose=True, vl_mask=None):
+        """x [B, T, d] bf16 -> (y bf16, info) with info = {scores, biased, experts}.
+
+        vl_mask: optional bool [B, T], True at image-span positions (routed with `gate.bias_vl`)."""
         B, T, d = x.shape
         flat = x.reshape(B * T, d)
         scores = self.gate.scores(flat, mode)
-        weights, experts = self.gate.route(scores, None if forced is None else forced.reshape(B * T, -1), impose, mode)
+        weights, experts = self.gate.route(scores, None if forced is None else forced.reshape(B * T, -1), impose, mode,
+                                           None if vl_mask is None else vl_mask.reshape(B * T))
         k = self.topk
         # the reference adds expert outputs in ascending expert order in fp32; sort slots to match
         slot_order = jnp.argsort(experts, axis=-1)

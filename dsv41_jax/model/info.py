@@ -46,11 +46,11 @@ def row_bytes(cfg: ModelConfig) -> dict[str, int]:
 
 
 def model_info(cfg: ModelConfig) -> dict:
-    from dsv41_jax.checkpoint.weights import flat_params
+    from dsv41_jax.checkpoint.weights import _reference_name, flat_params, is_vision_name
 
     model = abstract_model(cfg)
     params = flat_params(model)
-    total = engram_tables = routed = 0
+    total = engram_tables = routed = dspark = dspark_routed = vision = 0
     per_layer: dict[int, int] = {}
     routed_per_layer: dict[int, int] = {}
     embed = head = 0
@@ -60,6 +60,13 @@ def model_info(cfg: ModelConfig) -> dict:
             continue
         if path[0] == "layers" and path[2] == "engram" and path[3] == "embed":
             engram_tables += n
+            continue
+        if path[0] != "mtp" and path[2:4] != ("ffn", "experts") and is_vision_name(_reference_name(path)):
+            vision += n  # tower, aligner, span delimiters, bias_vl: outside the backbone figures
+            continue
+        if path[0] == "mtp":  # the drafter, counted apart (it shares embed and head)
+            dspark += n
+            dspark_routed += n if path[2:4] == ("ffn", "experts") else 0
             continue
         total += n
         if path[0] == "embed":
@@ -95,13 +102,31 @@ def model_info(cfg: ModelConfig) -> dict:
     roles = [{"layer": r.layer, "kind": r.kind, "half": r.half, "ratio": r.ratio, "kv_source": r.kv_source,
               "index_source": r.index_source, "uses_candidates": r.uses_candidates,
               "candidate_source": r.is_candidate_source, "engram": r.has_engram} for r in cfg.roles]
+    # one draft block runs every stage on block_size tokens; each token activates k of E stage experts
+    dspark_active = 0
+    if dspark:
+        E_d, k_d = cfg.dspark_moe
+        dspark_active = dspark - dspark_routed + dspark_routed * k_d // E_d
     return {
         "backbone_params": total, "engram_params": engram_tables, "routed_expert_params": routed,
+        "vision_params": vision, "vision": _vision_summary(cfg),
+        "dspark_params": dspark, "dspark_active_params_per_token": dspark_active,
         "active_params_decode": active_decode, "active_params_prefill_split": active_prefill,
         "row_bytes": rb, "global_kv_bytes_per_token": kv_per_token,
         "persistent_bytes_per_token": kv_per_token,
         "window_bytes_per_sequence": window_per_seq, "layers": roles,
     }
+
+
+def _vision_summary(cfg: ModelConfig) -> dict | None:
+    """The tower's shape (None for a text-only config)."""
+    if not cfg.vision_enabled:
+        return None
+    return {"layers": cfg.vision_n_layers, "dim": cfg.vision_dim, "heads": cfg.vision_n_heads,
+            "inter_dim": cfg.vision_inter_dim, "patch_size": cfg.vision_patch_size,
+            "downsample_ratio": cfg.vision_downsample_ratio, "max_image_tokens": cfg.vision_max_n_token,
+            "min_pixels": cfg.vision_min_pixels, "max_wh_ratio": cfg.vision_max_wh_ratio,
+            "image_token_id": cfg.image_token_id}
 
 
 def _ced_projection_params(cfg: ModelConfig, model) -> int:
@@ -124,6 +149,12 @@ def format_info(cfg_name: str, info: dict) -> str:
     lines = [f"config: {cfg_name}",
              f"  backbone parameters        {info['backbone_params'] / B:10.2f} B",
              f"  Engram table parameters    {info['engram_params'] / B:10.2f} B",
+             f"  vision parameters          {info['vision_params'] / B:10.2f} B" + (
+                 "  (none: text only)" if info["vision"] is None else
+                 f"  ({info['vision']['layers']}-layer ViT {info['vision']['dim']} wide, patch {info['vision']['patch_size']}, "
+                 f"aligner {info['vision']['downsample_ratio']}x{info['vision']['downsample_ratio']}, "
+                 f"<= {info['vision']['max_image_tokens']} tokens per image)"),
+             f"  DSpark drafter parameters  {info.get('dspark_params', 0) / B:10.2f} B  (mtp.*; shares embed and head)",
              f"  active per decode token    {info['active_params_decode'] / B:10.2f} B",
              f"  active per prefill token   {info['active_params_prefill_split'] / B:10.2f} B  (CED split: encoder only)",
              f"  global KV per token        {info['global_kv_bytes_per_token']:10.1f} bytes  (persistent)",

@@ -27,6 +27,7 @@ from dsv41_jax.layers.moe import MoE
 from dsv41_jax.layers.rope import cos_sin, layer_rope
 from dsv41_jax.runtime import Runtime
 from pallas_kernels.sparse_attention.dense_reference import sparse_attention
+from dsv41_jax.model.dspark import build_stages, tap
 
 
 COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
@@ -61,6 +62,16 @@ class Transformer(nnx.Module):
         ])
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.head = nnx.Param((jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.dim), jnp.float32) * 2 / cfg.dim ** 0.5).astype(jnp.bfloat16))
+        # DSpark stages (mtp.{k}.*); they share embed and head (dsv41_jax.model.dspark)
+        self.mtp = build_stages(cfg, rngs)
+        if cfg.vision_enabled:  # the VL path (docs/VISION.md); dsv41_jax.vision.merge builds the span rows
+            from dsv41_jax.vision.tower import ViT, Aligner
+
+            delim = lambda: nnx.Param(jax.random.normal(rngs.params(), (cfg.dim,), jnp.float32).astype(jnp.bfloat16))
+            self.vision, self.aligner = ViT(cfg, rngs=rngs), Aligner(cfg, rngs=rngs)
+            self.image_start, self.image_end, self.image_newline = delim(), delim(), delim()
+        else:
+            self.vision = self.aligner = self.image_start = self.image_end = self.image_newline = None
 
 
 def engram_table_rows(cfg: ModelConfig) -> tuple[int, ...]:
@@ -153,7 +164,7 @@ def _write_ring(ring: kv_layout.WindowKV, new: kv_layout.WindowKV, start, W) -> 
 
 def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runtime = Runtime(),
             engram_ids: jax.Array | None = None, forced: dict | None = None, collect: bool = False,
-            replay: dict | None = None):
+            replay: dict | None = None, spans: tuple | None = None):
     """Run `tokens` [B, T] on top of `cache`. Returns (logits [B,T,V] fp32, new cache, aux).
 
     engram_ids: [B, T, n_engram_layers, n_cols] table rows (host int64 hashing, see
@@ -164,6 +175,10 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
     collect: also return per-layer intermediates in aux["trace"].
     replay: optional {layer: (stream [B,T,hc,d], pre_mix [B,T,hc])} substituted as that layer's
       input (after its Engram), to replay single layers from traced inputs.
+    spans: optional (rows [B, T, dim] bf16, token_types [B, T] int) from
+      `dsv41_jax.vision.merge.span_rows`: at image-span positions (type >= 0) the token
+      embedding is replaced by the row before the hc expansion, the MoE selects with
+      `gate.bias_vl`, and Engram leaves the stream untouched (docs/VISION.md).
     """
     cfg = model.cfg
     mode = runtime.mode
@@ -178,23 +193,34 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
     trace = aux["trace"]
 
     h = model.embed[...][tokens]
+    in_span = None
+    if spans is not None:
+        in_span = spans[1] >= 0
+        h = jnp.where(in_span[..., None], spans[0].astype(h.dtype), h)
     h = jnp.broadcast_to(h[:, :, None, :], (B, T, cfg.hc_mult, cfg.dim))
     pre = jnp.zeros((B, T, cfg.hc_mult), jnp.float32).at[..., 0].set(1.0)
     topk_of: dict[int, jax.Array] = {}
     pool = None
+    taps = []  # DSpark: the stream entering each target layer, after its Engram
 
     for block in model.layers:
         l, role = block.layer, block.role
         if block.engram is not None:
             if engram_ids is None:
                 raise ValueError(f"layer {l} has Engram: pass engram_ids (see dsv41_jax.engram.hashing.hash_ids)")
+            h_in = h
             h, gate = block.engram(h, engram_ids[:, :, cfg.engram_layer_ids.index(l)], mode)
+            if in_span is not None:  # the reference shuts the gate at image-span positions
+                h = jnp.where(in_span[..., None, None], h_in, h)
+                gate = jnp.where(in_span[..., None], 0.0, gate)
             if collect:
                 trace[f"engram.{l}.gate"] = gate
         if replay is not None and l in replay:
             h, pre = replay[l][0].astype(h.dtype), replay[l][1].astype(jnp.float32)
         if collect:
             trace[f"layer{l}.block_input"], trace[f"layer{l}.pre_mix_in"] = h, pre
+        if cfg.has_dspark and l in cfg.dspark_target_layer_ids:
+            taps.append(tap(h))
         a_pre, a_post, a_comb = block.hc_attn.mixes(h, mode)
         x = block.attn_norm(collapse(h, pre), mode)
         attn = block.attn
@@ -279,10 +305,11 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
         x = block.ffn_norm(collapse(h, a_pre), mode)
         forced_e = None if forced is None else forced.get("experts", {}).get(l)
         y, info = block.ffn(x, mode, forced=forced_e, impl=runtime.resolved_impl(),
-                            impose=True if forced is None else forced.get("impose", True))
+                            impose=True if forced is None else forced.get("impose", True), vl_mask=in_span)
         if forced_e is not None:
-            own = jax.lax.top_k(info["scores"] + block.ffn.gate.bias[...], cfg.n_activated_experts)[1]
-            aux["experts_agree"][l] = tie_aware_equal(info["scores"] + block.ffn.gate.bias[...], own, forced_e.astype(own.dtype))
+            biased = info["scores"] + block.ffn.gate.selection_bias(in_span)
+            own = jax.lax.top_k(biased, cfg.n_activated_experts)[1]
+            aux["experts_agree"][l] = tie_aware_equal(biased, own, forced_e.astype(own.dtype))
         aux["experts"][l] = info["experts"]
         h = expand(y, h, f_post, f_comb)
         if collect:
@@ -292,6 +319,8 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
                           f"layer{l}.gate_indices": info["experts"]})
         pre = f_pre
 
+    if taps:
+        aux["main_hidden"] = jnp.concatenate(taps, -1)
     final = collapse(h, pre)
     if collect:
         trace["final_hidden"] = final
@@ -336,14 +365,14 @@ def check_inputs(cfg: ModelConfig, tokens: np.ndarray, lengths: np.ndarray) -> N
 
 
 def make_step(graphdef, runtime: Runtime = Runtime(), collect: bool = False):
-    """A jitted pure step: (params, tokens, cache, engram_ids, forced, replay) -> (logits, cache, aux)."""
+    """A jitted pure step: (params, tokens, cache, engram_ids, forced, replay, spans) -> (logits, cache, aux)."""
 
     # bf16 rounding points are model semantics (they move FP8/FP4 roundings and top-k): forbid
     # XLA from keeping excess precision across them.
     @functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
-    def step(params, tokens, cache, engram_ids=None, forced=None, replay=None):
+    def step(params, tokens, cache, engram_ids=None, forced=None, replay=None, spans=None):
         model = nnx.merge(graphdef, params)
         return forward(model, tokens, cache, runtime=runtime, engram_ids=engram_ids, forced=forced,
-                       collect=collect, replay=replay)
+                       collect=collect, replay=replay, spans=spans)
 
     return step

@@ -51,3 +51,72 @@ def swiglu(gate: jax.Array, up: jax.Array, limit: float, mode: str = "fast") -> 
         gate = jnp.minimum(gate, limit)
     out = silu(gate, mode) * up
     return no_fma(out) if mode == "exact" else out
+
+
+# torch's AVX512 `Vectorized<float>::erf` (Abramowitz-Stegun 7.1.26 with FMAs and SLEEF's exp):
+# GELU of BF16 activations on CPU runs it on float32 lanes.
+_ERF_P = 0.3275911
+_ERF_POLY = (1.061405429, -1.453152027, 1.421413741, -0.284496736, 0.254829592)
+
+
+def _erf_torch_vec(x: jax.Array) -> jax.Array:
+    from dsv41_jax.numerics.sleef_exp import _fma64
+
+    f32 = jnp.float32
+    a = jnp.abs(x)
+    t = true_divide(jnp.ones_like(x), _fma64(f32(_ERF_P), a, f32(1.0)))
+    r = f32(_ERF_POLY[0])
+    for c in _ERF_POLY[1:]:
+        r = _fma64(r, t, f32(c))
+    e = -expf_u10(-no_fma(x * x))
+    y = _fma64(no_fma(e * t), r, f32(1.0))
+    return jnp.where(jnp.signbit(x), -y, y)
+
+
+def gelu_erf(x: jax.Array, mode: str = "fast") -> jax.Array:
+    """Exact (erf) GELU in float32: x * 0.5 * (1 + erf(x / sqrt 2)), in torch's CPU order."""
+    x = x.astype(jnp.float32)
+    if mode == "exact":
+        alpha = jnp.float32(0.7071067811865476)
+        return no_fma(no_fma(x * jnp.float32(0.5)) * no_fma(jnp.float32(1.0) + _erf_torch_vec(no_fma(x * alpha))))
+    return jax.nn.gelu(x, approximate=False)
+
+
+def softmax_lastdim(x: jax.Array, mode: str = "fast") -> jax.Array:
+    """float32 softmax over the last axis. Exact mode follows torch's vectorised CPU kernel:
+    exp(x - max) with SLEEF's exp, the lane-wise `reduce_all` sum, then a multiply by 1/sum."""
+    x = x.astype(jnp.float32)
+    if mode != "exact":
+        return jax.nn.softmax(x, axis=-1)
+    e = expf_u10(x - jnp.max(x, axis=-1, keepdims=True))
+    total = _torch_reduce_all_sum(e)
+    return e * true_divide(jnp.ones_like(total), total)
+
+
+_AVX512_LANES = 16
+
+
+def _torch_reduce_all_sum(x: jax.Array) -> jax.Array:
+    """torch's `vec::reduce_all` sum over the last axis (AVX512: 16 lanes), keepdims.
+
+    Fewer elements than lanes: a left-to-right scalar sum. Otherwise lane-wise accumulation of
+    whole vectors, the tail added into its lanes, then the shuffle tree (lanes i^8, i^4, i^2, i^1).
+    """
+    n, L = x.shape[-1], _AVX512_LANES
+    if n < L:
+        total = x[..., 0]
+        for k in range(1, n):
+            total = total + x[..., k]
+        return total[..., None]
+    acc = x[..., :L]
+    full = n - n % L
+    for d in range(L, full, L):
+        acc = acc + x[..., d:d + L]
+    if full < n:
+        tail = n - full
+        acc = jnp.concatenate([acc[..., :tail] + x[..., full:], acc[..., tail:]], -1)
+    width = L
+    while width > 1:  # lane i takes lane i ^ (width/2); only the low lanes are read afterwards
+        width //= 2
+        acc = acc[..., :width] + acc[..., width:2 * width]
+    return acc
