@@ -7,11 +7,17 @@ import json
 import pytest
 
 from dsv41_jax.text import dsml
+from dsv41_jax.text import pieces
 from dsv41_jax.text import special_tokens as st
 from dsv41_jax.text.reply import ReplyParser, parse_reply
 
+def calls_text(calls, escape):
+    """The DSML calls block the encoder writes, as text."""
+    return pieces.join(dsml.render_tool_calls(calls, escape))
+
+
 CALLS = [("get_weather", {"city": "Paris", "days": 3, "units": ["c"]}), ("noop", {})]
-TEXT = "Let me look.</think>Checking now." + dsml.render_tool_calls(CALLS, lambda s: s)
+TEXT = "Let me look.</think>Checking now." + calls_text(CALLS, lambda s: s)
 
 
 def stream(text: str, cuts, **kw):
@@ -54,7 +60,7 @@ def test_chat_mode_and_no_tools():
 
 
 def test_string_and_json_parameters():
-    body = dsml.render_tool_calls([("f", {"s": "not json {", "n": 1.5, "o": {"k": [1, None]}})], lambda s: s)
+    body = calls_text([("f", {"s": "not json {", "n": 1.5, "o": {"k": [1, None]}})], lambda s: s)
     _, _, calls = parse_reply(body, thinking=False, tools=True)
     assert json.loads(calls[0].arguments) == {"s": "not json {", "n": 1.5, "o": {"k": [1, None]}}
     bad = body.replace("1.5", "1.5.2")  # invalid JSON in a string="false" value stays text

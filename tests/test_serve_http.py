@@ -23,7 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from dsv41_jax.checkpoint.synthetic import synthetic_model  # noqa: E402
 from dsv41_jax.config import ModelConfig  # noqa: E402
 from dsv41_jax.serving.http.server import BackgroundServer, ServeOptions, build  # noqa: E402
-from dsv41_jax.text import dsml  # noqa: E402
+from dsv41_jax.text import dsml
+from dsv41_jax.text import pieces  # noqa: E402
 from dsv41_jax.text import special_tokens as st  # noqa: E402
 from dsv41_jax.text.chat import encode_chat, encode_chat_ids  # noqa: E402
 from dsv41_jax.text.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
@@ -33,6 +34,11 @@ KEY = "sk-test-key"
 MAX_LEN = 2048
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather of a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+def calls_text(calls, escape):
+    """The DSML calls block the encoder writes, as text."""
+    return pieces.join(dsml.render_tool_calls(calls, escape))
 
 
 def tiny_config() -> ModelConfig:
@@ -136,7 +142,7 @@ def test_reasoning_split_whole_and_streamed(server, client):
 def test_tools_round_trip(server, client):
     tok = server.tokenizer
     calls = [("get_weather", {"city": "Paris"})]
-    dsml_text = dsml.render_tool_calls(calls, lambda s: s)
+    dsml_text = calls_text(calls, lambda s: s)
     extra = forced(tok, "Let me check.", dsml_text, st.EOS)
     r = client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, max_tokens=400, extra_body=extra)
     msg = r.choices[0].message
@@ -160,7 +166,7 @@ def test_tools_round_trip(server, client):
 
 def test_reply_cut_inside_dsml_never_leaks(server, client):
     tok = server.tokenizer
-    body = ids(tok, "Sure.", dsml.render_tool_calls([("get_weather", {"city": "Paris"})], lambda s: s))
+    body = ids(tok, "Sure.", calls_text([("get_weather", {"city": "Paris"})], lambda s: s))
     for cut in (len(ids(tok, "Sure.")) + 4, len(body) - 3):
         extra = {"dsv41_test": {"forced_tokens": body}}
         chunks = list(client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, max_tokens=cut,
