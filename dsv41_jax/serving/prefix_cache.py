@@ -226,8 +226,8 @@ def _check_identity(path, header: dict, cfg: ModelConfig, fingerprint: str | Non
 
 def _check_counts(path, header: dict) -> int:
     n, published = header.get("n_tokens"), header.get("published")
-    for name, v in (("n_tokens", n), ("published", published)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+    for name, v, low in (("n_tokens", n, 0), ("published", published, -1)):  # -1: nothing published yet
+        if not isinstance(v, int) or isinstance(v, bool) or v < low:
             raise PrefixCacheError(f"prefix cache {path}: header field {name} is {v!r}, not a count")
     if published > n:
         raise PrefixCacheError(f"prefix cache {path}: header says {published} positions are published but only "
