@@ -190,13 +190,20 @@ def test_split_prefill_global_caches_exact(micro):
     assert same(aux["pool"], ex_aux["pool"][:, -W:])
     # the last window of the first decoder layer is exact; later layers are approximate by design
     assert same(cache["window"][d], ex_cache["window"][d])
+    # later decoder layers see only the tail's window: the logits move (a floor that were ignored
+    # would give exact prefill's bits), but stay on the exact logits' scale (no blow-up, no NaN);
+    # the size of the change is measured by bench/prefill.py --accuracy
     diff = float(jnp.max(jnp.abs(logits[:, -1] - ex_logits[:, -1])))
-    assert np.isfinite(diff)
+    assert 0.0 < diff < float(jnp.max(jnp.abs(ex_logits[:, -1]))), diff
     later = [l for l in cfg.index_source_layers if l > d]
-    for l in later:  # measured, not asserted: reported by bench/prefill.py --accuracy
-        a, b = np.asarray(aux["topk"][l][:, -1]), np.asarray(ex_aux["topk"][l][:, -1])
-        overlap = np.mean([len(set(x[x >= 0]) & set(y[y >= 0])) / max(1, len(set(y[y >= 0]))) for x, y in zip(a, b)])
-        assert 0.0 <= overlap <= 1.0
+    assert later
+    for l in later:  # a valid selection: ascending distinct positions < visible, min(width, visible) of them
+        width = int(aux["topk"][l].shape[-1])
+        N_vis = N // cfg.compress_ratios[cfg.roles[l].kv_source]  # groups complete at the last position
+        for row in np.asarray(aux["topk"][l][:, -1]):
+            picked = row[row >= 0]
+            assert np.all(np.diff(picked) > 0) and np.all(picked < N_vis), (l, row)
+            assert len(picked) == min(width, N_vis), (l, row)
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""Kernel-vs-reference checks compiled for real hardware (interpret=False), shared by tests/gpu and tests/tpu.
+"""Kernel-vs-reference checks compiled for real hardware (interpret=False), shared by tests/gpu, tests/tpu and
+bench/device_suite.py (which runs them interpreted, at small shapes, with --tiny).
 
 Shapes are V4.1-Flash head sizes with small batches and caches, so one run takes seconds of
 device time. Each check compares the compiled kernel with the jnp reference on the same device.
@@ -21,7 +22,7 @@ def _close(out, ref, rtol, what):
     assert np.all(err <= rtol * scale), f"{what}: worst relative error {np.max(err / scale):.3g}"
 
 
-def check_sparse_attention(platform: str, B=4, S=2, H=64, D=512, W=128, G=4096, K=512) -> None:
+def check_sparse_attention(platform: str, B=4, S=2, H=64, D=512, W=128, G=4096, K=512, interpret: bool = False) -> None:
     from pallas_kernels import sparse_sink_attention
 
     rng = np.random.default_rng(0)
@@ -33,12 +34,12 @@ def check_sparse_attention(platform: str, B=4, S=2, H=64, D=512, W=128, G=4096, 
     widx[0, 0], cidx[0, 0] = -1, -1
     sink = jnp.asarray(rng.standard_normal(H), jnp.float32)
     args = (q, window, compressed, jnp.asarray(widx), jnp.asarray(cidx), sink, D ** -0.5)
-    out = sparse_sink_attention(*args, impl="pallas", interpret=False, platform=platform)
+    out = sparse_sink_attention(*args, impl="pallas", interpret=interpret, platform=platform)
     ref = sparse_sink_attention(*args, impl="xla")
     _close(out, ref, 2e-2, "sparse_sink_attention")
 
 
-def check_indexer(platform: str, B=2, S=3, Hi=32, Di=128, G=3000) -> None:
+def check_indexer(platform: str, B=2, S=3, Hi=32, Di=128, G=3000, interpret: bool = False) -> None:
     from pallas_kernels import indexer_scores
 
     rng = np.random.default_rng(1)
@@ -48,11 +49,11 @@ def check_indexer(platform: str, B=2, S=3, Hi=32, Di=128, G=3000) -> None:
     clen = jnp.asarray(rng.integers(0, G + 1, (B, S)), jnp.int32)
     pool = jnp.asarray(rng.random((B, S, G)) < 0.5)
     args = (qp, qs, keys, w, clen, pool)
-    _close(indexer_scores(*args, impl="pallas", interpret=False, platform=platform),
+    _close(indexer_scores(*args, impl="pallas", interpret=interpret, platform=platform),
            indexer_scores(*args, impl="xla"), 1e-5, "indexer_scores")
 
 
-def check_grouped_gemm(platform: str, E=16, N=2304, K=5120, M=200) -> None:
+def check_grouped_gemm(platform: str, E=16, N=2304, K=5120, M=200, interpret: bool = False) -> None:
     from pallas_kernels import grouped_fp4_gemm
 
     rng = np.random.default_rng(2)
@@ -62,17 +63,17 @@ def check_grouped_gemm(platform: str, E=16, N=2304, K=5120, M=200) -> None:
     sizes[3] = 0
     x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
     args = (x, jnp.asarray(sizes, jnp.int32), wp, ws)
-    _close(grouped_fp4_gemm(*args, impl="pallas", interpret=False, platform=platform),
+    _close(grouped_fp4_gemm(*args, impl="pallas", interpret=interpret, platform=platform),
            grouped_fp4_gemm(*args, impl="xla"), 1e-4, "grouped_fp4_gemm")
 
 
-def check_fp8_gemm(platform: str, M=64, N=4096, K=1280) -> None:
+def check_fp8_gemm(platform: str, M=64, N=4096, K=1280, interpret: bool = False) -> None:
     from pallas_kernels import fp8_block_gemm
 
     rng = np.random.default_rng(3)
     w8, s8 = quant.quant_fp8_weight(jnp.asarray(rng.standard_normal((N, K)), jnp.float32))
     x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
-    _close(fp8_block_gemm(x, w8, s8, impl="pallas", interpret=False, platform=platform),
+    _close(fp8_block_gemm(x, w8, s8, impl="pallas", interpret=interpret, platform=platform),
            fp8_block_gemm(x, w8, s8, impl="xla"), 1e-4, "fp8_block_gemm")
 
 
