@@ -111,6 +111,7 @@ def ds_ckpt(tmp_path_factory, ds_params):
     return folder
 
 
+@pytest.mark.slow  # compiles the drafter; kept out of the 20-minute default suite
 def test_hf_and_orbax_round_trips_with_the_drafter_are_bitwise(ds_ckpt, ds_params, tmp_path):
     from dsv41_jax.checkpoint.orbax_io import load_orbax_checkpoint, save_params
 
@@ -142,6 +143,7 @@ def test_checkpoint_without_the_drafter_loads_and_refuses_speculation(ds_params,
 
 
 # ------------------------------------------------------------------------------ block semantics
+@pytest.mark.slow  # compiles the drafter; kept out of the 20-minute default suite
 def test_block_is_not_causal_and_rings_take_only_valid_rows(ds_params):
     """Every block query sees the valid ring slots and all block tokens (no causal mask inside the
     block); rows past n_valid never reach a ring."""
