@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv41_jax.numerics import libm_sincos
+from dsv41_jax.numerics import libm_powf, libm_sincos
 
 
 
@@ -23,7 +23,7 @@ def rope_frequencies(dim: int, base: float, original_seq_len: int = 0, factor: f
     # torch's pow(Scalar, Tensor): glibc powf on its scalar path, which is every element when
     # dim/2 < 32. Beyond that the oracle's vector body would use SLEEF's powf (1 ulp apart on ~2 %
     # of inputs), not emulated yet: docs/NUMERICS.md lists it as the one open difference.
-    powers = np.power(f32(base), exps, dtype=f32)
+    powers = libm_powf.powf(f32(base), exps)  # not np.power: its AVX-512 path is not glibc's
     freqs = (f32(1.0) / powers).astype(f32)  # torch: reciprocal, then * 1.0 (exact)
     if original_seq_len > 0:
         def corrected_dim(rotations: float) -> float:  # Python float64, as the reference
