@@ -12,6 +12,8 @@ import re
 import subprocess
 import sys
 
+from sharding.devices import HBM_GIB
+
 
 def register(subparsers) -> None:
     s = subparsers.add_parser("plan", help="per-device memory of a config on a mesh (and a one-layer AOT compile)")
@@ -19,7 +21,7 @@ def register(subparsers) -> None:
     s.add_argument("--mesh", required=True, help="mesh spec, e.g. data=1,expert=16,tensor=4")
     s.add_argument("--batch", type=int, default=1, help="sequences served at once (whole mesh)")
     s.add_argument("--context", type=int, default=65536, help="tokens per sequence the caches hold")
-    s.add_argument("--device", choices=["v5p", "v6e", "v7x", "H100", "H200"], help="check the plan against this chip's HBM")
+    s.add_argument("--device", choices=sorted(HBM_GIB), help="check the plan against this chip's HBM")
     s.add_argument("--preset", default="inference", help="sharding preset (inference, inference-indexer-replicated, training)")
     s.add_argument("--prefill-chunk", type=int, default=512, help="prefill chunk for the activation estimate")
     s.add_argument("--engram", choices=["hbm", "host"], default="hbm", help="Engram tables in HBM (row-sharded) or host memory")

@@ -17,13 +17,12 @@ import numpy as np
 
 from dsv41_jax.config import ModelConfig
 from sharding.activations import activation_estimate
+from sharding.devices import HBM_GIB
 from sharding.mesh import MeshSpecError, format_mesh_spec, parse_mesh_spec
 from sharding.rules import (ENGRAM_TABLE, ROUTED, VISION, cache_logical_axes, get_rules, param_bucket,
                             param_logical_axes, resolve, shard_shape)
 
 GiB = 2 ** 30
-# HBM per chip (per GPU), GiB
-HBM_GIB = {"v5p": 95, "v6e": 32, "v7x": 192, "H100": 80, "H200": 141}
 # kept free for the runtime, XLA scratch buffers and fragmentation
 RESERVE = 0.10
 

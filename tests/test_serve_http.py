@@ -55,7 +55,7 @@ def server(tmp_path_factory):
     model = synthetic_model(tiny_config(), seed=1)
     opts = ServeOptions(model_name="tiny", max_batch=2, max_model_len=MAX_LEN, min_capacity=MAX_LEN, prefill_chunk=16,
                         exact_prefill=True, max_queue=1, api_key=KEY, test_hooks=True, cache_dir=str(folder / "conv"),
-                        cache_bytes=1 << 20)
+                        cache_bytes=1 << 20, max_request_bytes=1 << 20)
     app, worker = build(model, tokenizer, opts)
     srv = BackgroundServer(app, worker).start()
     srv.tokenizer = tokenizer
@@ -224,7 +224,8 @@ def _post(server, path, body, key=KEY, raw=None):
     (None, "not valid JSON"),
     ({"messages": USER, "temperature": "hot"}, "temperature"),
     ({"messages": USER, "model": "gpt-4"}, "unknown model"),
-    ({"messages": USER, "n": 2}, "only n=1"),
+    ({"messages": USER, "n": 3}, "--max-batch"),
+    ({"messages": USER, "n": 0}, "n: must be in [1, 128]"),
     ({"messages": USER, "max_tokens": MAX_LEN}, f"max_tokens ({MAX_LEN})"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "images"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "role"),
@@ -364,3 +365,158 @@ def test_serve_cli_refuses_bad_folders(tmp_path, capsys):
     assert "no such folder" in capsys.readouterr().err
     assert main(["serve", "--checkpoint", str(tmp_path)]) == 2
     assert "no tokenizer.json" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ field policy and limits
+@pytest.mark.parametrize("path,extra,needle", [
+    ("/v1/chat/completions", {"temprature": 0.5}, "temprature: unrecognized request field"),
+    ("/v1/chat/completions", {"prompt": "x"}, "belongs to /v1/completions"),
+    ("/v1/chat/completions", {"presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/chat/completions", {"frequency_penalty": -1}, "frequency_penalty"),
+    ("/v1/chat/completions", {"logit_bias": {"5": 3}}, "logit_bias"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"parallel_tool_calls": False}, "parallel_tool_calls"),
+    ("/v1/chat/completions", {"top_k": 2147483648}, "top_k: must be in [-1, 2147483647]"),
+    ("/v1/chat/completions", {"max_tokens": 2**40}, "max_tokens: must be in [1, 2147483647]"),
+    ("/v1/completions", {"echo": True}, "echo"),
+    ("/v1/completions", {"suffix": "end"}, "suffix"),
+    ("/v1/completions", {"best_of": 2}, "best_of"),
+    ("/v1/completions", {"prompt": [5, 1 << 20]}, "outside the model's vocabulary"),
+])
+def test_fields_not_served_are_refused_by_name(server, path, extra, needle):
+    """The field policy: a field is honoured, refused with a 400 naming it, or (only if it cannot change the
+    output) ignored. Before, these were accepted and silently did nothing (top_k 2**31 even failed every
+    request in flight with a 500)."""
+    body = {"messages": USER} if path.endswith("chat/completions") else {"prompt": "def f"}
+    r = _post(server, path, {**body, "max_tokens": 2, **extra})
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"]
+
+
+def test_ignored_fields_and_default_values_are_accepted(server, client):
+    r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=1, temperature=0, user="u1",
+                                       metadata={"k": "v"}, store=False, presence_penalty=0, frequency_penalty=0,
+                                       logit_bias={}, response_format={"type": "text"})
+    assert r.usage.completion_tokens == 1
+
+
+def test_requests_without_seed_draw_fresh_samples(server, client):
+    """Without `seed`, two requests at temperature 1 are two samples (the seed used to default to 0, so every
+    such request returned the same text); with the same seed they are equal."""
+    def run(**kw):
+        r = client.completions.create(model="tiny", prompt="def f", max_tokens=12, temperature=1, **kw)
+        return r.choices[0].text
+    assert run(seed=7) == run(seed=7)
+    assert len({run(), run(), run()}) > 1
+
+
+def test_sampled_control_tokens_never_reach_content(server, client):
+    """A sampled turn marker ends the reply (finish_reason stop); other special tokens are dropped."""
+    tok = server.tokenizer
+    pad, user = tok.token_to_id(st.PAD), tok.token_to_id(st.USER)
+    schedule = tok.encode("Hi") + [pad] + tok.encode(" there") + [user] + tok.encode(" more")
+    r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=30, temperature=0,
+                                       extra_body={"dsv41_test": {"forced_tokens": schedule}})
+    assert r.choices[0].message.content == "Hi there" and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(model="tiny", prompt="def f", max_tokens=30, temperature=0,
+                                  extra_body={"dsv41_test": {"forced_tokens": schedule}})
+    assert r.choices[0].text == "Hi there" and r.choices[0].finish_reason == "stop"
+
+
+def test_request_body_limit_is_413_before_reading(server):
+    big = b'{"messages": [{"role": "user", "content": "' + b"a" * (2 << 20) + b'"}]}'
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    r = httpx.post(server.url + "/v1/chat/completions", content=big, headers=headers, timeout=600)
+    assert r.status_code == 413 and "--max-request-bytes" in r.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: refused while it streams in
+        for i in range(0, len(big), 1 << 16):
+            yield big[i:i + (1 << 16)]
+    r = httpx.post(server.url + "/v1/chat/completions", content=chunks(), headers=headers, timeout=600)
+    assert r.status_code == 413
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_prompt_over_the_limit_is_refused_before_tokenizing(server, monkeypatch):
+    """A prompt whose text cannot fit is refused without being tokenized (a 50 MB prompt used to stall every
+    client while it was tokenized on the event loop)."""
+    import dsv41_jax.serving.http.app as app_module
+
+    def no_tokenizing(*a, **k):
+        raise AssertionError("tokenized a prompt that cannot fit")
+    monkeypatch.setattr(app_module, "encode_chat_ids", no_tokenizing)
+    r = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * 900_000}]})
+    assert r.status_code == 400 and "bytes" in r.json()["error"]["message"]
+    r = _post(server, "/v1/completions", {"prompt": "a" * 900_000})
+    assert r.status_code == 400 and "bytes" in r.json()["error"]["message"]
+
+
+def test_image_refusal_tells_which_reason():
+    from dsv41_jax.serving.http import protocol as P
+
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]
+    with pytest.raises(P.APIError, match="has a vision tower"):
+        P.check_images(msgs, has_vision=True)
+    with pytest.raises(P.APIError, match="has no vision tower"):
+        P.check_images(msgs, has_vision=False)
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--port", "70000"], "a TCP port is 1-65535"),
+    (["--prefix-cache-bytes", "-5"], "positive byte count"),
+    (["--max-request-bytes", "0"], "positive byte count"),
+    (["--test-hooks"], "unrecognized arguments"),
+])
+def test_serve_flags_are_range_checked(tmp_path, capsys, flags, needle):
+    from dsv41_jax.cli.main import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--checkpoint", str(tmp_path), *flags])
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_orphaned_cache_files_are_removed_at_start(tmp_path):
+    """A server killed mid-write leaves `.pending-*` files and the atomic writer's temporaries; the next start
+    removes them (they are outside the byte budget) and keeps the finished files and a live writer's file."""
+    import os
+    import subprocess
+
+    from dsv41_jax.serving.http.conversations import ConversationStore
+    from dsv41_jax.serving.http.metrics import Metrics
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    folder = tmp_path / "conv"
+    folder.mkdir()
+    orphans = [folder / ".pending-cmpl-1.dsv41", folder / f"..pending-cmpl-2.dsv41.tmp-{dead.pid}-0a1b2c3d",
+               folder / f".abc.dsv41.tmp-{dead.pid}-deadbeef"]
+    live = folder / f".def.dsv41.tmp-{os.getpid() + 0}-cafe0001"
+    for p in orphans + [live]:
+        p.write_bytes(b"x" * 100)
+    metrics = Metrics(1)
+    store = ConversationStore(folder, 1 << 20, engine=None, metrics=metrics)
+    assert store.orphans_removed == 3 and not any(p.exists() for p in orphans)
+    assert live.exists()  # the current process counts as alive: never delete a file being written
+    assert b"dsv41_prefix_cache_orphans_removed_total 3.0" in metrics.text()
+
+
+def test_n_choices_each_equal_a_single_request_with_its_seed(server, client):
+    """n > 1 is served (evaluation harnesses use it for pass@k): choice i samples exactly as a request with
+    seed + i; streamed chunks carry each choice's index and add up to the same texts."""
+    r = client.completions.create(model="tiny", prompt="def f", max_tokens=8, temperature=1, seed=11, n=2)
+    assert [c.index for c in r.choices] == [0, 1]
+    single = [client.completions.create(model="tiny", prompt="def f", max_tokens=8, temperature=1, seed=11 + i)
+              for i in range(2)]
+    assert [c.text for c in r.choices] == [s.choices[0].text for s in single]
+    assert r.usage.prompt_tokens == single[0].usage.prompt_tokens
+    assert r.usage.completion_tokens == sum(s.usage.completion_tokens for s in single)
+    texts = {0: "", 1: ""}
+    for chunk in client.completions.create(model="tiny", prompt="def f", max_tokens=8, temperature=1, seed=11, n=2,
+                                           stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert [texts[0], texts[1]] == [c.text for c in r.choices]
+    chat = client.chat.completions.create(model="tiny", messages=USER, max_tokens=6, temperature=1, seed=3, n=2)
+    alone = client.chat.completions.create(model="tiny", messages=USER, max_tokens=6, temperature=1, seed=4)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[1].message.content == alone.choices[0].message.content

@@ -191,7 +191,9 @@ def test_demo_export_is_served(tmp_path, capsys):
     from dsv41_jax.serving.http.server import BackgroundServer
 
     assert main(["demo", "--out", str(tmp_path), "--steps", "10", "--time-budget", "60"]) in (0, 1)  # 10 steps may not learn
-    capsys.readouterr()
+    report = capsys.readouterr().out
+    assert report.startswith("dsv41 demo: starting")  # progress from the first second
+    assert f"dsv41 serve --checkpoint {tmp_path / 'served'}" in report and "curl http://127.0.0.1:8000" in report
     assert (tmp_path / "served" / "tokenizer.json").is_file()
     args = build_parser().parse_args(["serve", "--checkpoint", str(tmp_path / "served"), "--quiet", "--max-batch", "1"])
     app, worker, opts = load_server(args)
@@ -202,5 +204,16 @@ def test_demo_export_is_served(tmp_path, capsys):
                                            max_tokens=8, temperature=0)
         assert r.choices[0].finish_reason in ("stop", "length") and 1 <= r.usage.completion_tokens <= 8
         assert isinstance(r.choices[0].message.content, str)
+        # the served context holds a tools prompt and a thinking turn (it used to be 128 tokens: both refused)
+        assert opts.max_model_len == 8192
+        tools = [{"type": "function", "function": {"name": "get_weather", "description": "weather of a city",
+                                                    "parameters": {"type": "object",
+                                                                   "properties": {"city": {"type": "string"}}}}}]
+        r = client.chat.completions.create(model=opts.model_name, messages=[{"role": "user", "content": "weather?"}],
+                                           tools=tools, max_tokens=4, temperature=0)
+        assert r.usage.prompt_tokens > 1000 and r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        r = client.chat.completions.create(model=opts.model_name, messages=[{"role": "user", "content": "def "}],
+                                           reasoning_effort="high", max_tokens=4, temperature=0)
+        assert r.choices[0].finish_reason in ("stop", "length")
     finally:
         srv.close()

@@ -16,12 +16,24 @@ from dsv41_jax.cli.generate import InputError, _mesh_shardings
 
 
 def _byte_size(text: str) -> int:
+    """A positive byte count: 1073741824, 4G, 500M, 64KiB (binary units)."""
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
     t = text.strip().lower().removesuffix("b").removesuffix("i")
     try:
-        return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
-    except ValueError:
+        value = int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+    except (ValueError, OverflowError):
         raise argparse.ArgumentTypeError(f"expected a byte count such as 4G or 500M, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive byte count such as 4G or 500M, got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    """A TCP port, 1-65535 (the kernel would silently wrap a larger number)."""
+    value = positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 1-65535, got {value}")
+    return value
 
 
 def load_server(args):
@@ -54,7 +66,8 @@ def load_server(args):
                         max_model_len=cfg.max_seq_len, prefill_chunk=args.prefill_chunk,
                         exact_prefill=args.exact_prefill, max_queue=args.max_queue, api_key=args.api_key,
                         cache_dir=args.prefix_cache_dir, cache_bytes=args.prefix_cache_bytes,
-                        runtime=Runtime(mode=args.numerics, impl=args.impl), test_hooks=args.test_hooks)
+                        runtime=Runtime(mode=args.numerics, impl=args.impl),
+                        max_request_bytes=args.max_request_bytes)
     app, worker = build(model, tokenizer, opts)
     return app, worker, opts
 
@@ -81,7 +94,7 @@ def register(subparsers) -> None:
                                           "(docs/SERVING.md). Bad inputs exit with code 2.")
     s.add_argument("--checkpoint", required=True, metavar="DIR", help="HF or orbax checkpoint folder with tokenizer.json")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    s.add_argument("--port", type=_port, default=8000, help="port, 1-65535 (default 8000)")
     s.add_argument("--served-model-name", metavar="NAME", help="the model id clients send (default: the folder name)")
     s.add_argument("--max-batch", type=positive_int, default=4, help="concurrent sequences (engine slots, default 4)")
     s.add_argument("--max-model-len", type=positive_int, default=None, help="prompt + completion limit (default: the config's)")
@@ -95,7 +108,8 @@ def register(subparsers) -> None:
     s.add_argument("--prefix-cache-bytes", type=_byte_size, default=1 << 30,
                    help="byte budget of the conversation caches, LRU-evicted (default 1G)")
     s.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1/*")
-    s.add_argument("--test-hooks", action="store_true", help=argparse.SUPPRESS)
+    s.add_argument("--max-request-bytes", type=_byte_size, default=32 << 20,
+                   help="largest request body; a larger one gets HTTP 413 before it is read (default 32M)")
     s.add_argument("--json", action="store_true", help="print the start-up line as JSON")
     s.add_argument("--quiet", action="store_true", help="no progress bar or load summary on stderr")
     s.set_defaults(func=_cmd_serve)

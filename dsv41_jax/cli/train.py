@@ -136,11 +136,14 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_demo(args) -> int:
+    report = sys.stderr if args.json else sys.stdout
+    print("dsv41 demo: starting (loading JAX; the whole demo takes about 4 minutes on 2 CPU cores)", file=report,
+          flush=True)
     from dsv41_jax.train.demo import run_demo
 
     kw = {k: v for k, v in (("steps", args.steps), ("time_budget", args.time_budget)) if v is not None}
     if args.json:
-        kw["print_fn"] = lambda line: print(line, file=sys.stderr)
+        kw["print_fn"] = lambda line: print(line, file=sys.stderr, flush=True)
     try:
         summary = run_demo(args.out, seed=args.seed, **kw)
     except FileExistsError as e:

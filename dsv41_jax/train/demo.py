@@ -20,6 +20,14 @@ from dsv41_jax.train import data as D
 from dsv41_jax.train.optim import OptimConfig
 from dsv41_jax.train.step import TrainConfig
 
+# The context the exported checkpoint is served with: a tools prompt (about 1.1K byte tokens for one
+# tool) and a thinking turn fit. Training rows stay short; only the caches a server allocates grow.
+SERVE_CONTEXT = 8192
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)  # flushed: progress must show when the output is a pipe or a CI log
+
 
 def demo_config(tokenizer: D.ByteTokenizer, seq_len: int = 128) -> ModelConfig:
     """Every V4.1 layer role at toy size: SWA, Full ratio 2 (+Engram), Reuse, Full ratio 1
@@ -72,8 +80,18 @@ def format_figures(name: str, cfg: ModelConfig, context: int, figures: dict | No
             f"({100 * f['prefill_saving']:.0f}% saved)")
 
 
+def serve_hint(served_dir, context: int) -> str:
+    """What to run next: serve the exported checkpoint and send it a request."""
+    return (f"next: serve it ({context:,} tokens of context) with\n"
+            f"  dsv41 serve --checkpoint {served_dir}\n"
+            "and, from another shell, ask it something:\n"
+            "  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+            "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"def \"}], \"max_tokens\": 40}'")
+
+
 def run_demo(out_dir=None, *, steps: int = 50, batch_size: int = 8, seq_len: int = 128, time_budget: float = 90.0,
-             seed: int = 0, progress: bool = True, print_fn=print, sample_tokens: int = 64) -> dict:
+             seed: int = 0, progress: bool = True, print_fn=_say, sample_tokens: int = 64,
+             serve_context: int = SERVE_CONTEXT) -> dict:
     """The whole demo; returns a summary (losses, paths, sample text, figures, seconds).
 
     `time_budget` bounds the training steps after the first 10 (which include compiling the
@@ -101,7 +119,8 @@ def run_demo(out_dir=None, *, steps: int = 50, batch_size: int = 8, seq_len: int
     ckpt = Checkpointer(out / "checkpoints", keep=2)
     run = prepare(cfg, tcfg, checkpointer=ckpt)
     print_fn(f"model: tiny V4.1 ({cfg.n_layers} layers: " + ", ".join(f"{r.kind}" + (f"/r{r.ratio}" if r.ratio else "")
-                                                                  for r in cfg.roles) + "), QAT on, training ...")
+                                                                  for r in cfg.roles) + "), QAT on")
+    print_fn("compiling the QAT training step (about a minute on 2 CPU cores), then training, 10 steps a line ...")
     history = []
     deadline = None
     while run.step < steps:
@@ -124,7 +143,8 @@ def run_demo(out_dir=None, *, steps: int = 50, batch_size: int = 8, seq_len: int
              f"({run.step} steps; setup, compilation and the first 10: {t_compiled - t0:.0f}s, the rest: {t_trained - t_compiled:.0f}s); "
              f"orbax checkpoint in {ckpt.directory}")
 
-    served_dir = export_checkpoint(out / "served", cfg, run.master(), run.formats, tokenizer=tok)
+    served_dir = export_checkpoint(out / "served", cfg.replace(max_seq_len=serve_context), run.master(), run.formats,
+                                   tokenizer=tok)
     gen_cfg, model = load_exported(served_dir, cfg.replace(max_seq_len=2 * seq_len, max_batch_size=1))
     print_fn(f"exported FP8/FP4 checkpoint to {served_dir}; sampling from it:")
     prompt = "def "
@@ -139,8 +159,10 @@ def run_demo(out_dir=None, *, steps: int = 50, batch_size: int = 8, seq_len: int
     print_fn(format_figures("DeepSeek-V4.1-Flash", ModelConfig.v41_flash(), 131072, figures["v41_flash_128k"]))
     seconds = time.perf_counter() - t0
     print_fn(f"demo finished in {seconds:.0f}s")
+    print_fn(serve_hint(served_dir, serve_context))
     return {"first_ce": first, "last_ce": last, "steps": run.step, "out": str(out), "sample": text,
-            "checkpoint": str(ckpt.directory), "served": str(served_dir), "figures": figures, "seconds": seconds}
+            "checkpoint": str(ckpt.directory), "served": str(served_dir), "served_context": serve_context,
+            "figures": figures, "seconds": seconds}
 
 
 if __name__ == "__main__":

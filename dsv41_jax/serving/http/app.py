@@ -38,6 +38,7 @@ class ServerConfig:
     max_model_len: int
     api_key: str | None = None
     has_vision: bool = False
+    max_request_bytes: int = 32 << 20  # request bodies beyond this get a 413 before they are read whole
     test_hooks: bool = False  # accept the `dsv41_test` request field (forced tokens, faults); tests only
     conversations: object = None  # a ConversationStore, or None for no conversation caches
 
@@ -87,10 +88,27 @@ def _auth(cfg: ServerConfig, request: HTTPRequest):
                               "was started with (--api-key)")
 
 
-async def _body(request: HTTPRequest) -> dict:
-    raw = await request.body()
+def _too_large(n, limit: int) -> P.APIError:
+    return P.APIError(413, f"the request body has {n} bytes, over this server's limit of {limit} bytes "
+                           "(dsv41 serve --max-request-bytes)", kind="invalid_request_error")
+
+
+async def _body(request: HTTPRequest, limit: int) -> dict:
+    """The JSON object of the request, refused with 413 before it is read whole when it is over `limit`
+    bytes (by its Content-Length, or while it streams in); parsed off the event loop, so a large body
+    never stalls the other clients."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(f"more than {limit}", limit)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
-        body = json.loads(raw)
+        body = json.loads(raw) if size < (1 << 16) else await asyncio.to_thread(json.loads, raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise P.APIError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
@@ -98,10 +116,50 @@ async def _body(request: HTTPRequest) -> dict:
     return body
 
 
+def reply_control_ids(tokenizer) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(ids that end a reply, ids dropped from its text). A sampled turn marker (EOS, BOS, User,
+    Assistant, System) ends the reply with finish_reason "stop": the model has started another turn.
+    Every other special token but the reasoning markers (which the reply parser reads) is dropped
+    from the text, so control tokens never reach `content` (docs/SERVING.md "Control tokens")."""
+    ends = {tokenizer.eos_id}
+    for text in (st.BOS, st.USER, st.ASSISTANT, st.SYSTEM):
+        i = tokenizer.token_to_id(text)
+        if i is not None:
+            ends.add(i)
+    keep = {tokenizer.token_to_id(st.THINK_START), tokenizer.token_to_id(st.THINK_END)}
+    specials = tokenizer.backend_tokenizer.get_added_tokens_decoder()
+    dropped = {i for i, t in specials.items() if t.special and i not in keep and st.DSML not in t.content}
+    return tuple(sorted(ends)), tuple(sorted(dropped | ends))
+
+
+def _text_bytes(value) -> int:
+    """UTF-8 bytes of every string inside a JSON value (the text a prompt is made of)."""
+    if isinstance(value, str):
+        return len(value.encode("utf-8", "surrogatepass"))
+    if isinstance(value, dict):
+        return sum(_text_bytes(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_text_bytes(v) for v in value)
+    return 0
+
+
 def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
     app = FastAPI(title="dsv41 serve", docs_url=None, redoc_url=None)
     metrics = worker.metrics
-    eos = tokenizer.eos_id
+    end_ids, skip_ids = reply_control_ids(tokenizer)
+    # No vocabulary entry is longer than this many bytes (byte-level entries are longer than the bytes
+    # they decode to), so a text of more than max_model_len * this many bytes is over the limit for
+    # sure: refused before it is tokenized (a 50 MB prompt costs nothing). The factor 2 leaves room
+    # for a normalizer that shortens text before it is split.
+    max_token_bytes = max((len(t.encode("utf-8")) for t in tokenizer.backend_tokenizer.get_vocab(True)), default=1)
+    max_token_bytes = 2 * max(max_token_bytes, 4)  # byte-level pieces can decode to a whole UTF-8 character
+    test_fields = frozenset({"dsv41_test"}) if cfg.test_hooks else frozenset()
+
+    def _precheck(param: str, value):
+        n = _text_bytes(value)
+        if n > cfg.max_model_len * max_token_bytes:
+            raise P.APIError(400, f"the prompt's text has {n} bytes, more than the maximum model length "
+                                  f"{cfg.max_model_len} tokens can hold (at most {max_token_bytes} bytes a token); shorten it", param=param)
 
     @app.exception_handler(P.APIError)
     async def _api_error(request: HTTPRequest, e: P.APIError):
@@ -156,24 +214,32 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
         forced = tuple(extra.get("forced_tokens") or tokenizer.encode(extra.get("forced_text", "")))
         return forced, bool(extra.get("fail"))
 
-    def _start(body: dict, prompt: list[int], sp: P.Sampling, mode: P.ChatMode | None) -> _Run:
+    def _start(body: dict, prompt: list[int], sp: P.Sampling, mode: P.ChatMode | None) -> list[_Run]:
+        """Submit one engine request per choice (`n`); each holds a slot, so n is at most the batch."""
         max_tokens = _limits(prompt, sp)
-        params = SamplingParams(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=sp.seed,
-                                max_tokens=max_tokens, stop_tokens=(eos,))
+        if len(sp.seeds) > worker.engine.slots:
+            raise P.bad("n", f"{len(sp.seeds)} choices need {len(sp.seeds)} batch slots at once; this server has "
+                             f"{worker.engine.slots} (dsv41 serve --max-batch)")
         forced, fail = _test_fields(body)
-        req = Request(list(prompt), params, request_id=f"cmpl-{uuid.uuid4().hex[:24]}", want_logprobs=sp.logprobs,
-                      forced_tokens=forced)
         loop = asyncio.get_running_loop()
-        job = Job(req, loop, asyncio.Queue(), fail_in_engine=fail)
-        run = _Run(len(prompt), job)
-        if cfg.conversations is not None:
-            cfg.conversations.attach(job, thinking=bool(mode and mode.thinking), chat=mode is not None)
+        runs = []
         try:
-            worker.submit(job)
+            for seed in sp.seeds:
+                params = SamplingParams(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=seed,
+                                        max_tokens=max_tokens, stop_tokens=end_ids)
+                req = Request(list(prompt), params, request_id=f"cmpl-{uuid.uuid4().hex[:24]}",
+                              want_logprobs=sp.logprobs, forced_tokens=forced)
+                job = Job(req, loop, asyncio.Queue(), fail_in_engine=fail)
+                if cfg.conversations is not None:
+                    cfg.conversations.attach(job, thinking=bool(mode and mode.thinking), chat=mode is not None)
+                worker.submit(job)
+                runs.append(_Run(len(prompt), job))
         except QueueFull as e:
+            for run in runs:
+                worker.cancel(run.job.request.request_id)
             raise P.APIError(429, f"the server is at capacity: {e}; retry after {RETRY_AFTER_S} s",
                              headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        return run
+        return runs
 
     def _lp_entry(tok: int, lp, top: int) -> dict:
         def item(i):
@@ -192,7 +258,7 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
 
     async def _events(run: _Run, sp: P.Sampling, request: HTTPRequest, streaming: bool):
         """Text pieces of the reply as they become certain, then sets run.finish."""
-        stream = TextStream(tokenizer, skip_ids=[eos])
+        stream = TextStream(tokenizer, skip_ids=skip_ids)
         stops = _Stops(sp.stop)
         rid = run.job.request.request_id
         try:
@@ -203,7 +269,7 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
                 if ev[0] == "token":
                     _, tok, lp = ev
                     run.tokens.append(tok)
-                    if sp.logprobs and lp is not None and tok != eos:
+                    if sp.logprobs and lp is not None and tok not in end_ids:
                         run.logprobs.append(_lp_entry(tok, lp, sp.top_logprobs))
                     text, hit = stops.push(stream.push(tok))
                     if text:
@@ -242,10 +308,77 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
         if run.first[0] == "error":
             raise P.APIError(run.first[1], run.first[2])
 
-    def _usage(run: _Run) -> dict:
-        return {"prompt_tokens": run.prompt_len, "completion_tokens": len(run.tokens),
-                "total_tokens": run.prompt_len + len(run.tokens),
-                "prompt_tokens_details": {"cached_tokens": run.cached}}
+    async def _first_all(runs: list[_Run], request: HTTPRequest):
+        try:
+            for run in runs:
+                await _first(run, request)
+        except BaseException:
+            for run in runs:  # a refused choice refuses the request: free the others' slots
+                worker.cancel(run.job.request.request_id)
+            raise
+
+    def _usage(runs: list[_Run]) -> dict:
+        """The prompt counts once however many choices were drawn from it (as OpenAI counts it)."""
+        prompt, generated = runs[0].prompt_len, sum(len(r.tokens) for r in runs)
+        return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
+                "prompt_tokens_details": {"cached_tokens": runs[0].cached}}
+
+    async def _collect(runs: list[_Run], sp: P.Sampling, request: HTTPRequest) -> list[list[str]]:
+        """Every choice's text pieces, the choices running concurrently; one failing cancels the others."""
+        async def one(run):
+            return [t async for t in _events(run, sp, request, False)]
+        tasks = [asyncio.create_task(one(r)) for r in runs]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _merged(runs: list[_Run], sp: P.Sampling, request: HTTPRequest):
+        """(choice index, text piece) as the choices produce them, then (index, None) when one ends."""
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, run):
+            try:
+                async for text in _events(run, sp, request, True):
+                    await q.put((i, text))
+                await q.put((i, None))
+            except P.APIError as e:
+                await q.put((i, e))
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(runs)]
+        try:
+            left = len(runs)
+            while left:
+                i, item = await q.get()
+                if isinstance(item, P.APIError):
+                    raise item
+                left -= item is None
+                yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def _stream(request: HTTPRequest, runs: list[_Run], sp: P.Sampling, choices: list, head: dict):
+        """The one SSE loop of both endpoints: each choice object turns text into its chunk entries
+        (`opening`, `piece(text)`, `closing()`)."""
+        async def gen():
+            try:
+                opening = [o for o in (c.opening() for c in choices) if o is not None]
+                if opening:
+                    yield _sse({**head, "choices": opening})
+                async for i, text in _merged(runs, sp, request):
+                    entry = choices[i].piece(text) if text is not None else choices[i].closing()
+                    if entry is not None:
+                        yield _sse({**head, "choices": [entry]})
+                if sp.include_usage:
+                    yield _sse({**head, "choices": [], "usage": _usage(runs)})
+                metrics.requests.labels(request.url.path, "200").inc()
+            except P.APIError as e:
+                metrics.requests.labels(request.url.path, str(e.status)).inc()
+                yield _sse(e.body())
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
 
     def _sse(obj) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
@@ -254,21 +387,41 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: HTTPRequest):
         _auth(cfg, request)
-        body = await _body(request)
+        body = await _body(request, cfg.max_request_bytes)
+        P.check_fields(body, chat=True, extra=test_fields)
         _check_model(body)
         messages = body.get("messages")
         P.check_images(messages, cfg.has_vision)
         mode = P.chat_mode(body)
         sp = P.sampling_fields(body, chat=True)
-        try:
-            prompt = encode_chat_ids(tokenizer, messages, thinking=mode.thinking, effort=mode.effort, tools=mode.tools)
+        _precheck("messages", messages)
+        try:  # off the event loop: a long conversation must not stall the other clients
+            prompt = await asyncio.to_thread(encode_chat_ids, tokenizer, messages, thinking=mode.thinking,
+                                             effort=mode.effort, tools=mode.tools)
         except (ValueError, TypeError) as e:
             raise P.APIError(400, f"messages: {e}", param="messages") from None
-        run = _start(body, prompt, sp, mode)
-        created, cid = int(time.time()), run.job.request.request_id.replace("cmpl-", "chatcmpl-")
-        parser = ReplyParser(thinking=mode.thinking, tools=mode.parse_tools)
+        runs = _start(body, prompt, sp, mode)
+        created, cid = int(time.time()), runs[0].job.request.request_id.replace("cmpl-", "chatcmpl-")
+        choices = [_ChatChoice(i, run, mode, sp) for i, run in enumerate(runs)]
+        if sp.stream:
+            await _first_all(runs, request)
+            head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": cfg.model_name}
+            return _stream(request, runs, sp, choices, head)
+        texts = await _collect(runs, sp, request)
+        metrics.requests.labels(request.url.path, "200").inc()
+        return {"id": cid, "object": "chat.completion", "created": created, "model": cfg.model_name,
+                "choices": [c.whole(t) for c, t in zip(choices, texts)], "usage": _usage(runs)}
 
-        def delta_dict(d) -> dict:
+    class _ChatChoice:
+        """One chat choice: reasoning / content / tool calls split by its own ReplyParser."""
+
+        def __init__(self, index: int, run: _Run, mode: P.ChatMode, sp: P.Sampling):
+            self.index, self.run, self.mode, self.sp = index, run, mode, sp
+            self.parser = ReplyParser(thinking=mode.thinking, tools=mode.parse_tools)
+            self.calls, self.sent_lp = [], 0
+
+        @staticmethod
+        def _delta(d) -> dict:
             out = {}
             if d.reasoning:
                 out["reasoning_content"] = out["reasoning"] = d.reasoning
@@ -278,57 +431,42 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
                 out["tool_calls"] = [_call(c) for c in d.tool_calls]
             return out
 
-        def finish_reason(calls) -> str:
-            return "tool_calls" if calls else ("length" if run.finish == "length" else "stop")
+        def _finish_reason(self) -> str:
+            return "tool_calls" if self.calls else ("length" if self.run.finish == "length" else "stop")
 
-        if sp.stream:
-            await _first(run, request)
+        def _lp(self):
+            lp = {"content": self.run.logprobs[self.sent_lp:]} if self.sp.logprobs else None
+            self.sent_lp = len(self.run.logprobs)
+            return lp
 
-            async def gen():
-                head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": cfg.model_name}
-                yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                 "logprobs": None, "finish_reason": None}]})
-                calls, sent_lp = [], 0
-                try:
-                    async for text in _events(run, sp, request, True):
-                        d = parser.feed(text)
-                        calls += d.tool_calls
-                        if d:
-                            lp = _chunk_lp(run, sent_lp)
-                            sent_lp = len(run.logprobs)
-                            yield _sse({**head, "choices": [{"index": 0, "delta": delta_dict(d), "logprobs": lp,
-                                                             "finish_reason": None}]})
-                    d = parser.finish()
-                    calls += d.tool_calls
-                    yield _sse({**head, "choices": [{"index": 0, "delta": delta_dict(d),
-                                                     "logprobs": _chunk_lp(run, sent_lp),
-                                                     "finish_reason": finish_reason(calls)}]})
-                    if sp.include_usage:
-                        yield _sse({**head, "choices": [], "usage": _usage(run)})
-                    metrics.requests.labels(request.url.path, "200").inc()
-                except P.APIError as e:
-                    metrics.requests.labels(request.url.path, str(e.status)).inc()
-                    yield _sse(e.body())
-                yield "data: [DONE]\n\n"
+        def opening(self) -> dict:
+            return {"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None}
 
-            return StreamingResponse(gen(), media_type="text/event-stream")
+        def piece(self, text: str) -> dict | None:
+            d = self.parser.feed(text)
+            self.calls += d.tool_calls
+            if not d:
+                return None
+            return {"index": self.index, "delta": self._delta(d), "logprobs": self._lp(), "finish_reason": None}
 
-        pieces = [parser.feed(t) async for t in _events(run, sp, request, False)] + [parser.finish()]
-        reasoning = "".join(d.reasoning for d in pieces)
-        calls = [c for d in pieces for c in d.tool_calls]
-        message = {"role": "assistant", "content": "".join(d.content for d in pieces) or (None if calls else "")}
-        if mode.thinking:
-            message["reasoning_content"] = message["reasoning"] = reasoning
-        if calls:
-            message["tool_calls"] = [_call(c) for c in calls]
-        choice = {"index": 0, "message": message, "finish_reason": finish_reason(calls),
-                  "logprobs": {"content": run.logprobs} if sp.logprobs else None}
-        metrics.requests.labels(request.url.path, "200").inc()
-        return {"id": cid, "object": "chat.completion", "created": created, "model": cfg.model_name,
-                "choices": [choice], "usage": _usage(run)}
+        def closing(self) -> dict:
+            d = self.parser.finish()
+            self.calls += d.tool_calls
+            return {"index": self.index, "delta": self._delta(d), "logprobs": self._lp(),
+                    "finish_reason": self._finish_reason()}
 
-    def _chunk_lp(run: _Run, start: int):
-        return {"content": run.logprobs[start:]} if run.job.request.want_logprobs else None
+        def whole(self, texts: list[str]) -> dict:
+            pieces = [self.parser.feed(t) for t in texts] + [self.parser.finish()]
+            self.calls = [c for d in pieces for c in d.tool_calls]
+            message = {"role": "assistant",
+                       "content": "".join(d.content for d in pieces) or (None if self.calls else "")}
+            if self.mode.thinking:
+                message["reasoning_content"] = message["reasoning"] = "".join(d.reasoning for d in pieces)
+            if self.calls:
+                message["tool_calls"] = [_call(c) for c in self.calls]
+            return {"index": self.index, "message": message, "finish_reason": self._finish_reason(),
+                    "logprobs": {"content": self.run.logprobs} if self.sp.logprobs else None}
 
     def _call(c) -> dict:
         return {"index": c.index, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
@@ -338,7 +476,8 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest):
         _auth(cfg, request)
-        body = await _body(request)
+        body = await _body(request, cfg.max_request_bytes)
+        P.check_fields(body, chat=False, extra=test_fields)
         _check_model(body)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -346,48 +485,54 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
         if isinstance(prompt, str):
             if not prompt:
                 raise P.bad("prompt", "is empty")
-            ids = tokenizer.encode(prompt)
+            _precheck("prompt", prompt)
+            ids = await asyncio.to_thread(tokenizer.encode, prompt)
             ids = ids if ids[:1] == [tokenizer.bos_id] else [tokenizer.bos_id] + ids
         elif isinstance(prompt, list) and prompt and all(P._is_int(t) for t in prompt):
             ids = [int(t) for t in prompt]
+            vocab = worker.engine.cfg.vocab_size
+            wrong = next((t for t in ids if not 0 <= t < vocab), None)
+            if wrong is not None:
+                raise P.bad("prompt", f"token id {wrong} is outside the model's vocabulary [0, {vocab})")
         else:
             raise P.bad("prompt", f"expected a string or a list of token ids, got {prompt!r:.80} (one prompt per request)")
         sp = P.sampling_fields(body, chat=False)
-        run = _start(body, ids, sp, None)
-        created, cid = int(time.time()), run.job.request.request_id
+        runs = _start(body, ids, sp, None)
+        created, cid = int(time.time()), runs[0].job.request.request_id
+        choices = [_TextChoice(i, run, sp) for i, run in enumerate(runs)]
+        if sp.stream:
+            await _first_all(runs, request)
+            head = {"id": cid, "object": "text_completion", "created": created, "model": cfg.model_name}
+            return _stream(request, runs, sp, choices, head)
+        texts = await _collect(runs, sp, request)
+        metrics.requests.labels(request.url.path, "200").inc()
+        return {"id": cid, "object": "text_completion", "created": created, "model": cfg.model_name,
+                "choices": [c.whole(t) for c, t in zip(choices, texts)], "usage": _usage(runs)}
 
-        def lp_block(entries):
+    class _TextChoice:
+        """One completions choice: the text as it comes, with logprobs in the legacy block shape."""
+
+        def __init__(self, index: int, run: _Run, sp: P.Sampling):
+            self.index, self.run, self.sp, self.sent = index, run, sp, 0
+
+        def _lp(self):
+            if not self.sp.logprobs:
+                return None
+            entries, self.sent = self.run.logprobs[self.sent:], len(self.run.logprobs)
             return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
                     "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries]}
 
-        if sp.stream:
-            await _first(run, request)
+        def opening(self):
+            return None
 
-            async def gen():
-                head = {"id": cid, "object": "text_completion", "created": created, "model": cfg.model_name}
-                sent = 0
-                try:
-                    async for text in _events(run, sp, request, True):
-                        lp = lp_block(run.logprobs[sent:]) if sp.logprobs else None
-                        sent = len(run.logprobs)
-                        yield _sse({**head, "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": None}]})
-                    yield _sse({**head, "choices": [{"index": 0, "text": "", "finish_reason": run.finish,
-                                                     "logprobs": lp_block(run.logprobs[sent:]) if sp.logprobs else None}]})
-                    if sp.include_usage:
-                        yield _sse({**head, "choices": [], "usage": _usage(run)})
-                    metrics.requests.labels(request.url.path, "200").inc()
-                except P.APIError as e:
-                    metrics.requests.labels(request.url.path, str(e.status)).inc()
-                    yield _sse(e.body())
-                yield "data: [DONE]\n\n"
+        def piece(self, text: str) -> dict:
+            return {"index": self.index, "text": text, "logprobs": self._lp(), "finish_reason": None}
 
-            return StreamingResponse(gen(), media_type="text/event-stream")
+        def closing(self) -> dict:
+            return {"index": self.index, "text": "", "finish_reason": self.run.finish, "logprobs": self._lp()}
 
-        text = "".join([t async for t in _events(run, sp, request, False)])
-        metrics.requests.labels(request.url.path, "200").inc()
-        return {"id": cid, "object": "text_completion", "created": created, "model": cfg.model_name,
-                "choices": [{"index": 0, "text": text, "finish_reason": run.finish,
-                             "logprobs": lp_block(run.logprobs) if sp.logprobs else None}],
-                "usage": _usage(run)}
+        def whole(self, texts: list[str]) -> dict:
+            return {"index": self.index, "text": "".join(texts), "finish_reason": self.run.finish,
+                    "logprobs": self._lp()}
 
     return app

@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import os
 import pathlib
+import re
+import sys
 import traceback
 
 import numpy as np
@@ -33,6 +36,7 @@ from dsv41_jax.serving.engine import Request
 
 SUFFIX = ".dsv41"
 BLOCK = 16
+_TMP = re.compile(r"^\..+\.tmp-(\d+)-[0-9a-f]+$")  # checkpoint.atomic's temporary names
 
 
 def _chain(tokens, block: int = BLOCK) -> list[str]:
@@ -55,12 +59,33 @@ class ConversationStore:
         self.files: collections.OrderedDict[pathlib.Path, tuple[np.ndarray, int]] = collections.OrderedDict()
         self.index: dict[tuple[int, str], set[pathlib.Path]] = collections.defaultdict(set)
         self.pinned: collections.Counter = collections.Counter()  # files queued requests resume from
-        for f in sorted(self.folder.glob("*" + SUFFIX), key=lambda p: p.stat().st_mtime):
+        self.orphans_removed = self._remove_orphans()
+        for f in sorted(self.folder.glob("[!.]*" + SUFFIX), key=lambda p: p.stat().st_mtime):
             try:
                 self._add(f, prefix_cache.read_tokens(f))
             except (prefix_cache.PrefixCacheError, OSError, ValueError):
                 f.unlink(missing_ok=True)  # unreadable leftovers are recomputed when needed
         self._evict()
+
+    def _remove_orphans(self) -> int:
+        """Delete what a killed server left behind: `.pending-*` files of requests that never finished
+        and the atomic writer's temporary files (`.NAME.tmp-PID-*`) whose process is gone. They are
+        outside the byte budget, so without this they would stay forever. Returns how many."""
+        from dsv41_jax.checkpoint.atomic import _pid_alive
+
+        removed = 0
+        for p in self.folder.iterdir():
+            m = _TMP.match(p.name)
+            stale = p.name.startswith(".pending-") and m is None or (
+                m is not None and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))))
+            if stale and p.is_file():
+                p.unlink(missing_ok=True)
+                removed += 1
+        if removed:
+            print(f"dsv41 serve: removed {removed} unfinished conversation-cache file(s) left in {self.folder} "
+                  "by a server that stopped mid-write", file=sys.stderr)
+        self.metrics.cache_orphans.inc(removed)
+        return removed
 
     # ------------------------------------------------------------------ bookkeeping
     def _add(self, path: pathlib.Path, tokens: np.ndarray):

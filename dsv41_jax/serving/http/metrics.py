@@ -31,6 +31,8 @@ class Metrics:
                                      registry=r)
         self.cache_bytes = Gauge("dsv41_prefix_cache_bytes", "bytes of conversation cache files on disk", registry=r)
         self.cache_files = Gauge("dsv41_prefix_cache_files", "conversation cache files on disk", registry=r)
+        self.cache_orphans = Counter("dsv41_prefix_cache_orphans_removed",
+                                     "unfinished cache files of a stopped server, removed at start", registry=r)
         self.engine_errors = Counter("dsv41_engine_errors", "engine steps that failed (their requests got 500)",
                                      registry=r)
 

@@ -2,12 +2,18 @@
 
 Validation is by hand rather than through pydantic models so that every refusal says, in
 OpenAI's `{"error": {"message", "type", "param", "code"}}` shape, which field was wrong, the value
-and what is accepted. Unknown fields are ignored, as OpenAI's server does.
+and what is accepted.
+
+The field policy (docs/SERVING.md "Request fields"): every field is honoured, or refused with a
+400, or, only when it cannot change the output (`user`, `metadata`, `store`, ...), accepted and
+ignored. A field this server does not know is refused too, as OpenAI's own API does
+("Unrecognized request argument supplied"), so a typo never silently changes nothing.
 """
 from __future__ import annotations
 
 import dataclasses
 import numbers
+import secrets
 from collections.abc import Mapping
 
 from dsv41_jax.text.chat import DEFAULT_EFFORT_TABLE, EFFORT_MAX, EFFORT_MIN
@@ -56,7 +62,7 @@ class Sampling:
     temperature: float
     top_p: float
     top_k: int
-    seed: int
+    seeds: tuple[int, ...]  # one per choice (n)
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
@@ -64,13 +70,60 @@ class Sampling:
     top_logprobs: int
 
 
+INT32_MAX = 2**31 - 1
+MAX_N = 128  # choices per request; each takes an engine slot, so the server also checks n <= --max-batch
+
+# Fields that cannot change the output: accepted and ignored (docs/SERVING.md lists them).
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
+_SAMPLING = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n",
+             "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"}
+CHAT_FIELDS = _SAMPLING | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                           "parallel_tool_calls", "reasoning_effort", "chat_template_kwargs", "response_format"}
+COMPLETION_FIELDS = _SAMPLING | {"prompt", "echo", "suffix", "best_of"}
+# Fields that select behaviour this server does not have yet: refused unless they ask for the default.
+# (value is the default, which is accepted)
+_NOT_YET = {
+    "presence_penalty": (0, "presence penalties are not applied by this server yet; leave presence_penalty at 0"),
+    "frequency_penalty": (0, "frequency penalties are not applied by this server yet; leave frequency_penalty at 0"),
+    "repetition_penalty": (1, "repetition penalties are not applied by this server yet; leave repetition_penalty at 1"),
+    "logit_bias": ({}, "logit_bias is not applied by this server yet; send an empty object or leave it out"),
+    "response_format": ({"type": "text"}, "structured output (json_object / json_schema) is not constrained by this "
+                                          "server yet; send {'type': 'text'} or leave response_format out"),
+    "parallel_tool_calls": (True, "parallel_tool_calls=false cannot be enforced by this server yet (the model may "
+                                  "emit several calls); leave it out or true"),
+    "echo": (False, "echo (the prompt's own logprobs) is not served yet; leave echo out or false"),
+    "suffix": ("", "suffix (fill-in-the-middle) is not supported by this model's completions; leave it out"),
+    "best_of": (1, "best_of > 1 is not served; send best_of 1 or leave it out"),
+}
+
+
+def check_fields(body: Mapping, *, chat: bool, extra: frozenset = frozenset()) -> None:
+    """Refuse unknown fields and fields whose behaviour is not served (the field policy above).
+    `extra`: fields a caller adds (the tests' `dsv41_test`)."""
+    known = (CHAT_FIELDS if chat else COMPLETION_FIELDS) | IGNORED_FIELDS | extra
+    unknown = sorted(k for k in body if k not in known)
+    if unknown:
+        other = COMPLETION_FIELDS if chat else CHAT_FIELDS
+        hint = (f" ({unknown[0]!r} belongs to {'/v1/completions' if chat else '/v1/chat/completions'})"
+                if unknown[0] in other else "")
+        raise bad(unknown[0], f"unrecognized request field{hint}; the fields this endpoint takes are listed in "
+                              "docs/SERVING.md \"Request fields\"")
+    for key, (default, why) in _NOT_YET.items():
+        v = body.get(key)
+        if v is None or v == default or (key == "response_format" and isinstance(v, Mapping) and v.get("type") == "text"):
+            continue
+        if key in ("presence_penalty", "frequency_penalty", "repetition_penalty") and not _is_num(v):
+            raise bad(key, f"expected a number, got {type(v).__name__} {v!r:.80}")
+        raise bad(key, f"{why} (got {v!r:.80})")
+
+
 def sampling_fields(body: Mapping, *, chat: bool) -> Sampling:
     max_tokens = _get(body, "max_tokens", _is_int, "an integer")
     if chat:
         alt = _get(body, "max_completion_tokens", _is_int, "an integer")
         max_tokens = alt if alt is not None else max_tokens
-    if max_tokens is not None and max_tokens < 1:
-        raise bad("max_tokens", f"must be >= 1, got {max_tokens}")
+    if max_tokens is not None and not 1 <= max_tokens <= INT32_MAX:
+        raise bad("max_tokens", f"must be in [1, {INT32_MAX}], got {max_tokens}")
     temperature = float(_get(body, "temperature", _is_num, "a number", 1.0))
     if not 0 <= temperature <= 2:
         raise bad("temperature", f"must be in [0, 2], got {temperature}")
@@ -78,11 +131,19 @@ def sampling_fields(body: Mapping, *, chat: bool) -> Sampling:
     if not 0 < top_p <= 1:
         raise bad("top_p", f"must be in (0, 1], got {top_p}")
     top_k = _get(body, "top_k", _is_int, "an integer", 0)
-    if top_k < -1:
-        raise bad("top_k", f"must be >= 0 (0 or -1 = off), got {top_k}")
-    seed = _get(body, "seed", _is_int, "an integer", 0)
-    if not 0 <= seed < 2**32:
+    if not -1 <= top_k <= INT32_MAX:  # the engine's per-slot arrays are int32
+        raise bad("top_k", f"must be in [-1, {INT32_MAX}] (0 or -1 = off; a value >= the vocabulary is off too), "
+                           f"got {top_k}")
+    n = _get(body, "n", _is_int, "an integer", 1)
+    if not 1 <= n <= MAX_N:
+        raise bad("n", f"must be in [1, {MAX_N}], got {n}")
+    seed = _get(body, "seed", _is_int, "an integer")
+    if seed is None:  # fresh draws: without a seed, two samples must not be the same sample
+        seeds = tuple(secrets.randbits(32) for _ in range(n))
+    elif not 0 <= seed < 2**32:
         raise bad("seed", f"must be in [0, 2**32), got {seed}")
+    else:  # choice i samples as a request with seed + i would
+        seeds = tuple((seed + i) % 2**32 for i in range(n))
     stop = body.get("stop")
     if stop is None:
         stop = ()
@@ -97,9 +158,6 @@ def sampling_fields(body: Mapping, *, chat: bool) -> Sampling:
     include_usage = opts.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise bad("stream_options.include_usage", f"expected true or false, got {include_usage!r}")
-    n = _get(body, "n", _is_int, "an integer", 1)
-    if n != 1:
-        raise bad("n", f"only n=1 is supported, got {n}; send separate requests (with different seeds) instead")
     if chat:
         logprobs = _get(body, "logprobs", lambda v: isinstance(v, bool), "true or false", False)
         top = _get(body, "top_logprobs", _is_int, "an integer", 0)
@@ -113,7 +171,7 @@ def sampling_fields(body: Mapping, *, chat: bool) -> Sampling:
         top = top or 0
         if not 0 <= top <= 20:
             raise bad("logprobs", f"must be in 0-20, got {top}")
-    return Sampling(max_tokens, temperature, top_p, max(top_k, 0), seed, stop, stream, include_usage, logprobs, top)
+    return Sampling(max_tokens, temperature, top_p, max(top_k, 0), seeds, stop, stream, include_usage, logprobs, top)
 
 
 @dataclasses.dataclass
@@ -160,12 +218,17 @@ def chat_mode(body: Mapping) -> ChatMode:
 
 
 def check_images(messages, has_vision: bool):
-    """An image content block is refused unless the checkpoint has a vision tower."""
-    if has_vision or not isinstance(messages, list):
+    """Image content blocks are refused: the serving engine does not pass images yet (docs/VISION.md).
+    The message says which of the two reasons holds, so a user with a vision checkpoint is not told it has none."""
+    if not isinstance(messages, list):
         return
     for i, msg in enumerate(messages):
         content = msg.get("content") if isinstance(msg, Mapping) else None
         if isinstance(content, list):
             for part in content:
                 if isinstance(part, Mapping) and part.get("type") in ("image_url", "image", "input_image"):
-                    raise bad(f"messages[{i}].content", "images are not supported: this checkpoint has no vision tower")
+                    why = ("this server does not pass images to the model yet: the checkpoint has a vision tower, but "
+                           "the serving engine runs text only (docs/VISION.md); send text only" if has_vision else
+                           "images are not supported: this checkpoint has no vision tower (or was loaded with "
+                           "--language-model-only)")
+                    raise bad(f"messages[{i}].content", why)

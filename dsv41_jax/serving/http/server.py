@@ -32,7 +32,8 @@ class ServeOptions:
     cache_dir: str | None = None
     cache_bytes: int = 1 << 30
     runtime: Runtime = Runtime()
-    test_hooks: bool = False
+    max_request_bytes: int = 32 << 20
+    test_hooks: bool = False  # tests build the app with this; no `dsv41 serve` flag sets it
 
 
 def banned_ids(cfg, tokenizer) -> list[int]:
@@ -62,7 +63,8 @@ def build(model, tokenizer, opts: ServeOptions):
 
         conversations = ConversationStore(opts.cache_dir, opts.cache_bytes, engine, metrics)
     scfg = ServerConfig(opts.model_name, max_len, api_key=opts.api_key, test_hooks=opts.test_hooks,
-                        conversations=conversations)
+                        conversations=conversations, has_vision=bool(getattr(cfg, "vision_enabled", False)),
+                        max_request_bytes=opts.max_request_bytes)
     app = build_app(worker, tokenizer, scfg)
     app.state.conversations = conversations
     return app, worker
