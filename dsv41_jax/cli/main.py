@@ -25,10 +25,30 @@ def _cmd_info(args) -> int:
     return 0
 
 
+def _default_golden_dir():
+    """$DSV41_GOLDEN_DIR, else the small subset this repository ships (golden_subset/, next to the package
+    in a clone or an editable install), else None."""
+    import os
+    import pathlib
+
+    if os.environ.get("DSV41_GOLDEN_DIR"):
+        return pathlib.Path(os.environ["DSV41_GOLDEN_DIR"])
+    shipped = pathlib.Path(__file__).resolve().parents[2] / "golden_subset"
+    return shipped if shipped.is_dir() else None
+
+
 def _cmd_golden_check(args) -> int:
     import pathlib
 
-    root = pathlib.Path(args.dir)
+    if args.dir is None:
+        root = _default_golden_dir()
+        if root is None:
+            print("dsv41 golden-check: name a golden folder (the full set is ../shared/golden next to a clone; a "
+                  "clone ships golden_subset/) or set DSV41_GOLDEN_DIR", file=sys.stderr)
+            return 2
+        print(f"dsv41 golden-check: checking {root}", file=sys.stderr)
+    else:
+        root = pathlib.Path(args.dir)
     if not root.is_dir():
         print(f"dsv41 golden-check: {root} is not a folder", file=sys.stderr)
         return 2
@@ -62,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_cmd_info)
 
     s = sub.add_parser("golden-check", help="compare the model with a folder of reference outputs")
-    s.add_argument("dir", help="golden root folder (config folders with cases.json, optional quant vectors)")
+    s.add_argument("dir", nargs="?", help="golden root folder (config folders with cases.json, optional quant "
+                                          "vectors); default: $DSV41_GOLDEN_DIR, else the repository's golden_subset/")
     s.add_argument("--json", action="store_true", help="print only {\"cases\": [...]} on stdout")
     s.add_argument("--impl", choices=["xla", "pallas"], default="xla", help="attention/MoE implementation (pallas runs interpreted on CPU)")
     s.add_argument("--only", action="append", metavar="NAME", help="check only this config folder ('quant' for the vectors); repeatable")
