@@ -520,3 +520,63 @@ def test_n_choices_each_equal_a_single_request_with_its_seed(server, client):
     alone = client.chat.completions.create(model="tiny", messages=USER, max_tokens=6, temperature=1, seed=4)
     assert [c.index for c in chat.choices] == [0, 1]
     assert chat.choices[1].message.content == alone.choices[0].message.content
+
+
+# ------------------------------------------------------------------------------ OpenAPI and fuzzing
+def test_openapi_describes_every_request_body(server):
+    """Every POST endpoint has a request-body schema, and it names exactly the fields the validator takes
+    (so the schema cannot drift from `protocol.py`)."""
+    from dsv41_jax.serving.http import protocol as P
+
+    spec = httpx.get(server.url + "/openapi.json").json()
+    posts = {path: ops["post"] for path, ops in spec["paths"].items() if "post" in ops}
+    assert set(posts) >= {"/v1/chat/completions", "/v1/completions"}
+    for path, op in posts.items():
+        schema = op["requestBody"]["content"]["application/json"]["schema"]
+        fields = P.CHAT_FIELDS if path.endswith("chat/completions") else P.COMPLETION_FIELDS
+        assert set(schema["properties"]) == fields | P.IGNORED_FIELDS, path
+        assert schema["additionalProperties"] is False and "400" in op["responses"]
+
+
+def _fuzz(server, examples: int):
+    """schemathesis requests (schema-conforming and schema-violating) against the real server: no 5xx, every
+    error in OpenAI's shape, no hang (each call has a timeout), and the server still answers afterwards.
+    Generated bodies keep their fields, but max_tokens is capped at 3 and `stream` is off so that a
+    generated 2048-token request does not turn the run into a benchmark."""
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+
+    schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
+    seen = {}
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
+            @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+                      suppress_health_check=list(HealthCheck))
+            @given(case=schema[path]["POST"].as_strategy(generation_mode=mode))
+            def run(case):
+                if isinstance(case.body, dict):
+                    if not isinstance(case.body.get("max_tokens"), int) or case.body["max_tokens"] > 3:
+                        case.body["max_tokens"] = 3
+                    case.body.pop("max_completion_tokens", None)
+                    case.body["stream"] = False
+                    if mode == schemathesis.GenerationMode.POSITIVE:
+                        case.body.pop("model", None)  # a random model name is a 400; let the rest be served
+                r = case.call(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+                seen[r.status_code] = seen.get(r.status_code, 0) + 1
+                assert r.status_code < 500, (case.body, r.text)
+                if r.status_code >= 400:
+                    err = r.json()["error"]
+                    assert isinstance(err["message"], str) and err["code"] == r.status_code
+            run()
+    assert httpx.get(server.url + "/health").status_code == 200
+    return seen
+
+
+def test_fuzzed_requests_never_fail_the_server(server):
+    seen = _fuzz(server, examples=12)
+    assert seen.get(400, 0) > 0  # the generator reached the validator
+
+
+@pytest.mark.slow
+def test_fuzzed_requests_never_fail_the_server_many(server):
+    _fuzz(server, examples=300)

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from dsv41_jax.serving.engine import Request
 from dsv41_jax.serving.generate import TextStream
 from dsv41_jax.serving.http import protocol as P
+from dsv41_jax.serving.http import schema as S
 from dsv41_jax.serving.http.worker import EngineWorker, Job, QueueFull
 from dsv41_jax.serving.sampling import SamplingParams
 from dsv41_jax.text import special_tokens as st
@@ -384,7 +385,7 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
     # ------------------------------------------------------------------ chat
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=S.route(S.CHAT_REQUEST, S.CHAT_RESPONSE))
     async def chat(request: HTTPRequest):
         _auth(cfg, request)
         body = await _body(request, cfg.max_request_bytes)
@@ -473,7 +474,7 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
                 "function": {"name": c.name, "arguments": c.arguments}}
 
     # ------------------------------------------------------------------ completions
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=S.route(S.COMPLETION_REQUEST, S.COMPLETION_RESPONSE))
     async def completions(request: HTTPRequest):
         _auth(cfg, request)
         body = await _body(request, cfg.max_request_bytes)

@@ -199,7 +199,8 @@ def chat_mode(body: Mapping) -> ChatMode:
     if thinking is None:
         thinking = effort is not None and effort != "none"
     tools = _get(body, "tools", lambda v: isinstance(v, list), "a list of tools")
-    choice = body.get("tool_choice", "auto")
+    choice = body.get("tool_choice")
+    choice = "auto" if choice is None else choice
     if isinstance(choice, Mapping):
         name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), Mapping) else None
         if not isinstance(name, str):

@@ -1,0 +1,115 @@
+"""OpenAPI descriptions of the request and response bodies, for `/openapi.json`, clients and fuzzers.
+
+The handlers validate bodies by hand (`protocol.py`: every refusal names its field), so FastAPI
+does not derive these; they are written here to match that validation, field for field, and a test
+(`tests/test_serve_http.py`) checks that every field the validator knows is described and that
+every POST endpoint has a request-body schema. A schemathesis run generates requests from them.
+"""
+from __future__ import annotations
+
+from dsv41_jax.serving.http import protocol as P
+
+_INT32 = {"type": "integer", "minimum": 0, "maximum": P.INT32_MAX}
+_TEXT_PART = {"type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+              "required": ["type", "text"]}
+_IMAGE_PART = {"type": "object", "properties": {"type": {"enum": ["image_url", "image", "input_image"]}},
+               "required": ["type"]}
+_CONTENT = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": [_TEXT_PART, _IMAGE_PART]}},
+                      {"type": "null"}]}
+_TOOL_CALL = {"type": "object", "required": ["function"], "properties": {
+    "id": {"type": "string"}, "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string"}, "arguments": {"anyOf": [{"type": "string"}, {"type": "object"}]}}}}}
+MESSAGE = {"type": "object", "required": ["role"], "properties": {
+    "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+    "content": _CONTENT, "name": {"type": "string"},
+    "reasoning_content": {"type": ["string", "null"]}, "reasoning": {"type": ["string", "null"]},
+    "tool_calls": {"type": "array", "items": _TOOL_CALL}, "tool_call_id": {"type": "string"}}}
+TOOL = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string"}, "description": {"type": "string"}, "parameters": {"type": "object"},
+        "strict": {"type": "boolean"}}}}}
+_STOP = {"anyOf": [{"type": "string"}, {"type": "array", "maxItems": 4, "items": {"type": "string", "minLength": 1}},
+                   {"type": "null"}]}
+_SAMPLING = {
+    "model": {"type": "string"},
+    "max_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": P.INT32_MAX},
+    "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
+    "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"type": ["integer", "null"], "minimum": -1, "maximum": P.INT32_MAX},
+    "seed": {"type": ["integer", "null"], "minimum": 0, "maximum": 2**32 - 1},
+    "stop": _STOP,
+    "stream": {"type": ["boolean", "null"]},
+    "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": "boolean"}}},
+    "n": {"type": ["integer", "null"], "minimum": 1, "maximum": P.MAX_N,
+          "description": "choices; also at most the server's --max-batch"},
+    "presence_penalty": {"type": ["number", "null"], "description": "only 0 is accepted (not applied yet)"},
+    "frequency_penalty": {"type": ["number", "null"], "description": "only 0 is accepted (not applied yet)"},
+    "repetition_penalty": {"type": ["number", "null"], "description": "only 1 is accepted (not applied yet)"},
+    "logit_bias": {"type": ["object", "null"], "description": "only {} is accepted (not applied yet)"},
+    **{k: {"description": "accepted and ignored: cannot change the output"} for k in sorted(P.IGNORED_FIELDS)},
+}
+CHAT_REQUEST = {"type": "object", "required": ["messages"], "additionalProperties": False, "properties": {
+    **_SAMPLING,
+    "messages": {"type": "array", "minItems": 1, "items": MESSAGE},
+    "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": P.INT32_MAX},
+    "logprobs": {"type": ["boolean", "null"]},
+    "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 20},
+    "tools": {"type": ["array", "null"], "items": TOOL},
+    "tool_choice": {"anyOf": [{"enum": ["auto", "none", "required"]}, {"type": "null"},
+                              {"type": "object", "required": ["function"], "properties": {
+                                  "type": {"const": "function"},
+                                  "function": {"type": "object", "required": ["name"],
+                                               "properties": {"name": {"type": "string"}}}}}]},
+    "parallel_tool_calls": {"type": ["boolean", "null"], "description": "false is refused (not enforced yet)"},
+    "reasoning_effort": {"anyOf": [{"enum": ["low", "high", "max", "none"]}, {"type": "null"},
+                                   {"type": "integer", "minimum": 1, "maximum": 100}]},
+    "chat_template_kwargs": {"type": ["object", "null"], "properties": {
+        "thinking": {"type": "boolean"}, "enable_thinking": {"type": "boolean"}}},
+    "response_format": {"type": ["object", "null"], "description": "only {'type': 'text'} is accepted yet"},
+}}
+COMPLETION_REQUEST = {"type": "object", "required": ["prompt"], "additionalProperties": False, "properties": {
+    **_SAMPLING,
+    "prompt": {"anyOf": [{"type": "string", "minLength": 1},
+                         {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1}},
+                         {"type": "array", "minItems": 1, "items": _INT32}]},
+    "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 20},
+    "echo": {"type": ["boolean", "null"], "description": "only false is accepted yet"},
+    "suffix": {"type": ["string", "null"], "description": "only empty is accepted"},
+    "best_of": {"type": ["integer", "null"], "description": "only 1 is accepted"},
+}}
+ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "code"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
+        "code": {"type": "integer"}}}}}
+_USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
+    "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
+    "total_tokens": {"type": "integer"}}}
+CHAT_RESPONSE = {"type": "object", "required": ["id", "object", "choices", "usage"], "properties": {
+    "id": {"type": "string"}, "object": {"const": "chat.completion"}, "created": {"type": "integer"},
+    "model": {"type": "string"}, "usage": _USAGE, "choices": {"type": "array", "items": {
+        "type": "object", "required": ["index", "message", "finish_reason"], "properties": {
+            "index": {"type": "integer"}, "finish_reason": {"enum": ["stop", "length", "tool_calls"]},
+            "message": {"type": "object", "properties": {"role": {"const": "assistant"},
+                                                          "content": {"type": ["string", "null"]}}}}}}}}
+COMPLETION_RESPONSE = {"type": "object", "required": ["id", "object", "choices", "usage"], "properties": {
+    "id": {"type": "string"}, "object": {"const": "text_completion"}, "created": {"type": "integer"},
+    "model": {"type": "string"}, "usage": _USAGE, "choices": {"type": "array", "items": {
+        "type": "object", "required": ["index", "text", "finish_reason"], "properties": {
+            "index": {"type": "integer"}, "text": {"type": "string"},
+            "finish_reason": {"enum": ["stop", "length"]}}}}}}
+
+
+def route(request: dict, response: dict) -> dict:
+    """`openapi_extra` for a POST route: its JSON request body, the 200 body (or an SSE stream when
+    `stream` is true) and the error bodies."""
+    err = {"content": {"application/json": {"schema": ERROR}}}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
+            "responses": {"200": {"description": "the completion (an SSE stream of chunks when stream=true)",
+                                  "content": {"application/json": {"schema": response},
+                                              "text/event-stream": {"schema": {"type": "string"}}}},
+                          **{str(c): {"description": d, **err} for c, d in (
+                              (400, "invalid request: the message names the field"), (401, "missing or wrong key"),
+                              (413, "request body over --max-request-bytes"),
+                              (429, "queue full; retry after Retry-After seconds"), (500, "internal error"))}}}
