@@ -580,3 +580,31 @@ def test_fuzzed_requests_never_fail_the_server(server):
 @pytest.mark.slow
 def test_fuzzed_requests_never_fail_the_server_many(server):
     _fuzz(server, examples=300)
+
+
+def test_tokenizing_runs_off_the_event_loop(server, client, monkeypatch):
+    """While one request's prompt is being tokenized (held here on an event), /health and other clients are
+    served: tokenization runs in a worker thread, not on the event loop (a 5 MB prompt used to stall
+    every client for seconds)."""
+    import dsv41_jax.serving.http.app as app_module
+
+    real, entered, release = app_module.encode_chat_ids, threading.Event(), threading.Event()
+
+    def slow_encode(*a, **k):
+        entered.set()
+        assert release.wait(300)
+        return real(*a, **k)
+    monkeypatch.setattr(app_module, "encode_chat_ids", slow_encode)
+    done = {}
+    t = threading.Thread(target=lambda: done.update(r=client.chat.completions.create(
+        model="tiny", messages=USER, max_tokens=1, temperature=0)))
+    t.start()
+    assert entered.wait(300)
+    try:
+        assert httpx.get(server.url + "/health", timeout=60).status_code == 200
+        r = client.completions.create(model="tiny", prompt="def f", max_tokens=1, temperature=0)
+        assert r.usage.completion_tokens == 1 and "r" not in done  # served while the chat request is held
+    finally:
+        release.set()
+    t.join(timeout=600)
+    assert done["r"].usage.completion_tokens == 1
