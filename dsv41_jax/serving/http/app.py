@@ -144,9 +144,31 @@ def _text_bytes(value) -> int:
     return 0
 
 
+def _malloc_trim() -> None:
+    """Hand freed heap pages back to the OS (glibc keeps them otherwise): after a large request the
+    process returns to its size instead of keeping the peak. No-op where glibc is absent."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+LARGE_BODY = 1 << 20  # bytes; after a request this large the heap is trimmed
+
+
 def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
     app = FastAPI(title="dsv41 serve", docs_url=None, redoc_url=None)
     metrics = worker.metrics
+
+    @app.middleware("http")
+    async def _trim_after_large_bodies(request: HTTPRequest, call_next):
+        response = await call_next(request)
+        size = request.headers.get("content-length", "")
+        if size.isdigit() and int(size) >= LARGE_BODY:
+            await asyncio.to_thread(_malloc_trim)
+        return response
     end_ids, skip_ids = reply_control_ids(tokenizer)
     # No vocabulary entry is longer than this many bytes (byte-level entries are longer than the bytes
     # they decode to), so a text of more than max_model_len * this many bytes is over the limit for
