@@ -530,11 +530,13 @@ def test_openapi_describes_every_request_body(server):
 
     spec = httpx.get(server.url + "/openapi.json").json()
     posts = {path: ops["post"] for path, ops in spec["paths"].items() if "post" in ops}
-    assert set(posts) >= {"/v1/chat/completions", "/v1/completions"}
+    fields = {"/v1/chat/completions": P.CHAT_FIELDS | P.IGNORED_FIELDS,
+              "/v1/completions": P.COMPLETION_FIELDS | P.IGNORED_FIELDS,
+              "/tokenize": P.TOKENIZE_FIELDS, "/detokenize": P.DETOKENIZE_FIELDS}
+    assert set(posts) == set(fields)
     for path, op in posts.items():
         schema = op["requestBody"]["content"]["application/json"]["schema"]
-        fields = P.CHAT_FIELDS if path.endswith("chat/completions") else P.COMPLETION_FIELDS
-        assert set(schema["properties"]) == fields | P.IGNORED_FIELDS, path
+        assert set(schema["properties"]) == fields[path], path
         assert schema["additionalProperties"] is False and "400" in op["responses"]
 
 
@@ -548,7 +550,7 @@ def _fuzz(server, examples: int):
 
     schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
     seen = {}
-    for path in ("/v1/chat/completions", "/v1/completions"):
+    for path in ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"):
         for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
             @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
                       suppress_health_check=list(HealthCheck))
@@ -622,3 +624,25 @@ def test_memory_returns_after_refused_large_requests(server):
     for _ in range(10):
         assert _post(server, "/v1/chat/completions", body).status_code == 400
     assert rss() - before < 64 << 20
+
+
+def test_tokenize_and_detokenize(server, client):
+    """vLLM's tokenizer endpoints: the ids the server would prefill for a completions prompt or a chat request,
+    and the text of ids; evaluation harnesses use them."""
+    tok = server.tokenizer
+    r = _post(server, "/tokenize", {"model": "tiny", "prompt": "def f"}).json()
+    assert r == {"count": 1 + len(tok.encode("def f")), "max_model_len": MAX_LEN,
+                 "tokens": [tok.bos_id] + tok.encode("def f")}
+    assert _post(server, "/tokenize", {"prompt": "def f", "add_special_tokens": False}).json()["tokens"] == \
+        tok.encode("def f")
+    chat = _post(server, "/tokenize", {"messages": USER}).json()
+    assert chat["tokens"] == encode_chat_ids(tok, USER, thinking=False)
+    served = client.chat.completions.create(model="tiny", messages=USER, max_tokens=1, temperature=0)
+    assert chat["count"] == served.usage.prompt_tokens
+    assert _post(server, "/detokenize", {"tokens": r["tokens"]}).json() == {"prompt": st.BOS + "def f"}
+    for path, body, needle in (("/tokenize", {"prompt": "x", "messages": USER}, "exactly one"),
+                               ("/tokenize", {"text": "x"}, "unrecognized"),
+                               ("/detokenize", {"tokens": [1 << 20]}, "outside the model's vocabulary"),
+                               ("/detokenize", {"tokens": "abc"}, "list of token ids")):
+        e = _post(server, path, body)
+        assert e.status_code == 400 and needle in e.json()["error"]["message"], (path, body, e.text)

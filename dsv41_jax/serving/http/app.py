@@ -495,14 +495,8 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
         return {"index": c.index, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                 "function": {"name": c.name, "arguments": c.arguments}}
 
-    # ------------------------------------------------------------------ completions
-    @app.post("/v1/completions", openapi_extra=S.route(S.COMPLETION_REQUEST, S.COMPLETION_RESPONSE))
-    async def completions(request: HTTPRequest):
-        _auth(cfg, request)
-        body = await _body(request, cfg.max_request_bytes)
-        P.check_fields(body, chat=False, extra=test_fields)
-        _check_model(body)
-        prompt = body.get("prompt")
+    async def _prompt_ids(prompt, add_special: bool = True) -> list[int]:
+        """A completions prompt as ids: text (BOS first, when `add_special`), a one-text list, or token ids."""
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
@@ -510,15 +504,73 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
                 raise P.bad("prompt", "is empty")
             _precheck("prompt", prompt)
             ids = await asyncio.to_thread(tokenizer.encode, prompt)
-            ids = ids if ids[:1] == [tokenizer.bos_id] else [tokenizer.bos_id] + ids
-        elif isinstance(prompt, list) and prompt and all(P._is_int(t) for t in prompt):
-            ids = [int(t) for t in prompt]
-            vocab = worker.engine.cfg.vocab_size
-            wrong = next((t for t in ids if not 0 <= t < vocab), None)
-            if wrong is not None:
-                raise P.bad("prompt", f"token id {wrong} is outside the model's vocabulary [0, {vocab})")
+            if add_special and ids[:1] != [tokenizer.bos_id]:
+                ids = [tokenizer.bos_id] + ids
+            return ids
+        if isinstance(prompt, list) and prompt and all(P._is_int(t) for t in prompt):
+            return check_ids("prompt", prompt)
+        raise P.bad("prompt", f"expected a string or a list of token ids, got {prompt!r:.80} (one prompt per request)")
+
+    def check_ids(param: str, ids) -> list[int]:
+        vocab = worker.engine.cfg.vocab_size
+        wrong = next((t for t in ids if not 0 <= t < vocab), None)
+        if wrong is not None:
+            raise P.bad(param, f"token id {wrong} is outside the model's vocabulary [0, {vocab})")
+        return [int(t) for t in ids]
+
+    # ------------------------------------------------------------------ tokenizer endpoints (vLLM's shapes)
+    @app.post("/tokenize", openapi_extra=S.route(S.TOKENIZE_REQUEST, S.TOKENIZE_RESPONSE))
+    async def tokenize(request: HTTPRequest):
+        """`{prompt | messages, add_special_tokens}` -> `{count, max_model_len, tokens}`: the ids the server
+        would prefill for that completions prompt or chat request."""
+        _auth(cfg, request)
+        body = await _body(request, cfg.max_request_bytes)
+        P.check_tokenize_fields(body)
+        _check_model(body)
+        add_special = _get_bool(body, "add_special_tokens", True)
+        if ("prompt" in body) == ("messages" in body):
+            raise P.bad("prompt", "send exactly one of 'prompt' (completions) and 'messages' (chat)")
+        if "messages" in body:
+            mode = P.chat_mode(body)
+            _precheck("messages", body["messages"])
+            try:
+                ids = await asyncio.to_thread(encode_chat_ids, tokenizer, body["messages"], thinking=mode.thinking,
+                                              effort=mode.effort, tools=mode.tools)
+            except (ValueError, TypeError) as e:
+                raise P.APIError(400, f"messages: {e}", param="messages") from None
         else:
-            raise P.bad("prompt", f"expected a string or a list of token ids, got {prompt!r:.80} (one prompt per request)")
+            ids = await _prompt_ids(body["prompt"], add_special)
+        return {"count": len(ids), "max_model_len": cfg.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize", openapi_extra=S.route(S.DETOKENIZE_REQUEST, S.DETOKENIZE_RESPONSE))
+    async def detokenize(request: HTTPRequest):
+        """`{tokens}` -> `{prompt}`: the text of token ids, special tokens included."""
+        _auth(cfg, request)
+        body = await _body(request, cfg.max_request_bytes)
+        P.check_detokenize_fields(body)
+        _check_model(body)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(P._is_int(t) for t in tokens):
+            raise P.bad("tokens", f"expected a list of token ids, got {tokens!r:.80}")
+        ids = check_ids("tokens", tokens)
+        return {"prompt": await asyncio.to_thread(tokenizer.decode, ids)}
+
+    def _get_bool(body, key, default):
+        v = body.get(key)
+        if v is None:
+            return default
+        if not isinstance(v, bool):
+            raise P.bad(key, f"expected true or false, got {v!r:.80}")
+        return v
+
+    # ------------------------------------------------------------------ completions
+    @app.post("/v1/completions", openapi_extra=S.route(S.COMPLETION_REQUEST, S.COMPLETION_RESPONSE))
+    async def completions(request: HTTPRequest):
+        _auth(cfg, request)
+        body = await _body(request, cfg.max_request_bytes)
+        P.check_fields(body, chat=False, extra=test_fields)
+        _check_model(body)
+        ids = await _prompt_ids(body.get("prompt"))
         sp = P.sampling_fields(body, chat=False)
         runs = _start(body, ids, sp, None)
         created, cid = int(time.time()), runs[0].job.request.request_id

@@ -117,6 +117,25 @@ def check_fields(body: Mapping, *, chat: bool, extra: frozenset = frozenset()) -
         raise bad(key, f"{why} (got {v!r:.80})")
 
 
+TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "tools", "reasoning_effort",
+                             "chat_template_kwargs", "tool_choice"})
+DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
+
+
+def _check_known(body: Mapping, known: frozenset, where: str) -> None:
+    unknown = sorted(k for k in body if k not in known)
+    if unknown:
+        raise bad(unknown[0], f"unrecognized request field for {where}; it takes {sorted(known)}")
+
+
+def check_tokenize_fields(body: Mapping) -> None:
+    _check_known(body, TOKENIZE_FIELDS, "/tokenize")
+
+
+def check_detokenize_fields(body: Mapping) -> None:
+    _check_known(body, DETOKENIZE_FIELDS, "/detokenize")
+
+
 def sampling_fields(body: Mapping, *, chat: bool) -> Sampling:
     max_tokens = _get(body, "max_tokens", _is_int, "an integer")
     if chat:

@@ -79,6 +79,19 @@ COMPLETION_REQUEST = {"type": "object", "required": ["prompt"], "additionalPrope
     "suffix": {"type": ["string", "null"], "description": "only empty is accepted"},
     "best_of": {"type": ["integer", "null"], "description": "only 1 is accepted"},
 }}
+TOKENIZE_REQUEST = {"type": "object", "additionalProperties": False, "properties": {
+    "model": {"type": "string"},
+    "prompt": COMPLETION_REQUEST["properties"]["prompt"],
+    "messages": CHAT_REQUEST["properties"]["messages"],
+    "add_special_tokens": {"type": ["boolean", "null"], "description": "prompt only: BOS first (default true)"},
+    **{k: CHAT_REQUEST["properties"][k] for k in ("tools", "tool_choice", "reasoning_effort", "chat_template_kwargs")},
+}, "description": "exactly one of prompt and messages"}
+TOKENIZE_RESPONSE = {"type": "object", "required": ["count", "max_model_len", "tokens"], "properties": {
+    "count": {"type": "integer"}, "max_model_len": {"type": "integer"},
+    "tokens": {"type": "array", "items": {"type": "integer"}}}}
+DETOKENIZE_REQUEST = {"type": "object", "required": ["tokens"], "additionalProperties": False, "properties": {
+    "model": {"type": "string"}, "tokens": {"type": "array", "items": _INT32}}}
+DETOKENIZE_RESPONSE = {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}
 ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "code"], "properties": {
         "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
