@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over an `EngineWorker` (FastAPI; `dsv41 serve` runs it with uvicorn).
 
-Endpoints: POST /v1/chat/completions and /v1/completions (SSE streaming or one JSON body),
-GET /v1/models, /health and /metrics (Prometheus text). Chat replies are split into
+Endpoints: POST /v1/chat/completions and /v1/completions (SSE streaming or one JSON body, n
+choices), POST /tokenize and /detokenize (vLLM's shapes), GET /v1/models, /health, /metrics
+(Prometheus text) and /openapi.json (request and response schemas: `schema.py`). Chat replies are split into
 `reasoning_content` (also sent as `reasoning`, vLLM's newer name), `content` and `tool_calls`
 by the streaming `ReplyParser`; stop strings are matched on the decoded text with a hold-back of
 the longest stop minus one character, so a stop split across tokens is still found.
