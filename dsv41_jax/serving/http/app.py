@@ -247,20 +247,18 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
         forced, fail = _test_fields(body)
         loop = asyncio.get_running_loop()
         runs = []
+        for seed in sp.seeds:
+            params = SamplingParams(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=seed,
+                                    max_tokens=max_tokens, stop_tokens=end_ids)
+            req = Request(list(prompt), params, request_id=f"cmpl-{uuid.uuid4().hex[:24]}",
+                          want_logprobs=sp.logprobs, forced_tokens=forced)
+            job = Job(req, loop, asyncio.Queue(), fail_in_engine=fail)
+            if cfg.conversations is not None:
+                cfg.conversations.attach(job, thinking=bool(mode and mode.thinking), chat=mode is not None)
+            runs.append(_Run(len(prompt), job))
         try:
-            for seed in sp.seeds:
-                params = SamplingParams(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=seed,
-                                        max_tokens=max_tokens, stop_tokens=end_ids)
-                req = Request(list(prompt), params, request_id=f"cmpl-{uuid.uuid4().hex[:24]}",
-                              want_logprobs=sp.logprobs, forced_tokens=forced)
-                job = Job(req, loop, asyncio.Queue(), fail_in_engine=fail)
-                if cfg.conversations is not None:
-                    cfg.conversations.attach(job, thinking=bool(mode and mode.thinking), chat=mode is not None)
-                worker.submit(job)
-                runs.append(_Run(len(prompt), job))
+            worker.submit_all([run.job for run in runs])
         except QueueFull as e:
-            for run in runs:
-                worker.cancel(run.job.request.request_id)
             raise P.APIError(429, f"the server is at capacity: {e}; retry after {RETRY_AFTER_S} s",
                              headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         return runs

@@ -68,13 +68,18 @@ class EngineWorker:
         return self._pending + self.engine.occupancy()[1]
 
     def submit(self, job: Job) -> str:
+        return self.submit_all([job])[0]
+
+    def submit_all(self, jobs: list[Job]) -> list[str]:
+        """Submit the choices of one request together: the queue bound admits or refuses them as one."""
         with self._lock:
             if self.depth() >= self.max_queue:
                 raise QueueFull(f"the queue holds {self.depth()} requests (max {self.max_queue})")
-            self._pending += 1
-        job.request.request_id = job.request.request_id or f"r{next(self._ids)}"
-        self.inbox.put(("submit", job))
-        return job.request.request_id
+            self._pending += len(jobs)
+        for job in jobs:
+            job.request.request_id = job.request.request_id or f"r{next(self._ids)}"
+            self.inbox.put(("submit", job))
+        return [job.request.request_id for job in jobs]
 
     def cancel(self, request_id: str):
         self.inbox.put(("cancel", request_id))
