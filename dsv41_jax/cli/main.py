@@ -64,7 +64,11 @@ def _cmd_golden_check(args) -> int:
         return 2
     from dsv41_jax.golden.check import format_table, run_all
 
-    entries = run_all(root, impl=args.impl, interpret=args.impl == "pallas", only=args.only)
+    decisions = {} if args.dump_decisions else None
+    entries = run_all(root, impl=args.impl, interpret=args.impl == "pallas", only=args.only, decisions=decisions)
+    if decisions is not None:
+        with open(args.dump_decisions, "w") as f:
+            json.dump(decisions, f, separators=(",", ":"), sort_keys=True)
     if args.json:
         print(json.dumps({"cases": [e.to_json() for e in entries]}, indent=1))
     else:
@@ -87,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print only {\"cases\": [...]} on stdout")
     s.add_argument("--impl", choices=["xla", "pallas"], default="xla", help="attention/MoE implementation (pallas runs interpreted on CPU)")
     s.add_argument("--only", action="append", metavar="NAME", help="check only this config folder ('quant' for the vectors); repeatable")
+    s.add_argument("--dump-decisions", metavar="FILE", help="write each case's own decisions (top-k, experts), "
+                   "agreement flags and logits hashes, per run and call, as JSON to FILE (diff two runs' files)")
     s.set_defaults(func=_cmd_golden_check)
 
     for register in _extra_commands():

@@ -83,6 +83,7 @@ class CaseRunner:
         self.impl, self.interpret = impl, interpret
         self._steps: dict = {}
         self._encoder = None  # the jitted image encoder, built on the first image case
+        self.decisions: list | None = None  # when a list: one record per run (`--dump-decisions`)
 
     def _step(self, quirk: bool, collect: bool):
         key = (quirk, collect)
@@ -116,6 +117,7 @@ class CaseRunner:
         step = self._step(quirk, collect)
         outs, traces, taps = [], [], []
         per_layer: dict[int, bool] = {}
+        calls = []
         for i, call in enumerate(schedule):
             s, n = call["start_pos"], call["n_tokens"]
             T = n
@@ -139,6 +141,11 @@ class CaseRunner:
                 for l, v in aux[kind].items():
                     per_layer[l] = per_layer.get(l, True) and bool(np.all(np.asarray(v)[0, :n]))
             traces.append(jax.tree.map(np.asarray, aux["trace"]) if collect else None)
+            if self.decisions is not None:
+                calls.append(_call_decisions(aux, n, logits))
+        if self.decisions is not None:
+            self.decisions.append({"quirk": quirk, "impose": bool(impose) if forced_calls is not None else None,
+                                   "replay": replay is not None, "calls": calls})
         return np.concatenate(outs, 0), {"agree": all(per_layer.values()), "per_layer": per_layer, "traces": traces,
                                          "taps": np.concatenate(taps, 0) if taps else None}
 
@@ -195,6 +202,17 @@ class CaseRunner:
             if ex is not None:
                 experts[r.layer] = ex[rows][None].astype(np.int32)
         return {"topk": topk, "experts": experts}
+
+
+def _call_decisions(aux: dict, n: int, logits) -> dict:
+    """One call's own decisions (top-k before any imposing, experts), agreement flags and a hash of its
+    logits' bytes: two runs' dumps are equal exactly when the decisions and logits are bit-identical."""
+    import hashlib
+
+    rows = lambda d: {str(l): np.asarray(v)[0, :n].tolist() for l, v in sorted(d.items())}
+    return {"topk_own": rows(aux.get("topk_own", aux["topk"])), "experts_own": rows(aux.get("experts_own", aux["experts"])),
+            "topk_agree": rows(aux["topk_agree"]), "experts_agree": rows(aux["experts_agree"]),
+            "logits_sha256": hashlib.sha256(np.ascontiguousarray(np.asarray(logits[0, :n])).tobytes()).hexdigest()}
 
 
 def _judge_free(name, ours, ref, tol) -> Entry:
@@ -333,8 +351,9 @@ def check_replays(runner: CaseRunner, case: dict) -> list[Entry]:
     return entries
 
 
-def run_all(root, *, impl="xla", interpret=False, only=None, log=sys.stderr) -> list[Entry]:
-    """Every entry of a golden folder; `only` restricts to named config folders (and "quant")."""
+def run_all(root, *, impl="xla", interpret=False, only=None, log=sys.stderr, decisions: dict | None = None) -> list[Entry]:
+    """Every entry of a golden folder; `only` restricts to named config folders (and "quant").
+    decisions: when a dict, filled with {"<config>/<case>": [one record per run, see `_call_decisions`]}."""
     from dsv41_jax.golden.vectors import check_vectors
 
     entries: list[Entry] = []
@@ -349,6 +368,8 @@ def run_all(root, *, impl="xla", interpret=False, only=None, log=sys.stderr) -> 
             runner = CaseRunner(gc, impl=impl, interpret=interpret)
             for case in gc.cases:
                 print(f"[golden] {gc.name}/{case['name']}", file=log)
+                if decisions is not None:
+                    runner.decisions = decisions.setdefault(f"{gc.name}/{case['name']}", [])
                 entries.extend(check_case(runner, case))
                 if case.get("has_intermediates") and case["kind"] == "prefill":  # vl cases trace the tower only
                     entries.extend(check_replays(runner, case))

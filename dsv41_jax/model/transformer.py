@@ -189,7 +189,8 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
     new_cache = {"length": start + T, "window": list(cache["window"]), "compressed": dict(cache["compressed"]),
                  "index_keys": dict(cache["index_keys"]), "compressor": dict(cache["compressor"]),
                  "published": cache["published"]}
-    aux = {"topk": {}, "experts": {}, "topk_agree": {}, "experts_agree": {}, "trace": {}}
+    # topk_own / experts_own: the model's own choices before any forced decision replaced them
+    aux = {"topk": {}, "experts": {}, "topk_agree": {}, "experts_agree": {}, "trace": {}, "topk_own": {}, "experts_own": {}}
     trace = aux["trace"]
 
     h = model.embed[...][tokens]
@@ -273,6 +274,7 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
                 elif role.uses_candidates:
                     scores = jnp.where(pool, scores, -jnp.inf)
                 sel = select_topk(scores, visible, cfg.topk_width[src])
+                aux["topk_own"][l] = sel
                 if forced is not None and l in forced.get("topk", {}):
                     ref = forced["topk"][l]
                     ref = jnp.pad(ref, [(0, 0), (0, 0), (0, sel.shape[-1] - ref.shape[-1])], constant_values=-1)
@@ -310,6 +312,7 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
             biased = info["scores"] + block.ffn.gate.selection_bias(in_span)
             own = jax.lax.top_k(biased, cfg.n_activated_experts)[1]
             aux["experts_agree"][l] = tie_aware_equal(biased, own, forced_e.astype(own.dtype))
+        aux["experts_own"][l] = own if forced_e is not None else info["experts"]
         aux["experts"][l] = info["experts"]
         h = expand(y, h, f_post, f_comb)
         if collect:
