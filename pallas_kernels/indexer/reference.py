@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv41_jax.numerics import kv_layout, quant
+from dsv41_jax.numerics.exact_ops import torch_sum_axis
 
 
 def _round_bf16(x: jax.Array) -> jax.Array:
@@ -45,10 +46,8 @@ def indexer_scores_reference(q_packed, q_scale, keys, weights, compress_len, poo
     terms = jax.nn.relu(dots) * weights.astype(jnp.float32)[..., None]
     if bf16_rounding:
         terms = _round_bf16(terms)
-    if exact:  # a fixed order (from zero, heads in order), the exact kernel's and torch's for <= 16 heads
-        scores = jnp.zeros(terms.shape[:2] + terms.shape[3:], jnp.float32)
-        for h in range(terms.shape[2]):
-            scores = scores + terms[:, :, h]
+    if exact:  # torch's order for the oracle's strided head sum: in order, folded in levels of 16
+        scores = torch_sum_axis(terms, 2)
     else:
         scores = jnp.sum(terms, axis=2)
     if bf16_rounding:

@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from dsv41_jax.numerics import kv_layout, quant
+from dsv41_jax.numerics.exact_ops import torch_sum_axis
 from pallas_kernels.common import bits, lanes
 
 
@@ -51,11 +52,9 @@ def _kernel(q_ref, w_ref, len_ref, *refs, heads, key_tile, bf16_rounding, has_po
     if bf16_rounding:
         terms = _round_bf16(terms)
     if exact:
-        # a fixed order: from zero, heads in order; this is torch's order for the oracle's head
-        # sum (a strided-axis sum, folded only every 16 terms) whenever heads <= 16
-        scores = jnp.zeros((ts, key_tile), jnp.float32)
-        for h in range(heads):
-            scores = scores + terms[:, h]
+        # torch's order for the oracle's head sum (a strided-axis sum: in order, folded in
+        # levels of 16), the model's `Indexer.scores` and the reference's
+        scores = torch_sum_axis(terms, 1)
     else:
         scores = jnp.sum(terms, axis=1)
     if bf16_rounding:
