@@ -122,6 +122,26 @@ def test_lean_decode_exact_mode_ignores_packed_index(micro):
     assert same(logits, ref_logits) and same(lean_cache, ref_cache)
 
 
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="issue 20: model.forward takes the top-k width from the config, not the cache")
+def test_forward_runs_on_a_bucketed_engine_cache(micro):
+    """model.forward on a cache at a small capacity bucket (fewer compressed rows than index_topk)
+    equals the engine's steps on it bit for bit: prefill (exact prefill) and one decode (lean)."""
+    cfg, params, gd = micro["cfg"], micro["params"], micro["graphdef"]
+    cap, P = 8, 6
+    assert cfg.index_topk > cap // cfg.compress_ratios[1]  # the ratio-2 source holds fewer rows than top-k
+    tokens = micro["tokens"][:, :P]
+    cache = buckets.empty_cache(cfg, 2, cap)
+    step = make_step(gd, Runtime())  # first: today it fails while tracing (top-k wider than the cache)
+    logits, f_cache, _ = step(params, tokens, cache)
+    ex_logits, ex_cache, _ = sp.make_exact_prefill(gd)(params, tokens, cache)
+    assert same(logits, ex_logits) and same(f_cache, ex_cache)
+    nxt = micro["tokens"][:, P:P + 1]
+    ref_logits, ref_cache, _ = step(params, nxt, f_cache)
+    lean_logits, lean_cache, _ = _lean_step(gd, packed_index=False)(params, nxt, ex_cache)
+    assert same(ref_logits, lean_logits) and same(ref_cache, lean_cache)
+
+
 def test_fast_index_keys_bitwise():
     """The table decode of packed index keys equals kv_layout's nibble arithmetic for every
     (byte, E8M0 scale) pair, NaN scale included."""

@@ -19,7 +19,6 @@ Pass criteria (justified in tests/README.md from golden/README.md's sensitivity 
 """
 from __future__ import annotations
 
-import dataclasses
 import sys
 from typing import Any
 
@@ -29,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from dsv41_jax.golden import data as golden_data
+from dsv41_jax.golden.entry import REPLAY_ULPS, Entry
 from dsv41_jax.model.transformer import init_cache, make_step
 from dsv41_jax.runtime import Runtime
 
@@ -44,26 +44,10 @@ FP32_ACCUMULATION_ROW = {
 }
 TIGHTEST = {k: (max if k.endswith("argmax") else min)(row[k] for row in FP32_ACCUMULATION_ROW.values())
             for k in FP32_ACCUMULATION_ROW["main_fp8"]}
-REPLAY_ULPS = 2
 
 
 def tolerances(config_name: str) -> dict:
     return FP32_ACCUMULATION_ROW.get(config_name, TIGHTEST)
-
-
-@dataclasses.dataclass
-class Entry:
-    name: str
-    passed: bool
-    max_abs_err: float | None = None
-    mean_abs_err: float | None = None
-    argmax_agreement: float | None = None
-    forced_decisions: bool = False
-    topk_sets_equal: bool | None = None
-    detail: str = ""
-
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 def _logit_stats(ours: np.ndarray, ref: np.ndarray):

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dsv41_jax.golden.entry import REPLAY_ULPS, Entry
 from dsv41_jax.model import dspark
 from dsv41_jax.model.transformer import COMPILER_OPTIONS
 from dsv41_jax.numerics import kv_layout
@@ -107,8 +108,6 @@ def forced_steps(cfg, t: dict, ids_key: str, with_experts: bool, impose: bool):
 
 def judge(name: str, ours: dict, t: dict, suffix: str, tol: dict, forced: bool, taps: tuple | None):
     """One entry: ids, logits, confidence (+ main_x, rings, taps where the oracle stored them)."""
-    from dsv41_jax.golden.check import Entry
-
     ref_ids = t[f"dspark.output_ids{suffix}"]
     ref_logits = t[f"dspark.logits{suffix}"]
     ref_conf = t[f"dspark.confidence{suffix}"]
@@ -134,8 +133,6 @@ def judge(name: str, ours: dict, t: dict, suffix: str, tol: dict, forced: bool, 
     if taps is not None:
         pre_h, dec_h = taps
         ulps["taps"] = max(_ulps(pre_h, t["prefill_main_hidden"]), _ulps(dec_h[:S], t[f"main_hidden{suffix}"]))
-    from dsv41_jax.golden.check import REPLAY_ULPS
-
     ok = ok and all(u <= REPLAY_ULPS for u in ulps.values())
     detail += [f"{k} {u:.2g}ulp" for k, u in ulps.items()]
     if forced:

@@ -75,7 +75,7 @@ class Indexer(nnx.Module):
 
 def index_key_container(cfg, cache: dict, role, quirk: bool) -> kv_layout.IndexKeys:
     """The quantized index keys an index source scores: the container-level twin of the model's
-    `_index_keys_for` (same selection, before dequantization; the two commute)."""
+    `model.cache.index_keys_for` (same selection, before dequantization; the two commute)."""
     own = cache["index_keys"][f"layer{role.kv_source}"]
     if not quirk:
         return own

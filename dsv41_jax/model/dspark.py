@@ -29,6 +29,8 @@ from dsv41_jax.layers.mhc_site import HyperSite, collapse, expand
 from dsv41_jax.layers.moe import MoE
 from dsv41_jax.layers.rope import cos_sin, layer_rope
 from pallas_kernels.sparse_attention.dense_reference import sparse_attention
+from dsv41_jax.model.cache import scatter_container
+from dsv41_jax.model.probe import tie_aware_equal
 from dsv41_jax.numerics import kv_layout
 from dsv41_jax.numerics.exact_ops import sum_in_order
 
@@ -145,7 +147,6 @@ def write_rings(model, state: dict, mx: jax.Array, start: jax.Array, n_valid: ja
     Rows at or after n_valid are not written (not accepted, or padding); of the valid rows only
     the newest `window` ones are, so no slot is written twice.
     """
-    from dsv41_jax.model.transformer import _scatter_container
 
     cfg = model.cfg
     W, T = cfg.window_size, mx.shape[1]
@@ -153,7 +154,7 @@ def write_rings(model, state: dict, mx: jax.Array, start: jax.Array, n_valid: ja
     positions = start[:, None] + j
     keep = (j < n_valid[:, None]) & (j >= n_valid[:, None] - W)
     slots = jnp.where(keep, positions % W, -1)
-    rings = [_scatter_container(ring, _stage_keys(stage, mx, positions, cfg, mode), slots)
+    rings = [scatter_container(ring, _stage_keys(stage, mx, positions, cfg, mode), slots)
              for stage, ring in zip(model.mtp, state["rings"])]
     return {**state, "rings": rings}
 
@@ -207,7 +208,6 @@ def draft(model, state: dict, anchor: jax.Array, newest: jax.Array, *, mode: str
     conditions on the stored ids), compared tie-aware, imposed where `impose` holds.
     Returns (ids [B, bs+1] = [anchor, d1..], logits [B, bs, V] fp32, confidence [B, bs] fp32, aux).
     """
-    from dsv41_jax.model.transformer import tie_aware_equal
 
     cfg = model.cfg
     bs = cfg.dspark_block_size

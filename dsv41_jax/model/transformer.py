@@ -27,7 +27,10 @@ from dsv41_jax.layers.moe import MoE
 from dsv41_jax.layers.rope import cos_sin, layer_rope
 from dsv41_jax.runtime import Runtime
 from pallas_kernels.sparse_attention.dense_reference import sparse_attention
+from dsv41_jax.model.cache import init_cache  # noqa: F401 (re-exported: the drivers' import)
+from dsv41_jax.model.cache import index_keys_for, scatter_container, window_indices, write_ring
 from dsv41_jax.model.dspark import build_stages, tap
+from dsv41_jax.model.probe import tie_aware_equal
 
 
 COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
@@ -86,82 +89,7 @@ def engram_table_rows(cfg: ModelConfig) -> tuple[int, ...]:
                               cfg.engram_vocab_size, cfg.engram_compressed_vocab_size, cfg.engram_pad_id).num_embeddings
 
 
-# ---------------------------------------------------------------------------------------- cache
-def init_cache(cfg: ModelConfig, batch: int | None = None) -> dict:
-    """An empty cache with fixed shapes (docs/REFERENCE.md §5): window rings, per-source compressed KV, index
-    keys and compressor partial groups, per-sequence lengths."""
-    B = batch or cfg.max_batch_size
-    cache = {
-        "length": jnp.zeros((B,), jnp.int32),
-        "window": [kv_layout.empty_window(B, cfg.window_size, cfg.head_dim) for _ in range(cfg.n_layers)],
-        "compressed": {}, "index_keys": {}, "compressor": {},
-        # which KV source's index keys were published last (only read in reference-quirk mode)
-        "published": jnp.full((B,), -1, jnp.int32),
-    }
-    for s in cfg.kv_source_layers:
-        m = cfg.compress_ratios[s]
-        G = cfg.max_seq_len // m
-        cache["compressed"][f"layer{s}"] = kv_layout.empty_compressed(B, G, cfg.head_dim)
-        if s in cfg.index_source_layers:
-            cache["index_keys"][f"layer{s}"] = kv_layout.empty_index_keys(B, G, cfg.index_head_dim)
-        if m > 1:
-            cache["compressor"][f"layer{s}"] = {"kv": jnp.zeros((B, m, cfg.head_dim), jnp.float32),
-                                                "score": jnp.full((B, m, cfg.head_dim), -jnp.inf, jnp.float32)}
-    return cache
-
-
-def _scatter_rows(buf: jax.Array, rows: jax.Array, idx: jax.Array) -> jax.Array:
-    """buf [B, N, ...] with rows [B, J, ...] written at idx [B, J] (idx < 0 dropped)."""
-    N = buf.shape[1]
-    idx = jnp.where(idx < 0, N, idx)  # out of range -> dropped
-    b = jnp.arange(buf.shape[0])[:, None]
-    return buf.at[b, idx].set(rows.astype(buf.dtype), mode="drop")
-
-
-def _scatter_container(c, rows, idx):
-    return type(c)(*(_scatter_rows(a, r, idx) for a, r in zip(c, rows)))
-
-
-# ----------------------------------------------------------------------------- decisions (forced)
-def tie_aware_equal(scores: jax.Array, own: jax.Array, ref: jax.Array) -> jax.Array:
-    """Per row: do two index sets agree, up to exact ties at the selection boundary?
-
-    own/ref: [..., K] with -1 padding. The sets may differ only in elements whose score equals
-    the lowest selected score of `own` (a tie the oracle broke differently).
-    """
-    def member(a, b):
-        return jnp.any((a[..., :, None] == b[..., None, :]) & (b[..., None, :] >= 0), axis=-1) & (a >= 0)
-
-    own_only = (own >= 0) & ~member(own, ref)
-    ref_only = (ref >= 0) & ~member(ref, own)
-    s_own = jnp.take_along_axis(scores, jnp.maximum(own, 0), -1)
-    s_ref = jnp.take_along_axis(scores, jnp.maximum(ref, 0), -1)
-    bound = jnp.min(jnp.where(own >= 0, s_own, jnp.inf), -1, keepdims=True)
-    same_count = jnp.sum(own >= 0, -1) == jnp.sum(ref >= 0, -1)
-    ok_own = jnp.all(~own_only | (s_own == bound), -1)
-    ok_ref = jnp.all(~ref_only | (s_ref == bound), -1)
-    return same_count & ok_own & ok_ref
-
-
 # -------------------------------------------------------------------------------------- forward
-def _window_indices(start, T, W):
-    """Per query: W slots of [ring (W) ++ chunk (T)], oldest position first; -1 where none."""
-    pos = start[:, None] + jnp.arange(T)[None]  # [B, T]
-    p = pos[..., None] - (W - 1) + jnp.arange(W)  # [B, T, W]
-    in_chunk = p >= start[:, None, None]
-    idx = jnp.where(in_chunk, W + p - start[:, None, None], p % W)
-    return jnp.where(p >= 0, idx, -1).astype(jnp.int32)
-
-
-def _write_ring(ring: kv_layout.WindowKV, new: kv_layout.WindowKV, start, W) -> kv_layout.WindowKV:
-    """Write the chunk's last min(T, W) window entries into ring slots pos % W."""
-    T = new.values.shape[1]
-    keep = min(T, W)
-    pos = start[:, None] + jnp.arange(T - keep, T)[None]
-    sl = jax.tree.map(lambda a: a[:, T - keep:], new)
-    return _scatter_container(ring, sl, pos % W)
-
-
 def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runtime = Runtime(),
             engram_ids: jax.Array | None = None, forced: dict | None = None, collect: bool = False,
             replay: dict | None = None, spans: tuple | None = None):
@@ -231,8 +159,8 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
         win_new = kv_layout.quantize_window(attn.window_kv(x, cos, sin, mode))
         ring = cache["window"][l]
         keys = jnp.concatenate([kv_layout.dequantize_window(ring), kv_layout.dequantize_window(win_new)], 1)
-        idx = _window_indices(start, T, W)
-        new_cache["window"][l] = _write_ring(ring, win_new, start, W)
+        idx = window_indices(start, T, W)
+        new_cache["window"][l] = write_ring(ring, win_new, start, W)
         win_idx, comp_kv, comp_sel = idx, None, None  # what the attention kernel reads (impl="pallas")
 
         if role.ratio:
@@ -247,13 +175,13 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
                 gcos, gsin = cos_sin(jnp.maximum(gids, 0) * m, freqs)
                 if attn.indexer is not None:
                     k_new = kv_layout.quantize_index_keys(attn.indexer.keys(lat, gcos, gsin, mode))
-                    new_cache["index_keys"][key] = _scatter_container(new_cache["index_keys"][key], k_new, gids)
+                    new_cache["index_keys"][key] = scatter_container(new_cache["index_keys"][key], k_new, gids)
                     produced = jnp.any(gids >= 0, axis=1)
                     new_cache["published"] = jnp.where(produced, src, new_cache["published"])
                 from dsv41_jax.layers.rope import apply_rope
 
                 entries = kv_layout.quantize_compressed(apply_rope(lat, gcos, gsin, cfg.rope_head_dim))
-                new_cache["compressed"][key] = _scatter_container(new_cache["compressed"][key], entries, gids)
+                new_cache["compressed"][key] = scatter_container(new_cache["compressed"][key], entries, gids)
                 if collect:
                     trace[f"layer{l}.compressor_latent"], trace[f"layer{l}.compressor_gids"] = lat, gids
                     trace[f"layer{l}.compressed_kv_entries"] = kv_layout.dequantize_compressed(new_cache["compressed"][key])
@@ -265,7 +193,7 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
                     scores = attn.indexer.scores_pallas(x, qr, ikeys, cos, sin, visible, runtime,
                                                         pool if role.uses_candidates else None)
                 else:
-                    keys_bf16 = _index_keys_for(cfg, new_cache, role, runtime).astype(jnp.bfloat16)
+                    keys_bf16 = index_keys_for(cfg, new_cache, role, runtime).astype(jnp.bfloat16)
                     scores = attn.indexer.scores(x, qr, keys_bf16, cos, sin, visible, mode)
                 if role.is_candidate_source:
                     pool, block_scores = candidate_pool(scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)
@@ -330,26 +258,6 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
     x = model.norm(final, mode)
     logits = matmul(x.astype(jnp.float32), model.head[...].astype(jnp.float32), "btd,vd->btv", jnp.float32, mode)
     return logits, new_cache, aux
-
-
-def _index_keys_for(cfg: ModelConfig, cache: dict, role, runtime: Runtime) -> jax.Array:
-    """The index keys an index source scores (dequantized [B, G, Di]).
-
-    Intended: its own KV source's keys. Reference quirk (docs/REFERENCE.md §6): whatever KV source published
-    last, truncated/padded to this layer's cache length.
-    """
-    own = kv_layout.dequantize_index_keys(cache["index_keys"][f"layer{role.kv_source}"])
-    if not runtime.index_k_quirk:
-        return own
-    G = own.shape[1]
-    out = own
-    for s in cfg.index_kv_sources:
-        if s == role.kv_source:
-            continue
-        other = kv_layout.dequantize_index_keys(cache["index_keys"][f"layer{s}"])
-        other = other[:, :G] if other.shape[1] >= G else jnp.pad(other, ((0, 0), (0, G - other.shape[1]), (0, 0)))
-        out = jnp.where((cache["published"] == s)[:, None, None], other, out)
-    return out
 
 
 # ------------------------------------------------------------------------------- host-side API

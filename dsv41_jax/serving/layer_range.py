@@ -26,7 +26,7 @@ from dsv41_jax.numerics import kv_layout, quant
 from dsv41_jax.layers.indexer import candidate_pool, select_topk
 from dsv41_jax.layers.mhc_site import collapse, expand
 from dsv41_jax.layers.rope import apply_rope, cos_sin, layer_rope
-from dsv41_jax.model.transformer import _index_keys_for, _scatter_container, _window_indices, _write_ring
+from dsv41_jax.model.cache import index_keys_for, scatter_container, window_indices, write_ring
 from dsv41_jax.runtime import Runtime
 from dsv41_jax.serving import fast_index
 from pallas_kernels.sparse_attention.dense_reference import sparse_attention
@@ -77,11 +77,11 @@ def write_global(model, layer: int, x: jax.Array, start: jax.Array, cache: dict,
     gcos, gsin = cos_sin(jnp.maximum(gids, 0) * m, freqs)
     if attn.indexer is not None:
         k_new = kv_layout.quantize_index_keys(attn.indexer.keys(lat, gcos, gsin, mode))
-        cache["index_keys"][key] = _scatter_container(cache["index_keys"][key], k_new, gids)
+        cache["index_keys"][key] = scatter_container(cache["index_keys"][key], k_new, gids)
         produced = jnp.any(gids >= 0, axis=1)
         cache["published"] = jnp.where(produced, layer, cache["published"])
     entries = kv_layout.quantize_compressed(apply_rope(lat, gcos, gsin, cfg.rope_head_dim))
-    cache["compressed"][key] = _scatter_container(cache["compressed"][key], entries, gids)
+    cache["compressed"][key] = scatter_container(cache["compressed"][key], entries, gids)
 
 
 def project_ced(model, h: jax.Array, pre: jax.Array, start: jax.Array, cache: dict, runtime: Runtime,
@@ -194,11 +194,11 @@ def run_layers(model, h: jax.Array, pre: jax.Array, cache: dict, *, start: jax.A
         win_new = kv_layout.quantize_window(attn.window_kv(x, cos, sin, mode))
         ring = cache["window"][l]
         keys = jnp.concatenate([kv_layout.dequantize_window(ring), kv_layout.dequantize_window(win_new)], 1)
-        idx = _window_indices(start, T, W)
+        idx = window_indices(start, T, W)
         if floor is not None:
             p = positions[..., None] - (W - 1) + jnp.arange(W)
             idx = jnp.where(p >= floor[:, None, None], idx, -1)
-        new_cache["window"][l] = _write_ring(ring, win_new, start, W)
+        new_cache["window"][l] = write_ring(ring, win_new, start, W)
 
         if role.ratio:
             m, src = role.ratio, role.kv_source
@@ -221,7 +221,7 @@ def run_layers(model, h: jax.Array, pre: jax.Array, cache: dict, *, start: jax.A
                         if lean_pool:
                             keys_bf16 = decode_index_keys(new_cache["index_keys"][key])
                         else:
-                            keys_bf16 = _index_keys_for(cfg, new_cache, role, runtime).astype(jnp.bfloat16)
+                            keys_bf16 = index_keys_for(cfg, new_cache, role, runtime).astype(jnp.bfloat16)
                         scores = attn.indexer.scores(x, qr, keys_bf16, cos, sin, visible, mode)
                     if role.is_candidate_source:
                         pool, block_scores = candidate_pool(scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)

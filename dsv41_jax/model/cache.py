@@ -1,0 +1,86 @@
+"""The serving cache: its layout and the row helpers every driver shares (docs/REFERENCE.md §5).
+
+A cache is a plain pytree: per-layer window rings, per-KV-source compressed entries, index keys
+and compressor partial groups, per-sequence lengths and the last index-key publisher.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.numerics import kv_layout
+from dsv41_jax.runtime import Runtime
+
+
+def init_cache(cfg: ModelConfig, batch: int | None = None) -> dict:
+    """An empty cache with fixed shapes (docs/REFERENCE.md §5): window rings, per-source compressed KV, index
+    keys and compressor partial groups, per-sequence lengths."""
+    B = batch or cfg.max_batch_size
+    cache = {
+        "length": jnp.zeros((B,), jnp.int32),
+        "window": [kv_layout.empty_window(B, cfg.window_size, cfg.head_dim) for _ in range(cfg.n_layers)],
+        "compressed": {}, "index_keys": {}, "compressor": {},
+        # which KV source's index keys were published last (only read in reference-quirk mode)
+        "published": jnp.full((B,), -1, jnp.int32),
+    }
+    for s in cfg.kv_source_layers:
+        m = cfg.compress_ratios[s]
+        G = cfg.max_seq_len // m
+        cache["compressed"][f"layer{s}"] = kv_layout.empty_compressed(B, G, cfg.head_dim)
+        if s in cfg.index_source_layers:
+            cache["index_keys"][f"layer{s}"] = kv_layout.empty_index_keys(B, G, cfg.index_head_dim)
+        if m > 1:
+            cache["compressor"][f"layer{s}"] = {"kv": jnp.zeros((B, m, cfg.head_dim), jnp.float32),
+                                                "score": jnp.full((B, m, cfg.head_dim), -jnp.inf, jnp.float32)}
+    return cache
+
+
+def scatter_rows(buf: jax.Array, rows: jax.Array, idx: jax.Array) -> jax.Array:
+    """buf [B, N, ...] with rows [B, J, ...] written at idx [B, J] (idx < 0 dropped)."""
+    N = buf.shape[1]
+    idx = jnp.where(idx < 0, N, idx)  # out of range -> dropped
+    b = jnp.arange(buf.shape[0])[:, None]
+    return buf.at[b, idx].set(rows.astype(buf.dtype), mode="drop")
+
+
+def scatter_container(c, rows, idx):
+    return type(c)(*(scatter_rows(a, r, idx) for a, r in zip(c, rows)))
+
+
+def window_indices(start, T, W):
+    """Per query: W slots of [ring (W) ++ chunk (T)], oldest position first; -1 where none."""
+    pos = start[:, None] + jnp.arange(T)[None]  # [B, T]
+    p = pos[..., None] - (W - 1) + jnp.arange(W)  # [B, T, W]
+    in_chunk = p >= start[:, None, None]
+    idx = jnp.where(in_chunk, W + p - start[:, None, None], p % W)
+    return jnp.where(p >= 0, idx, -1).astype(jnp.int32)
+
+
+def write_ring(ring: kv_layout.WindowKV, new: kv_layout.WindowKV, start, W) -> kv_layout.WindowKV:
+    """Write the chunk's last min(T, W) window entries into ring slots pos % W."""
+    T = new.values.shape[1]
+    keep = min(T, W)
+    pos = start[:, None] + jnp.arange(T - keep, T)[None]
+    sl = jax.tree.map(lambda a: a[:, T - keep:], new)
+    return scatter_container(ring, sl, pos % W)
+
+
+def index_keys_for(cfg: ModelConfig, cache: dict, role, runtime: Runtime) -> jax.Array:
+    """The index keys an index source scores (dequantized [B, G, Di]).
+
+    Intended: its own KV source's keys. Reference quirk (docs/REFERENCE.md §6): whatever KV source published
+    last, truncated/padded to this layer's cache length.
+    """
+    own = kv_layout.dequantize_index_keys(cache["index_keys"][f"layer{role.kv_source}"])
+    if not runtime.index_k_quirk:
+        return own
+    G = own.shape[1]
+    out = own
+    for s in cfg.index_kv_sources:
+        if s == role.kv_source:
+            continue
+        other = kv_layout.dequantize_index_keys(cache["index_keys"][f"layer{s}"])
+        other = other[:, :G] if other.shape[1] >= G else jnp.pad(other, ((0, 0), (0, G - other.shape[1]), (0, 0)))
+        out = jnp.where((cache["published"] == s)[:, None, None], other, out)
+    return out
