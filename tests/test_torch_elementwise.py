@@ -23,6 +23,7 @@ import pytest
 from dsv41_jax.numerics import activations
 from dsv41_jax.numerics.exact_ops import true_divide
 from dsv41_jax.numerics.glibc_expf import expf_glibc
+from dsv41_jax.numerics.glibc_log1pf import log1pf_glibc
 from dsv41_jax.numerics.sleef_exp import log1pf_u10
 from dsv41_jax.numerics.torch_loops import scalar_tail_mask
 
@@ -74,8 +75,8 @@ CASES = [
      lambda x: true_divide(ONE, ONE + expf_glibc(-x))),
     ("silu", (-40.0, 40.0), lambda x: activations.silu(x, "exact"), "silu",
      lambda x: true_divide(x, ONE + expf_glibc(-x))),
-    ("softplus", (-40.0, 40.0), lambda x: activations.softplus(x, "exact"), "softplus", None),
-    ("log1p", (-0.99, 5e8), log1pf_u10, "log1p", None),
+    ("softplus", (-40.0, 40.0), lambda x: activations.softplus(x, "exact"), "softplus", activations.softplus_scalar),
+    ("log1p", (-0.99, 5e8), log1pf_u10, "log1p", log1pf_glibc),
     ("rsqrt", (1e-6, 1e4), lambda x: true_divide(ONE, activations.sqrt(x, "exact")), "rsqrt", None),
 ]
 
@@ -128,6 +129,32 @@ def test_glibc_expf_against_the_c_library():
     ref = np.array([lib.expf(float(v)) for v in x], np.float32)
     with jax.enable_x64(True):
         _same_bits(jax.jit(expf_glibc)(x), ref, "glibc expf")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["sigmoid", "softplus"])
+def test_every_vector_width_remainder_against_torch(name):
+    """One call per length 1..200 (every remainder mod 32 and mod 16, several full steps): the
+    body/tail composition (`with_scalar_tail`) equals torch's contiguous call element for element.
+    A [n] call and an [n / 8, 8] call with tail_dims 2 are the same contiguous tensor to torch."""
+    torch = _torch()
+    fn = {"sigmoid": (activations.sigmoid, torch.sigmoid),
+          "softplus": (activations.softplus, torch.nn.functional.softplus)}[name]
+    rng = np.random.default_rng(17)
+    total = 0
+    with jax.enable_x64(True):
+        for n in range(1, 201):
+            for rep in range(50):
+                x = rng.uniform(-25.0, 25.0, n).astype(np.float32)
+                if rep == 0:
+                    x[:min(n, len(_SOFTPLUS_EDGES))] = _SOFTPLUS_EDGES[:n]
+                ours = jax.jit(lambda v: fn[0](v, "exact", tail_dims=1))(x)
+                _same_bits(ours, fn[1](torch.from_numpy(x)).numpy(), f"{name} contiguous length {n}")
+                total += n
+            if n % 8 == 0:  # the same call seen as [T, 8] (the gate's [T, experts] with 8 experts)
+                ours = jax.jit(lambda v: fn[0](v, "exact", tail_dims=2))(x.reshape(-1, 8))
+                _same_bits(ours.reshape(-1), fn[1](torch.from_numpy(x)).numpy(), f"{name} [{n // 8}, 8]")
+    assert total > 10 ** 6
 
 
 def test_scalar_tail_mask_follows_the_avx512_loop():

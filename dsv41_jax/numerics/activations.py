@@ -11,14 +11,42 @@ import jax
 import jax.numpy as jnp
 
 from dsv41_jax.numerics.exact_ops import exact_sqrt, no_fma, true_divide
+from dsv41_jax.numerics.glibc_expf import expf_glibc
+from dsv41_jax.numerics.glibc_log1pf import log1pf_glibc
 from dsv41_jax.numerics.sleef_exp import expf_u10, log1pf_u10
+from dsv41_jax.numerics.torch_loops import scalar_tail_mask
 
 
-def sigmoid(x: jax.Array, mode: str = "fast") -> jax.Array:
-    """1 / (1 + exp(-x)) in float32."""
+def with_scalar_tail(x: jax.Array, body, scalar, tail_dims: int | None) -> jax.Array:
+    """torch's split of one elementwise call (docs/NUMERICS.md, "torch's vector body and scalar
+    tail"): `scalar` where the oracle's loop takes its scalar lambda, `body` elsewhere. The last
+    `tail_dims` dims of `x` are one oracle call's contiguous tensor; None: body everywhere."""
+    if tail_dims is None:
+        return body(x)
+    return jnp.where(scalar_tail_mask(x.shape, tail_dims), scalar(x), body(x))
+
+
+def sigmoid_scalar(x: jax.Array) -> jax.Array:
+    """torch's scalar sigmoid lambda, 1 / (1 + std::exp(-x)): glibc expf (needs 64-bit types)."""
+    x = x.astype(jnp.float32)
+    return true_divide(jnp.ones_like(x), 1.0 + expf_glibc(-x))
+
+
+def softplus_scalar(x: jax.Array) -> jax.Array:
+    """torch's scalar softplus lambda (beta 1, threshold 20): x > 20 ? x : std::log1p(std::exp(x)),
+    glibc expf and log1pf (needs 64-bit types)."""
+    x = x.astype(jnp.float32)
+    return jnp.where(x > 20.0, x, log1pf_glibc(expf_glibc(jnp.minimum(x, 20.0))))
+
+
+def sigmoid(x: jax.Array, mode: str = "fast", tail_dims: int | None = None) -> jax.Array:
+    """1 / (1 + exp(-x)) in float32. Exact mode: SLEEF's exp (torch's vector body); with
+    `tail_dims`, the elements torch's scalar path computes use glibc's (`with_scalar_tail`).
+    The Engram gate's sigmoid needs that (its [T, hc] call has a tail; not wired yet)."""
     if mode == "exact":
         x = x.astype(jnp.float32)
-        return true_divide(jnp.ones_like(x), 1.0 + expf_u10(-x))
+        return with_scalar_tail(x, lambda v: true_divide(jnp.ones_like(v), 1.0 + expf_u10(-v)), sigmoid_scalar,
+                                tail_dims)
     return jax.nn.sigmoid(x)
 
 
@@ -30,11 +58,14 @@ def silu(x: jax.Array, mode: str = "fast") -> jax.Array:
     return jax.nn.silu(x)
 
 
-def softplus(x: jax.Array, mode: str = "fast") -> jax.Array:
-    """torch's softplus (beta 1, threshold 20): log1p(exp(x)), the identity above 20."""
+def softplus(x: jax.Array, mode: str = "fast", tail_dims: int | None = None) -> jax.Array:
+    """torch's softplus (beta 1, threshold 20): log1p(exp(x)), the identity above 20. Exact mode:
+    SLEEF's exp and log1p (vector body); with `tail_dims`, glibc's on torch's scalar path (the
+    sqrtsoftplus gate's [T, experts] call: the last tokens of a prefill, every decode step)."""
     if mode == "exact":
         x = x.astype(jnp.float32)
-        return jnp.where(x > 20.0, x, log1pf_u10(expf_u10(jnp.minimum(x, 20.0))))
+        body = lambda v: jnp.where(v > 20.0, v, log1pf_u10(expf_u10(jnp.minimum(v, 20.0))))
+        return with_scalar_tail(x, body, softplus_scalar, tail_dims)
     return jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
 
 
