@@ -50,7 +50,7 @@ def digests(golden_root: str | None = None) -> dict[str, str]:
     import jax.numpy as jnp
 
     from dsv41_jax.layers import rope
-    from dsv41_jax.numerics import activations, glibc_expf, libm_powf, libm_sincos, sleef_exp
+    from dsv41_jax.numerics import activations, glibc_expf, glibc_log1pf, libm_powf, libm_sincos, sleef_exp
     from dsv41_jax.numerics.exact_ops import exact_sqrt, true_divide
     from dsv41_jax.vision.tower import rope_2d
 
@@ -79,6 +79,9 @@ def digests(golden_root: str | None = None) -> dict[str, str]:
         "expf_glibc": lambda v: glibc_expf.expf_glibc(v),
         "expf_u10": sleef_exp.expf_u10,
         "log1pf_u10": lambda v: sleef_exp.log1pf_u10(jnp.abs(v)),
+        "log1pf_glibc": lambda v: glibc_log1pf.log1pf_glibc(jnp.abs(v)),
+        "softplus_tail": lambda v: activations.softplus(v[:4096].reshape(-1, 8), "exact", tail_dims=1),
+        "sigmoid_tail": lambda v: activations.sigmoid(v[:4099].reshape(-1, 1), "exact", tail_dims=2),
         "sigmoid": lambda v: activations.sigmoid(v, "exact"),
         "silu": lambda v: activations.silu(v, "exact"),
         "softplus": lambda v: activations.softplus(v, "exact"),
