@@ -50,8 +50,9 @@ def digests(golden_root: str | None = None) -> dict[str, str]:
     import jax.numpy as jnp
 
     from dsv41_jax.layers import rope
-    from dsv41_jax.numerics import activations, glibc_expf, glibc_log1pf, libm_powf, libm_sincos, sleef_exp
+    from dsv41_jax.numerics import activations, glibc_expf, glibc_log1pf, libm_powf, libm_sincos, sleef_exp, sleef_powf
     from dsv41_jax.numerics.exact_ops import exact_sqrt, true_divide
+    from dsv41_jax.numerics.mkl_sqrt import sqrt_mkl
     from dsv41_jax.vision.tower import rope_2d
 
     out: dict[str, str] = {}
@@ -73,6 +74,8 @@ def digests(golden_root: str | None = None) -> dict[str, str]:
     grid = np.linspace(0, 1, 257, dtype=np.float32)
     out["libm_powf"] = _h(libm_powf.powf(np.float32(1.6e5), grid), libm_powf.powf(np.abs(x), x / 16))
     out["libm_sincos"] = _h(libm_sincos.cosf(x * 50), libm_sincos.sinf(x * 50))
+    ax = np.abs(x) + np.float32(1.0)
+    out["sleef_powf"] = _h(sleef_powf.powf_u10(ax, x / 16), sleef_powf.rope_pow(1.6e5, np.arange(0, 80, 2, np.float32) / 80))
 
     xj = jnp.asarray(x)
     fns = {
@@ -88,6 +91,7 @@ def digests(golden_root: str | None = None) -> dict[str, str]:
         "gelu_erf": lambda v: activations.gelu_erf(v, "exact"),
         "softmax": lambda v: activations.softmax_lastdim(v[:4096].reshape(64, 64), "exact"),
         "exact_sqrt": lambda v: exact_sqrt(jnp.abs(v)),
+        "sqrt_mkl": lambda v: sqrt_mkl(jnp.abs(v)),
         "true_divide": lambda v: true_divide(v, v[::-1] + 0.5),
     }
     for name, fn in fns.items():

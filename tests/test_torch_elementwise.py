@@ -9,7 +9,7 @@ traces in tests/test_mhc_sinkhorn.py and as a unit below.
 
 torch.exp and torch.sqrt are not compared here: they are MKL VML kernels in torch, and the
 reference reaches exp only through sigmoid/silu/softplus/softmax (SLEEF or glibc, compared here).
-The oracle's gate `sqrt` is MKL's, which is not emulated (docs/NUMERICS.md, "Open").
+MKL's sqrt has its own sweep (tests/test_mkl_sqrt.py).
 """
 import ctypes
 import ctypes.util
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from dsv41_jax.numerics import activations
-from dsv41_jax.numerics.exact_ops import true_divide
+from dsv41_jax.numerics.exact_ops import exact_sqrt, true_divide
 from dsv41_jax.numerics.glibc_expf import expf_glibc
 from dsv41_jax.numerics.glibc_log1pf import log1pf_glibc
 from dsv41_jax.numerics.sleef_exp import log1pf_u10
@@ -77,7 +77,7 @@ CASES = [
      lambda x: true_divide(x, ONE + expf_glibc(-x))),
     ("softplus", (-40.0, 40.0), lambda x: activations.softplus(x, "exact"), "softplus", activations.softplus_scalar),
     ("log1p", (-0.99, 5e8), log1pf_u10, "log1p", log1pf_glibc),
-    ("rsqrt", (1e-6, 1e4), lambda x: true_divide(ONE, activations.sqrt(x, "exact")), "rsqrt", None),
+    ("rsqrt", (1e-6, 1e4), lambda x: true_divide(ONE, exact_sqrt(x)), "rsqrt", None),  # layers/basic.inv_sqrt
 ]
 
 
