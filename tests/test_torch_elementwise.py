@@ -23,7 +23,6 @@ import pytest
 from dsv41_jax.numerics import activations
 from dsv41_jax.numerics.exact_ops import exact_sqrt, true_divide
 from dsv41_jax.numerics.glibc_expf import expf_glibc
-from dsv41_jax.numerics.glibc_log1pf import log1pf_glibc
 from dsv41_jax.numerics.sleef_exp import log1pf_u10
 from dsv41_jax.numerics.torch_loops import scalar_tail_mask
 
@@ -76,7 +75,10 @@ CASES = [
     ("silu", (-40.0, 40.0), lambda x: activations.silu(x, "exact"), "silu",
      lambda x: true_divide(x, ONE + expf_glibc(-x))),
     ("softplus", (-40.0, 40.0), lambda x: activations.softplus(x, "exact"), "softplus", activations.softplus_scalar),
-    ("log1p", (-0.99, 5e8), log1pf_u10, "log1p", log1pf_glibc),
+    # torch.log1p itself vectorises strided views too (SLEEF on gathered lanes), so it has no
+    # glibc path to compare; softplus's scalar lambda calls glibc log1pf (checked above, and
+    # against the C library in tests/test_glibc_log1pf.py)
+    ("log1p", (-0.99, 5e8), log1pf_u10, "log1p", None),
     ("rsqrt", (1e-6, 1e4), lambda x: true_divide(ONE, exact_sqrt(x)), "rsqrt", None),  # layers/basic.inv_sqrt
 ]
 
