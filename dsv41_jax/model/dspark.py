@@ -30,9 +30,8 @@ from dsv41_jax.layers.moe import MoE
 from dsv41_jax.layers.rope import cos_sin, layer_rope
 from pallas_kernels.sparse_attention.dense_reference import sparse_attention
 from dsv41_jax.model.cache import scatter_container
-from dsv41_jax.model.probe import tie_aware_equal
+from dsv41_jax.model.probe import tap, tie_aware_equal
 from dsv41_jax.numerics import kv_layout
-from dsv41_jax.numerics.exact_ops import sum_in_order
 
 
 class DSparkUnavailable(ValueError):
@@ -114,14 +113,6 @@ class DSparkStage(nnx.Module):
 
 def build_stages(cfg: ModelConfig, rngs) -> nnx.List | None:
     return nnx.List([DSparkStage(cfg, k, rngs=rngs) for k in range(cfg.n_mtp_layers)]) if cfg.has_dspark else None
-
-
-# ------------------------------------------------------------------------------------ taps
-def tap(h: jax.Array) -> jax.Array:
-    """Mean over the hc copies of a stream [..., hc, d] (fp32 sum in order, one division), stream dtype."""
-    hc = h.shape[-2]
-    s = sum_in_order(h.astype(jnp.float32), axis=-2)[..., 0, :]
-    return (s / jnp.float32(hc)).astype(h.dtype)
 
 
 def main_x(model, taps: jax.Array, mode: str) -> jax.Array:

@@ -4,6 +4,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dsv41_jax.numerics.exact_ops import sum_in_order
+
+
+def tap(h: jax.Array) -> jax.Array:
+    """DSpark's tap: the mean over the hc copies of a stream [..., hc, d] (fp32 sum in order, one
+    division), in the stream's dtype."""
+    hc = h.shape[-2]
+    s = sum_in_order(h.astype(jnp.float32), axis=-2)[..., 0, :]
+    return (s / jnp.float32(hc)).astype(h.dtype)
+
 
 def tie_aware_equal(scores: jax.Array, own: jax.Array, ref: jax.Array) -> jax.Array:
     """Per row: do two index sets agree, up to exact ties at the selection boundary?
@@ -23,3 +33,140 @@ def tie_aware_equal(scores: jax.Array, own: jax.Array, ref: jax.Array) -> jax.Ar
     ok_own = jnp.all(~own_only | (s_own == bound), -1)
     ok_ref = jnp.all(~ref_only | (s_ref == bound), -1)
     return same_count & ok_own & ok_ref
+
+
+class Probe:
+    """A static observer of the layer body (hashable; part of the jit key). Traced inputs come in
+    through `pin`; each hook returns per-layer records. This base observes nothing: its hooks are
+    identities that return no records, so the body traces to the same program as without it.
+
+    Hooks, in body order:
+    - enter(l, h, pre, pin) -> (h, pre, records): the layer's input, after its Engram;
+    - decide("topk", l, own, scores, pin) -> (chosen, records): an index source's top-k;
+    - forced_experts(l, pin) -> (forced [B,T,k] | None, impose): expert ids the MoE imposes;
+    - experts_chosen(l, moe, info, forced, vl, pin) -> records: after the MoE routed;
+    - see(l, thunk) -> records: `thunk()` builds named intermediates; only recording probes call it.
+    """
+
+    def enter(self, l, h, pre, pin):
+        return h, pre, {}
+
+    def decide(self, kind, l, own, scores, pin):
+        return own, {}
+
+    def forced_experts(self, l, pin):
+        return None, True
+
+    def experts_chosen(self, l, moe, info, forced, vl, pin) -> dict:
+        return {}
+
+    def see(self, l, thunk) -> dict:
+        return {}
+
+    def __eq__(self, other):
+        return type(self) is type(other) and vars(self) == vars(other)
+
+    def __hash__(self):
+        return hash((type(self), tuple(sorted(vars(self).items()))))
+
+
+NO_PROBE = Probe()
+
+
+class GoldenProbe(Probe):
+    """golden-check's observer. pin = {"topk": {l: [B,T,K]}, "experts": {l: [B,T,k]}, "impose": bool,
+    "replay": {l: (h, pre)}} (any part may be missing). Stored decisions are compared with the
+    model's own (tie-aware) and imposed where the traced `impose` holds, so free and forced runs
+    share one compilation; `replay` substitutes a layer's input; `collect` records the traces."""
+
+    def __init__(self, collect: bool = False):
+        self.collect = bool(collect)
+
+    def enter(self, l, h, pre, pin):
+        replay = (pin or {}).get("replay") or {}
+        if l in replay:
+            h, pre = replay[l][0].astype(h.dtype), replay[l][1].astype(jnp.float32)
+        return h, pre, self.see(l, lambda: {f"layer{l}.block_input": h, f"layer{l}.pre_mix_in": pre})
+
+    def decide(self, kind, l, own, scores, pin):
+        rec = {"topk_own": own}
+        forced = ((pin or {}).get("topk") or {}).get(l)
+        if forced is None:
+            return own, rec
+        ref = jnp.pad(forced, [(0, 0), (0, 0), (0, own.shape[-1] - forced.shape[-1])], constant_values=-1)
+        rec["topk_agree"] = tie_aware_equal(scores, own, ref)
+        return jnp.where(pin.get("impose", True), ref.astype(jnp.int32), own), rec
+
+    def forced_experts(self, l, pin):
+        pin = pin or {}
+        return (pin.get("experts") or {}).get(l), pin.get("impose", True)
+
+    def experts_chosen(self, l, moe, info, forced, vl, pin) -> dict:
+        if forced is None:
+            return {"experts_own": info["experts"]}
+        biased = info["scores"] + moe.gate.selection_bias(vl)
+        own = jax.lax.top_k(biased, moe.topk)[1]
+        return {"experts_own": own, "experts_agree": tie_aware_equal(biased, own, forced.astype(own.dtype))}
+
+    def see(self, l, thunk) -> dict:
+        return {"trace": thunk()} if self.collect else {}
+
+
+class TapProbe(Probe):
+    """DSpark's taps: the stream entering each target layer (after its Engram), as `tap`."""
+
+    def __init__(self, layers=()):
+        self.layers = frozenset(layers)
+
+    def enter(self, l, h, pre, pin):
+        return h, pre, ({"tap": tap(h)} if l in self.layers else {})
+
+
+class Probes(Probe):
+    """Probes composed in order: each hook chains (enter, decide, forced_experts: the first that
+    forces wins) and their records merge."""
+
+    def __init__(self, *probes: Probe):
+        self.probes = tuple(probes)
+
+    def enter(self, l, h, pre, pin):
+        rec = {}
+        for p in self.probes:
+            h, pre, r = p.enter(l, h, pre, pin)
+            rec = _merge(rec, r)
+        return h, pre, rec
+
+    def decide(self, kind, l, own, scores, pin):
+        rec = {}
+        for p in self.probes:
+            own, r = p.decide(kind, l, own, scores, pin)
+            rec = _merge(rec, r)
+        return own, rec
+
+    def forced_experts(self, l, pin):
+        for p in self.probes:
+            forced, impose = p.forced_experts(l, pin)
+            if forced is not None:
+                return forced, impose
+        return None, True
+
+    def experts_chosen(self, l, moe, info, forced, vl, pin) -> dict:
+        rec = {}
+        for p in self.probes:
+            rec = _merge(rec, p.experts_chosen(l, moe, info, forced, vl, pin))
+        return rec
+
+    def see(self, l, thunk) -> dict:
+        rec = {}
+        for p in self.probes:
+            rec = _merge(rec, p.see(l, thunk))
+        return rec
+
+
+def _merge(*recs: dict) -> dict:
+    """Per-layer records: later keys win, except "trace" dicts, which are merged."""
+    out: dict = {}
+    for r in recs:
+        for k, v in r.items():
+            out[k] = {**out[k], **v} if k == "trace" and k in out else v
+    return out

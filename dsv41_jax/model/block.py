@@ -1,0 +1,401 @@
+"""The one layer body (issue 20; ../shared/design/one-body-review.md): `block_step` and the loop over it.
+
+What differs between the drivers (model.forward, the engine's steps, split prefill, replay) is
+data, never a copy of the body:
+- `Plan`: static and hashable (part of every jit key): numerics, the resolved kernel choice
+  (the one place `Runtime`'s "auto" and `interpret` are decided), index-key mode, which writes
+  the global caches get, and the scoring variants serving uses.
+- `Span`: traced: RoPE positions, the chunk start, Engram ids, a window floor, image-span mask.
+- `Carry`: traced, what later layers take from earlier ones (index sources' top-k, the pool).
+- `QuantStore`: the serving cache behind the few questions the body asks (window rows, global
+  writes, index keys, top-k width, compressed rows). The body never touches the cache dict.
+- probes (`dsv41_jax.model.probe`): static observers; `NO_PROBE` traces to nothing.
+
+block_step's only `if`s on structure test the layer's role (the architecture) or the plan.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv41_jax.layers.basic import matmul
+from dsv41_jax.layers.indexer import candidate_pool, index_key_container, select_topk
+from dsv41_jax.layers.mhc_site import collapse, expand
+from dsv41_jax.layers.rope import apply_rope, cos_sin, layer_rope
+from dsv41_jax.model.cache import index_keys_for, scatter_container, window_indices, write_ring
+from dsv41_jax.model.probe import NO_PROBE, Probe, _merge
+from dsv41_jax.numerics import kv_layout, quant
+from dsv41_jax.runtime import Runtime
+from dsv41_jax.serving import fast_index  # the packed scoring variant (Plan.packed_scoring)
+from pallas_kernels.sparse_attention.dense_reference import sparse_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How a driver runs the body (static).
+
+    kernels: whether the attention and indexer run their Pallas kernels when `impl` is "pallas"
+      (False: their XLA math; the serving drivers until they are verified on the kernels).
+    writes: "all" (KV sources write compressed entries, index keys, compressor state) or "window"
+      (only the window rings: Graph B of the split prefill and the replay read the globals).
+    pool_scoring: in-pool Reindex layers score only the pool's index keys, and the compressed rows
+      the attention reads are gathered when that is smaller (decode; intended index keys only).
+    packed_scoring: with pool_scoring in fast mode, score the packed keys with
+      `fast_index.scores_packed` (a second, deliberately different fast numerics).
+    """
+
+    numerics: Literal["fast", "exact"] = "fast"
+    impl: Literal["xla", "pallas"] = "xla"
+    interpret: bool = False
+    index_keys: Literal["intended", "quirk"] = "intended"
+    check_finite: bool = False
+    kernels: bool = True
+    writes: Literal["all", "window"] = "all"
+    pool_scoring: bool = False
+    packed_scoring: bool = False
+
+    def __post_init__(self):
+        if self.writes not in ("all", "window"):
+            raise ValueError(f"Plan.writes must be 'all' or 'window', got {self.writes!r}")
+
+    @classmethod
+    def resolve(cls, runtime: Runtime, **kw) -> "Plan":
+        """The plan for `runtime`, with impl and interpret decided here (on this backend) once."""
+        return cls(numerics=runtime.mode, impl=runtime.resolved_impl(), interpret=runtime.resolved_interpret(),
+                   index_keys="quirk" if runtime.index_k_quirk else "intended", check_finite=runtime.check_finite,
+                   **kw)
+
+    @property
+    def runtime(self) -> Runtime:
+        """The equivalent resolved Runtime (what the layers' kernel entry points take)."""
+        return Runtime(mode=self.numerics, impl=self.impl, index_k_quirk=self.index_keys == "quirk",
+                       interpret=self.interpret, check_finite=self.check_finite)
+
+    @property
+    def kernel_mode(self) -> str | None:
+        """The numerics the attention/indexer kernels run, or None when they run their XLA math."""
+        return self.runtime.kernel_mode() if self.kernels else None
+
+
+class Span(NamedTuple):
+    """The chunk a driver runs (traced)."""
+
+    positions: jax.Array  # [B, T] RoPE positions
+    start: jax.Array  # [B] absolute position of the chunk's first token (ring slots, group ids)
+    engram_ids: jax.Array | None = None  # [B, T, n_engram_layers, cols]
+    floor: jax.Array | None = None  # [B]: window slots at positions below it are empty
+    vl: jax.Array | None = None  # [B, T] bool: image-span positions
+
+    @classmethod
+    def at(cls, start: jax.Array, T: int, **kw) -> "Span":
+        return cls(positions=start[:, None] + jnp.arange(T)[None], start=start, **kw)
+
+
+class Carry(NamedTuple):
+    """What later layers read from earlier ones (traced)."""
+
+    topk: dict  # {index source layer: [B, T, K] selected compressed positions}
+    pool: jax.Array | None = None  # [B, T, G] candidate pool mask of the candidate source
+    pool_blocks: tuple | None = None  # (block ids, valid) of the pool, ascending (pool_scoring)
+
+
+class QuantStore:
+    """The serving cache (docs/REFERENCE.md §5) as the body sees it: packed FP8/FP4 rows."""
+
+    def __init__(self, cfg, cache: dict):
+        self.cfg = cfg
+        self.cache = {"length": cache["length"], "window": list(cache["window"]),
+                      "compressed": dict(cache["compressed"]), "index_keys": dict(cache["index_keys"]),
+                      "compressor": dict(cache["compressor"]), "published": cache["published"]}
+
+    def copy(self) -> "QuantStore":
+        return QuantStore(self.cfg, self.cache)
+
+    def window(self, l: int, new: kv_layout.WindowKV, span: Span):
+        """This chunk's window rows in: (rows [B, W+T, D] dequantized, idx [B, T, W], the packed rows for
+        the kernel). The ring keeps the chunk's last W rows."""
+        W = self.cfg.window_size
+        ring = self.cache["window"][l]
+        rows = jnp.concatenate([kv_layout.dequantize_window(ring), kv_layout.dequantize_window(new)], 1)
+        idx = window_indices(span.start, span.positions.shape[1], W)
+        if span.floor is not None:
+            p = span.positions[..., None] - (W - 1) + jnp.arange(W)
+            idx = jnp.where(p >= span.floor[:, None, None], idx, -1)
+        self.cache["window"][l] = write_ring(ring, new, span.start, W)
+        return rows, idx, (ring, new)
+
+    def compressor_state(self, src: int):
+        return self.cache["compressor"].get(f"layer{src}")
+
+    def write_source(self, src: int, state, gids, entries, index_keys) -> None:
+        """A KV source's global writes: compressor state, FP4 index keys (and who published last),
+        FP8 compressed entries, at group ids `gids` (-1 = none)."""
+        key = f"layer{src}"
+        if state is not None:
+            self.cache["compressor"][key] = state
+        if index_keys is not None:
+            k_new = kv_layout.quantize_index_keys(index_keys)
+            self.cache["index_keys"][key] = scatter_container(self.cache["index_keys"][key], k_new, gids)
+            produced = jnp.any(gids >= 0, axis=1)
+            self.cache["published"] = jnp.where(produced, src, self.cache["published"])
+        self.cache["compressed"][key] = scatter_container(self.cache["compressed"][key],
+                                                          kv_layout.quantize_compressed(entries), gids)
+
+    def topk_width(self, src: int) -> int:
+        """min(index_topk, rows the cache holds): the one width formula (cfg.topk_width at full capacity)."""
+        return min(self.cfg.index_topk, int(self.cache["compressed"][f"layer{src}"].packed.shape[1]))
+
+
+def embed(model, tokens: jax.Array, spans: tuple | None = None):
+    """(h [B,T,hc,d], pre [B,T,hc]): the embedding (image-span rows swapped in) in every copy, and
+    the one-hot first pre-mix. spans: optional (rows [B,T,dim], token_types [B,T]), type >= 0 in a span."""
+    cfg = model.cfg
+    B, T = tokens.shape
+    h = model.embed[...][tokens]
+    if spans is not None:
+        h = jnp.where((spans[1] >= 0)[..., None], spans[0].astype(h.dtype), h)
+    h = jnp.broadcast_to(h[:, :, None, :], (B, T, cfg.hc_mult, cfg.dim))
+    pre = jnp.zeros((B, T, cfg.hc_mult), jnp.float32).at[..., 0].set(1.0)
+    return h, pre
+
+
+def head(model, h: jax.Array, pre: jax.Array, mode: str, probe: Probe = NO_PROBE):
+    """Collapse with the last pre-mix, final norm, fp32 head: (logits [B,T,V], records)."""
+    final = collapse(h, pre)
+    rec = probe.see(-1, lambda: {"final_hidden": final})
+    x = model.norm(final, mode)
+    return matmul(x.astype(jnp.float32), model.head[...].astype(jnp.float32), "btd,vd->btv", jnp.float32, mode), rec
+
+
+def engram_site(cfg, block, h, span: Span, plan: Plan, probe: Probe = NO_PROBE):
+    """The layer's Engram (if any): (h, records). The gate is shut at image-span positions."""
+    if block.engram is None:
+        return h, {}
+    l = block.layer
+    if span.engram_ids is None:
+        raise ValueError(f"layer {l} has Engram: pass engram_ids (see dsv41_jax.engram.hashing.hash_ids)")
+    h_in = h
+    h, gate = block.engram(h, span.engram_ids[:, :, cfg.engram_layer_ids.index(l)], plan.numerics)
+    if span.vl is not None:  # the reference shuts the gate at image-span positions
+        h = jnp.where(span.vl[..., None, None], h_in, h)
+        gate = jnp.where(span.vl[..., None], 0.0, gate)
+    return h, probe.see(l, lambda: {f"engram.{l}.gate": gate})
+
+
+def attn_input(block, h, pre, plan: Plan):
+    """The attention's input: the stream collapsed with the layer's pre-mix, normed."""
+    return block.attn_norm(collapse(h, pre), plan.numerics)
+
+
+def write_source(block, x, span: Span, store: QuantStore, plan: Plan, probe: Probe = NO_PROBE):
+    """A KV source's global writes for the chunk (compressor groups, their index keys and their FP4
+    compressed entries; docs/REFERENCE.md §3 "Compressor", "Indexer"): records."""
+    cfg, attn, l = store.cfg, block.attn, block.layer
+    m = block.role.ratio
+    freqs = layer_rope(cfg, m)
+    lat, gids, state = attn.compressor.groups(x, span.start, store.compressor_state(l), plan.numerics)
+    gcos, gsin = cos_sin(jnp.maximum(gids, 0) * m, freqs)
+    keys = attn.indexer.keys(lat, gcos, gsin, plan.numerics) if attn.indexer is not None else None
+    store.write_source(l, state, gids, apply_rope(lat, gcos, gsin, cfg.rope_head_dim), keys)
+    key = f"layer{l}"
+
+    def trace():
+        t = {f"layer{l}.compressor_latent": lat, f"layer{l}.compressor_gids": gids,
+             f"layer{l}.compressed_kv_entries": kv_layout.dequantize_compressed(store.cache["compressed"][key])}
+        if attn.indexer is not None:
+            t[f"layer{l}.index_k_entries"] = kv_layout.dequantize_index_keys(store.cache["index_keys"][key])
+        return t
+
+    return probe.see(l, trace)
+
+
+def select(block, x, qr, cos, sin, visible, store: QuantStore, carry: Carry, plan: Plan, probe: Probe, pin):
+    """An index source's top-k: (sel [B,T,K], carry, records)."""
+    cfg, attn, role, l = store.cfg, block.attn, block.role, block.layer
+    src, mode = role.kv_source, plan.numerics
+    key = f"layer{src}"
+    width = store.topk_width(src)
+    pool_scoring = plan.pool_scoring and plan.index_keys == "intended"
+    packed = pool_scoring and plan.packed_scoring and mode == "fast"
+    P = cfg.candidate_topk_blocks * cfg.candidate_block_size
+    G = store.cache["index_keys"][key].packed.shape[1]
+    rec, pool, pool_blocks = {}, carry.pool, carry.pool_blocks
+    if role.uses_candidates and pool_scoring and pool_blocks is not None and width <= P < G:
+        s, cand = _pool_scores(attn, x, qr, cos, sin, store.cache["index_keys"][key], *pool_blocks,
+                                    cfg.candidate_block_size, visible, mode, packed)
+        sel = _pool_select(s, cand, visible, width)
+    else:
+        if plan.kernel_mode is not None:
+            ikeys = index_key_container(cfg, store.cache, role, plan.index_keys == "quirk")
+            scores = attn.indexer.scores_pallas(x, qr, ikeys, cos, sin, visible, plan.runtime,
+                                                pool if role.uses_candidates else None)
+        elif packed:
+            scores = fast_index.scores_packed(attn.indexer, x, qr, store.cache["index_keys"][key], cos, sin, visible)
+        else:
+            if pool_scoring:
+                keys_bf16 = decode_index_keys(store.cache["index_keys"][key])
+            else:
+                keys_bf16 = index_keys_for(cfg, store.cache, role, plan.runtime).astype(jnp.bfloat16)
+            scores = attn.indexer.scores(x, qr, keys_bf16, cos, sin, visible, mode)
+        if role.is_candidate_source:
+            pool, block_scores = candidate_pool(scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)
+            rec = probe.see(l, lambda: {f"layer{l}.candidates": pool, "candidate_block_scores": block_scores})
+            if pool_scoring:
+                vals, bidx = jax.lax.top_k(block_scores, min(cfg.candidate_topk_blocks, block_scores.shape[-1]))
+                order = jnp.argsort(bidx, -1)
+                pool_blocks = (jnp.take_along_axis(bidx, order, -1), jnp.take_along_axis(vals > -jnp.inf, order, -1))
+        elif role.uses_candidates:
+            scores = jnp.where(pool, scores, -jnp.inf)
+        sel = select_topk(scores, visible, width)
+        sel, r = probe.decide("topk", l, sel, scores, pin)
+        rec = _merge(rec, r, probe.see(l, lambda: {f"layer{l}.index_score": scores}))
+    return sel, Carry({**carry.topk, l: sel}, pool, pool_blocks), rec
+
+
+def block_step(block, h, pre, store: QuantStore, carry: Carry, span: Span, plan: Plan, probe: Probe = NO_PROBE,
+               pin=None):
+    """One layer over a chunk: (h, pre, store, carry, records).
+
+    records: {"topk": sel (compressed layers), "experts": [B,T,k]} and whatever the probe records.
+    """
+    cfg, l, role, attn = store.cfg, block.layer, block.role, block.attn
+    mode = plan.numerics
+    store = store.copy()
+    h, rec = engram_site(cfg, block, h, span, plan, probe)
+    h, pre, r = probe.enter(l, h, pre, pin)
+    rec = _merge(rec, r)
+    a_pre, a_post, a_comb = block.hc_attn.mixes(h, mode)
+    x = attn_input(block, h, pre, plan)
+    cos, sin = cos_sin(span.positions, layer_rope(cfg, role.ratio))
+    qr, q = attn.queries(x, cos, sin, mode)
+    win_new = kv_layout.quantize_window(attn.window_kv(x, cos, sin, mode))
+    keys, idx, (ring, _) = store.window(l, win_new, span)
+    win_idx, comp_kv, comp_sel = idx, None, None  # what the attention kernel reads
+
+    if role.ratio:
+        src = role.kv_source
+        key = f"layer{src}"
+        visible = (span.positions + 1) // role.ratio
+        if role.is_kv_source and plan.writes == "all":
+            rec = _merge(rec, write_source(block, x, span, store, plan, probe))
+        if role.is_index_source:
+            _, carry, r = select(block, x, qr, cos, sin, visible, store, carry, plan, probe, pin)
+            rec = _merge(rec, r)
+        sel = carry.topk[role.index_source]
+        rec["topk"] = sel
+        comp_kv, comp_sel = store.cache["compressed"][key], sel
+        if plan.kernel_mode is None:
+            keys, idx = _with_compressed(keys, idx, store.cache["compressed"][key], sel, plan)
+
+    if plan.kernel_mode is not None:
+        o = attn.attend_pallas(q, kv_layout.concat_rows(ring, win_new), win_idx, comp_kv, comp_sel,
+                               cfg.head_dim ** -0.5, plan.runtime)
+    else:
+        o = sparse_attention(q, keys.astype(q.dtype), attn.attn_sink[...], idx, cfg.head_dim ** -0.5, mode=mode,
+                             keep_nonfinite=plan.check_finite)
+    a_out = attn.output(o, cos, sin, mode)
+    h = expand(a_out, h, a_post, a_comb)
+    rec = _merge(rec, probe.see(l, lambda: {
+        f"layer{l}.after_attn": h, f"layer{l}.attn_input": x, f"layer{l}.attn_output": a_out,
+        f"layer{l}.sparse_attn_out": o, f"layer{l}.hc_attn_pre": a_pre, f"layer{l}.hc_attn_post": a_post,
+        f"layer{l}.hc_attn_comb": a_comb}))
+
+    f_pre, f_post, f_comb = block.hc_ffn.mixes(h, mode)
+    x = block.ffn_norm(collapse(h, a_pre), mode)
+    forced_e, impose = probe.forced_experts(l, pin)
+    y, info = block.ffn(x, mode, forced=forced_e, impl=plan.impl, impose=impose, vl_mask=span.vl)
+    rec["experts"] = info["experts"]
+    rec = _merge(rec, probe.experts_chosen(l, block.ffn, info, forced_e, span.vl, pin))
+    h = expand(y, h, f_post, f_comb)
+    rec = _merge(rec, probe.see(l, lambda: {
+        f"layer{l}.ffn_input": x, f"layer{l}.ffn_output": y, f"layer{l}.hc_ffn_pre": f_pre,
+        f"layer{l}.hc_ffn_post": f_post, f"layer{l}.hc_ffn_comb": f_comb, f"layer{l}.gate_scores": info["scores"],
+        f"layer{l}.gate_weights": info["weights"], f"layer{l}.gate_indices": info["experts"]}))
+    return h, f_pre, store, carry, rec
+
+
+def _with_compressed(keys, idx, comp: kv_layout.CompressedKV, sel, plan: Plan):
+    """The attention's key rows and indices with the selected compressed rows appended: the whole
+    cache dequantized, or (pool_scoring decode, when fewer) only the selected rows, query by query."""
+    B, T, K = sel.shape
+    off = keys.shape[1]
+    if plan.pool_scoring and T * K < comp.packed.shape[1]:
+        b = jnp.arange(B)[:, None, None]
+        safe = jnp.maximum(sel, 0)
+        rows = kv_layout.dequantize_compressed(kv_layout.CompressedKV(comp.packed[b, safe], comp.scales[b, safe]))
+        keys = jnp.concatenate([keys, rows.astype(keys.dtype).reshape(B, T * K, -1)], 1)
+        slot = off + jnp.arange(T)[:, None] * K + jnp.arange(K)[None]
+        return keys, jnp.concatenate([idx, jnp.where(sel >= 0, slot[None], -1)], -1)
+    rows = kv_layout.dequantize_compressed(comp).astype(keys.dtype)
+    return jnp.concatenate([keys, rows], 1), jnp.concatenate([idx, jnp.where(sel >= 0, sel + off, -1)], -1)
+
+
+_E2M1_PAIRS = np.stack([quant.E2M1_VALUES[np.arange(256) & 15], quant.E2M1_VALUES[np.arange(256) >> 4]], -1)
+
+
+def decode_index_keys(k: kv_layout.IndexKeys) -> jax.Array:
+    """`kv_layout.dequantize_index_keys(k).astype(bf16)`, bit for bit, with one table lookup per
+    byte instead of nibble arithmetic: the decode step decodes every cached key it scores, so this
+    is per-position work (about 3 instead of 8 elementwise ops per key element)."""
+    pairs = jnp.asarray(_E2M1_PAIRS).at[k.packed].get(mode="promise_in_bounds")  # [..., Di/2, 2] f32
+    vals = pairs.reshape(*k.packed.shape[:-1], k.scales.shape[-1], -1)
+    return (vals * quant.e8m0_to_float(k.scales)[..., None]).reshape(*k.packed.shape[:-1], -1).astype(jnp.bfloat16)
+
+
+def _pool_scores(attn, x, qr, cos, sin, keys_cache: kv_layout.IndexKeys, pool_blocks, block_valid,
+                      block: int, visible, mode, packed: bool = False):
+    """In-pool Reindex scores over the pool's positions only (Plan.pool_scoring): [B,T,P] and positions [B,T,P].
+
+    Positions come block by block in ascending order, so a top-k over them breaks ties toward
+    the lower position exactly like the full-width top-k does.
+    """
+    B, T = x.shape[:2]
+    G = keys_cache.packed.shape[1]
+    pos = pool_blocks[..., None] * block + jnp.arange(block)  # [B,T,nb,block]
+    valid = block_valid[..., None] & (pos < G)
+    pos = pos.reshape(B, T, -1)
+    valid = valid.reshape(B, T, -1)
+    safe = jnp.where(valid, pos, 0)
+    b = jnp.arange(B)[:, None, None]
+    rows = kv_layout.IndexKeys(keys_cache.packed[b, safe], keys_cache.scales[b, safe])
+    P = rows.packed.shape[2]
+    # score one query against its own gathered keys: fold T into the batch
+    flat = lambda a: a.reshape(B * T, 1, *a.shape[2:])
+    full = jnp.full((B * T, 1), P, jnp.int32)
+    if packed:
+        rows = kv_layout.IndexKeys(*(a.reshape(B * T, P, -1) for a in rows))
+        s = fast_index.scores_packed(attn.indexer, flat(x), flat(qr), rows, flat(cos), flat(sin), full)
+    else:
+        keys = decode_index_keys(rows)  # [B,T,P,Di]
+        s = attn.indexer.scores(flat(x), flat(qr), keys.reshape(B * T, P, -1), flat(cos), flat(sin), full, mode)
+    s = s.reshape(B, T, P)
+    ok = valid & (pos < visible[..., None])
+    return jnp.where(ok, s, -jnp.inf), jnp.where(valid, pos, G)
+
+
+def _pool_select(scores, positions, visible, k: int):
+    """Top-k over gathered candidates, mapped back to positions, ascending, -1 where unreachable."""
+    vals, j = jax.lax.top_k(scores, k)
+    pos = jnp.take_along_axis(positions, j, -1)
+    pos = jnp.sort(jnp.where(vals > -jnp.inf, pos, jnp.iinfo(jnp.int32).max), -1)
+    return jnp.where(pos < visible[..., None], pos, -1).astype(jnp.int32)
+
+
+def run_layers(model, h, pre, store: QuantStore, span: Span, plan: Plan, layers, probe: Probe = NO_PROBE,
+               pin=None, carry: Carry | None = None):
+    """`block_step` over `layers` (the one loop): (h, pre, store, carry, records) with
+    records = {kind: {layer: value}} and the probes' traces merged into records["trace"]."""
+    carry = Carry({}) if carry is None else carry
+    records: dict = {}
+    for l in layers:
+        h, pre, store, carry, rec = block_step(model.layers[l], h, pre, store, carry, span, plan, probe, pin)
+        for k, v in rec.items():
+            if k == "trace":
+                records.setdefault("trace", {}).update(v)
+            else:
+                records.setdefault(k, {})[l] = v
+    return h, pre, store, carry, records
