@@ -123,7 +123,6 @@ def test_lean_decode_exact_mode_ignores_packed_index(micro):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue 20: model.forward takes the top-k width from the config, not the cache")
 def test_forward_runs_on_a_bucketed_engine_cache(micro):
     """model.forward on a cache at a small capacity bucket (fewer compressed rows than index_topk)
     equals the engine's steps on it bit for bit: prefill (exact prefill) and one decode (lean)."""
@@ -132,7 +131,7 @@ def test_forward_runs_on_a_bucketed_engine_cache(micro):
     assert cfg.index_topk > cap // cfg.compress_ratios[1]  # the ratio-2 source holds fewer rows than top-k
     tokens = micro["tokens"][:, :P]
     cache = buckets.empty_cache(cfg, 2, cap)
-    step = make_step(gd, Runtime())  # first: today it fails while tracing (top-k wider than the cache)
+    step = make_step(gd, Runtime())  # failed while tracing when forward took the width from the config
     logits, f_cache, _ = step(params, tokens, cache)
     ex_logits, ex_cache, _ = sp.make_exact_prefill(gd)(params, tokens, cache)
     assert same(logits, ex_logits) and same(f_cache, ex_cache)
