@@ -4,7 +4,8 @@ Each slot holds one sequence with its own position. Between decode steps the eng
 waiting requests into free slots (their prompts are prefilled alone, in chunks, and the
 one-row cache is written into the slot) and evicts finished ones. Prefill uses the CED split
 (Graph A over every prompt token, Graph B over the last `window + tail_slack`) unless
-`exact_prefill=True`. Decode runs the lean step (`layer_range.run_layers(lean=True)`).
+`exact_prefill=True`. Decode runs the one layer body (`model.block`) with `Engine.decode_plan`
+(pool scoring, packed fast index scoring, selected compressed rows gathered).
 
 Every compiled step is a pure function of (params, inputs, cache) -> (outputs, cache); the host
 keeps only the slot table. Compiled shapes: prefill chunks of `prefill_chunk` tokens plus
@@ -28,7 +29,7 @@ from dsv41_jax.model.transformer import COMPILER_OPTIONS
 from dsv41_jax.runtime import Runtime
 from dsv41_jax.serving import prefix_cache
 from dsv41_jax.serving.buckets import capacity_for, capacity_of, empty_cache, resize_cache
-from dsv41_jax.serving.layer_range import head, run_layers
+from dsv41_jax.model import block as body
 from dsv41_jax.serving.sampling import SamplingParams, banned_mask, sample, slot_arrays
 from dsv41_jax.serving.split_prefill import (check_splittable, decoder_pass, encoder_pass, exact_prefill,
                                              replay_window)
@@ -109,6 +110,9 @@ class Engine:
             raise ValueError("this config has Engram layers: pass engram=(layout, token_map) "
                              "(dsv41_jax.engram.hashing.EngramLayout and the token map)")
         self.engram = engram
+        # the decode step's plan, compiled into it (the attention and indexer keep their XLA math, as
+        # before the one body: kernels=False until the engine is verified on the kernels)
+        self.decode_plan = body.Plan.resolve(runtime, kernels=False, pool_scoring=True, packed_scoring=True)
         self.banned = jnp.asarray(banned_mask(cfg.vocab_size, banned_ids))
         self.fingerprint = fingerprint or prefix_cache.model_fingerprint(self.params)
         self.capacity = capacity_for(cfg, 1, min_capacity, self.max_seq_len)
@@ -149,16 +153,19 @@ class Engine:
             logits, cache = replay_window(nnx.merge(gd, params), tokens, cache, runtime=rt, engram_ids=ids)
             return logits[:, -1], cache
 
+        plan = self.decode_plan
+
         @functools.partial(jit, donate_argnums=(2,))
         def decode(params, tokens, cache, active, ids):
             model = nnx.merge(gd, params)
             start = cache["length"]
-            from dsv41_jax.serving.layer_range import embed
-            h, pre = embed(model, tokens)
-            h, pre, cache, _ = run_layers(model, h, pre, cache, start=start, layers=range(model.cfg.n_layers),
-                                          runtime=rt, engram_ids=ids, lean=True)
+            h, pre = body.embed(model, tokens)
+            span = body.Span.at(start, tokens.shape[1], engram_ids=ids)
+            h, pre, store, _, _ = body.run_layers(model, h, pre, body.QuantStore(model.cfg, cache), span, plan,
+                                                  range(model.cfg.n_layers))
+            cache = store.cache
             cache["length"] = jnp.where(active, start + 1, start)
-            return head(model, h, pre, rt.mode)[:, -1], cache
+            return body.head(model, h, pre, plan.numerics)[0][:, -1], cache
 
         @functools.partial(jax.jit, donate_argnums=(0,))
         def insert(cache, row, slot):
