@@ -137,3 +137,37 @@ def test_golden_short_cases_with_pallas(golden_root):
                 entries += check_replays(runner, case)
     assert len(entries) >= 2 * len(SHORT_CASES)
     assert all(e.passed for e in entries), [e.to_json() for e in entries if not e.passed]
+
+
+def _kernels_of(fn, *args) -> set[str]:
+    return set(re.findall(r"name=(\w+_(?:tpu|gpu))\b", str(jax.make_jaxpr(fn)(*args))))
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="issue 20: the serving drivers run the XLA attention and indexer (Plan kernels=False) "
+                          "until they are verified on the kernels")
+def test_every_serving_driver_runs_the_kernels_for_pallas(tiny):
+    """Exact prefill, the replay and the engine's decode step (all on model/block.py) trace the same
+    three kernels as model.forward when impl="pallas" (trace only, nothing compiled)."""
+    from dsv41_jax.model import block as body
+    from dsv41_jax.serving import split_prefill as sp
+    from dsv41_jax.serving.engine import decode_plan
+
+    cfg, graphdef, params = tiny
+    rt = Runtime(impl="pallas")
+    tokens, cache = jnp.zeros((1, 3), jnp.int32), init_cache(cfg, 1)
+    model = lambda p: nnx.merge(graphdef, p)
+
+    def decode(p, t, c):
+        h, pre = body.embed(model(p), t)
+        h, pre, store, _, _ = body.run_layers(model(p), h, pre, body.QuantStore(cfg, c), body.Span.at(c["length"], 1),
+                                              decode_plan(rt), range(cfg.n_layers))
+        return body.head(model(p), h, pre, "fast")[0], store.cache
+
+    drivers = {"exact_prefill": lambda p, t, c: sp.exact_prefill(model(p), t, c, runtime=rt),
+               "replay": lambda p, t, c: sp.replay_window(model(p), t, c, runtime=rt), "decode": decode}
+    want = {"sparse_sink_attention_tpu", "indexer_scores_tpu", "grouped_fp4_gemm_tpu"}
+    found = {name: _kernels_of(f, params, tokens[:, :1] if name == "decode" else tokens, cache)
+             for name, f in drivers.items()}
+    assert found == {name: want for name in drivers}

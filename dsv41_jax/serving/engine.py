@@ -89,6 +89,13 @@ def pieces(n: int, chunk: int) -> list[int]:
     return out
 
 
+def decode_plan(runtime: Runtime) -> body.Plan:
+    """The engine's decode plan: in-pool scoring, packed fast index scoring, selected compressed rows
+    gathered; the attention and indexer keep their XLA math (kernels=False), as before the one body,
+    until the engine is verified on the kernels."""
+    return body.Plan.resolve(runtime, kernels=False, pool_scoring=True, packed_scoring=True)
+
+
 class Engine:
     """Continuous-batching generation over `slots` sequences. See the module doc."""
 
@@ -110,9 +117,8 @@ class Engine:
             raise ValueError("this config has Engram layers: pass engram=(layout, token_map) "
                              "(dsv41_jax.engram.hashing.EngramLayout and the token map)")
         self.engram = engram
-        # the decode step's plan, compiled into it (the attention and indexer keep their XLA math, as
-        # before the one body: kernels=False until the engine is verified on the kernels)
-        self.decode_plan = body.Plan.resolve(runtime, kernels=False, pool_scoring=True, packed_scoring=True)
+        # the decode step's plan, compiled into it
+        self.decode_plan = decode_plan(runtime)
         self.banned = jnp.asarray(banned_mask(cfg.vocab_size, banned_ids))
         self.fingerprint = fingerprint or prefix_cache.model_fingerprint(self.params)
         self.capacity = capacity_for(cfg, 1, min_capacity, self.max_seq_len)
