@@ -1,13 +1,13 @@
-"""The layer body is written once (issue 20): each per-layer operation has one call site.
+"""The layer body is written once (issue 20): each per-layer operation is called from model/block.py only.
 
 Counted statically (ast, nothing compiled): the functions that call the operation (a callee,
 as written, matching its pattern), anywhere in the package. A kernel call and its XLA twin in
 one function are one site: the plan picks between them there. In-pool scoring (`_pool_scores`)
 is a second scoring site inside the body until the pool scoring moves behind the indexer API.
 
-model.forward and serving's layer ranges run on `model/block.py`; train_forward and the DSpark
-stage are still copies, so the target test is an expected failure; the ceiling test fails when
-a copy is added.
+model.forward, serving's layer ranges and the DSpark stage run on `model/block.py`;
+train_forward is still a copy, so the target test is an expected failure; the ceiling test fails
+when a copy is added.
 """
 import ast
 import collections
@@ -32,10 +32,11 @@ OPS = {
 # Not layer bodies: the cost model times each scoring variant on its own (serving/cost.py) and the
 # golden number-format vectors exercise the attention op directly (golden/vectors.py).
 NOT_A_BODY = {"dsv41_jax/serving/cost.py", "dsv41_jax/golden/vectors.py"}
-# The counts once model.forward and serving's run_layers run on model/block.py (at b125a13: 4, 5, 3, 3,
-# 5, 3, 3, 4, 4, 4). What remains: block.py, train_forward and the DSpark stage. Lower them as copies go.
-CEILING = {"queries": 3, "window K/V": 4, "compressor groups": 2, "index keys": 2, "index scores": 4,
-           "candidate pool": 2, "top-k": 2, "attention": 3, "mHC mixes": 3, "MoE": 3}
+# The counts once model.forward, serving's layer ranges and the DSpark stage run on model/block.py (at
+# b125a13: 4, 5, 3, 3, 5, 3, 3, 4, 4, 4). What remains outside: train_forward, and DSpark's ring commit
+# (`_stage_keys`, window K/V). Lower them as copies go.
+CEILING = {"queries": 2, "window K/V": 3, "compressor groups": 2, "index keys": 2, "index scores": 4,
+           "candidate pool": 2, "top-k": 2, "attention": 2, "mHC mixes": 3, "MoE": 2}
 
 
 def call_sites(root=ROOT) -> dict[str, list[str]]:
@@ -75,11 +76,12 @@ def test_no_new_copy_of_a_layer_operation():
     assert not over, f"a per-layer operation gained a call site; call the one body instead: {over}"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20: train_forward and the DSpark stage are still copies of the body")
-def test_each_layer_operation_has_one_call_site():
+@pytest.mark.xfail(strict=True, reason="issue 20: train_forward is still a copy of the body; DSpark's ring "
+                                       "commit computes window K/V outside it")
+def test_each_layer_operation_is_called_only_by_the_body():
     sites = call_sites()
-    many = {op: sites[op] for op in OPS if len(sites[op]) != 1}
-    assert not many, many
+    outside = {op: [s for s in sites[op] if not s.startswith("dsv41_jax/model/block.py:")] for op in OPS}
+    assert not any(outside.values()), outside
 
 
 def _eqns(jaxpr) -> int:

@@ -256,6 +256,44 @@ def select(block, x, qr, cos, sin, visible, store: QuantStore, carry: Carry, pla
     return sel, Carry({**carry.topk, l: sel}, pool, pool_blocks), rec
 
 
+def attn_in(block, h, pre, positions, ratio: int, cfg, plan: Plan):
+    """The attention site's inputs: (x, qr, q, cos, sin, this chunk's quantized window rows, the
+    site's mHC mixes (pre, post, comb)). A DSpark stage is a layer of ratio 0."""
+    mode = plan.numerics
+    mixes = block.hc_attn.mixes(h, mode)
+    x = attn_input(block, h, pre, plan)
+    cos, sin = cos_sin(positions, layer_rope(cfg, ratio))
+    qr, q = block.attn.queries(x, cos, sin, mode)
+    win_new = kv_layout.quantize_window(block.attn.window_kv(x, cos, sin, mode))
+    return x, qr, q, cos, sin, win_new, mixes
+
+
+def attend(attn, q, rows, idx, cfg, plan: Plan, kernel_inputs=None):
+    """Sparse sink attention: the Pallas kernel on the quantized rows (`kernel_inputs` = (window rows,
+    window idx, compressed container or None, selection or None)) when the plan runs it, else the
+    XLA math over the dequantized rows [B, N, D] at idx [B, T, K] (-1 = empty)."""
+    if plan.kernel_mode is not None and kernel_inputs is not None:
+        return attn.attend_pallas(q, *kernel_inputs, cfg.head_dim ** -0.5, plan.runtime)
+    return sparse_attention(q, rows.astype(q.dtype), attn.attn_sink[...], idx, cfg.head_dim ** -0.5,
+                            mode=plan.numerics, keep_nonfinite=plan.check_finite)
+
+
+def attn_out(attn, o, cos, sin, h, mixes, plan: Plan):
+    """The attention output projected and mixed back into the stream: (a_out, h)."""
+    a_out = attn.output(o, cos, sin, plan.numerics)
+    return a_out, expand(a_out, h, *mixes)
+
+
+def ffn_site(block, h, a_pre, plan: Plan, forced=None, impose=True, vl=None):
+    """The FFN site: (h, its pre-mix, (x, y, post, comb, MoE info)). forced/impose: expert ids the MoE
+    imposes (a probe's); vl: image-span mask (the MoE selects with `bias_vl` there)."""
+    mode = plan.numerics
+    f_pre, f_post, f_comb = block.hc_ffn.mixes(h, mode)
+    x = block.ffn_norm(collapse(h, a_pre), mode)
+    y, info = block.ffn(x, mode, forced=forced, impl=plan.impl, impose=impose, vl_mask=vl)
+    return expand(y, h, f_post, f_comb), f_pre, (x, y, f_post, f_comb, info)
+
+
 def block_step(block, h, pre, store: QuantStore, carry: Carry, span: Span, plan: Plan, probe: Probe = NO_PROBE,
                pin=None):
     """One layer over a chunk: (h, pre, store, carry, records).
@@ -263,16 +301,11 @@ def block_step(block, h, pre, store: QuantStore, carry: Carry, span: Span, plan:
     records: {"topk": sel (compressed layers), "experts": [B,T,k]} and whatever the probe records.
     """
     cfg, l, role, attn = store.cfg, block.layer, block.role, block.attn
-    mode = plan.numerics
     store = store.copy()
     h, rec = engram_site(cfg, block, h, span, plan, probe)
     h, pre, r = probe.enter(l, h, pre, pin)
     rec = _merge(rec, r)
-    a_pre, a_post, a_comb = block.hc_attn.mixes(h, mode)
-    x = attn_input(block, h, pre, plan)
-    cos, sin = cos_sin(span.positions, layer_rope(cfg, role.ratio))
-    qr, q = attn.queries(x, cos, sin, mode)
-    win_new = kv_layout.quantize_window(attn.window_kv(x, cos, sin, mode))
+    x, qr, q, cos, sin, win_new, (a_pre, a_post, a_comb) = attn_in(block, h, pre, span.positions, role.ratio, cfg, plan)
     keys, idx, (ring, _) = store.window(l, win_new, span)
     win_idx, comp_kv, comp_sel = idx, None, None  # what the attention kernel reads
 
@@ -291,26 +324,18 @@ def block_step(block, h, pre, store: QuantStore, carry: Carry, span: Span, plan:
         if plan.kernel_mode is None:
             keys, idx = _with_compressed(keys, idx, store.cache["compressed"][key], sel, plan)
 
-    if plan.kernel_mode is not None:
-        o = attn.attend_pallas(q, kv_layout.concat_rows(ring, win_new), win_idx, comp_kv, comp_sel,
-                               cfg.head_dim ** -0.5, plan.runtime)
-    else:
-        o = sparse_attention(q, keys.astype(q.dtype), attn.attn_sink[...], idx, cfg.head_dim ** -0.5, mode=mode,
-                             keep_nonfinite=plan.check_finite)
-    a_out = attn.output(o, cos, sin, mode)
-    h = expand(a_out, h, a_post, a_comb)
+    kernel_inputs = (kv_layout.concat_rows(ring, win_new), win_idx, comp_kv, comp_sel)
+    o = attend(attn, q, keys, idx, cfg, plan, kernel_inputs)
+    a_out, h = attn_out(attn, o, cos, sin, h, (a_post, a_comb), plan)
     rec = _merge(rec, probe.see(l, lambda: {
         f"layer{l}.after_attn": h, f"layer{l}.attn_input": x, f"layer{l}.attn_output": a_out,
         f"layer{l}.sparse_attn_out": o, f"layer{l}.hc_attn_pre": a_pre, f"layer{l}.hc_attn_post": a_post,
         f"layer{l}.hc_attn_comb": a_comb}))
 
-    f_pre, f_post, f_comb = block.hc_ffn.mixes(h, mode)
-    x = block.ffn_norm(collapse(h, a_pre), mode)
     forced_e, impose = probe.forced_experts(l, pin)
-    y, info = block.ffn(x, mode, forced=forced_e, impl=plan.impl, impose=impose, vl_mask=span.vl)
+    h, f_pre, (x, y, f_post, f_comb, info) = ffn_site(block, h, a_pre, plan, forced_e, impose, span.vl)
     rec["experts"] = info["experts"]
     rec = _merge(rec, probe.experts_chosen(l, block.ffn, info, forced_e, span.vl, pin))
-    h = expand(y, h, f_post, f_comb)
     rec = _merge(rec, probe.see(l, lambda: {
         f"layer{l}.ffn_input": x, f"layer{l}.ffn_output": y, f"layer{l}.hc_ffn_pre": f_pre,
         f"layer{l}.hc_ffn_post": f_post, f"layer{l}.hc_ffn_comb": f_comb, f"layer{l}.gate_scores": info["scores"],

@@ -25,10 +25,10 @@ from flax import nnx
 from dsv41_jax.config import LayerRole, ModelConfig
 from dsv41_jax.layers.attention import Attention
 from dsv41_jax.layers.basic import QLinear, RMSNorm, matmul, weight_kind
-from dsv41_jax.layers.mhc_site import HyperSite, collapse, expand
+from dsv41_jax.layers.mhc_site import HyperSite, collapse
 from dsv41_jax.layers.moe import MoE
 from dsv41_jax.layers.rope import cos_sin, layer_rope
-from pallas_kernels.sparse_attention.dense_reference import sparse_attention
+from dsv41_jax.model import block as body
 from dsv41_jax.model.cache import scatter_container
 from dsv41_jax.model.probe import tap, tie_aware_equal
 from dsv41_jax.numerics import kv_layout
@@ -160,27 +160,19 @@ def _block_indices(newest: jax.Array, W: int, bs: int) -> jax.Array:
 
 
 def _stage_forward(stage: DSparkStage, h, pre, ring, newest, cfg, mode, forced_experts, impose, trace, impl):
-    """One stage over the block stream h [B, bs, hc, d] (the backbone block order of operations)."""
-    B, bs = h.shape[:2]
-    W = cfg.window_size
-    k = stage.stage
-    a_pre, a_post, a_comb = stage.hc_attn.mixes(h, mode)
-    x = stage.attn_norm(collapse(h, pre), mode)
+    """One stage over the block stream h [B, bs, hc, d]: the layer body's stage functions (a window-only
+    layer) over the read-only ring plus the block, every block token seeing the whole block."""
+    bs = h.shape[1]
+    plan = body.Plan(numerics=mode, impl=impl)
     positions = newest[:, None] + 1 + jnp.arange(bs)[None]
-    cos, sin = cos_sin(positions, layer_rope(cfg, 0))
-    _, q = stage.attn.queries(x, cos, sin, mode)
-    blk = kv_layout.quantize_window(stage.attn.window_kv(x, cos, sin, mode))
+    x, _, q, cos, sin, blk, (a_pre, a_post, a_comb) = body.attn_in(stage, h, pre, positions, 0, cfg, plan)
     keys = jnp.concatenate([kv_layout.dequantize_window(ring), kv_layout.dequantize_window(blk)], 1)
-    idx = _block_indices(newest, W, bs)
-    o = sparse_attention(q, keys.astype(q.dtype), stage.attn.attn_sink[...], idx, cfg.head_dim ** -0.5, mode=mode)
-    a_out = stage.attn.output(o, cos, sin, mode)
-    h_attn = expand(a_out, h, a_post, a_comb)
-    f_pre, f_post, f_comb = stage.hc_ffn.mixes(h_attn, mode)
-    xf = stage.ffn_norm(collapse(h_attn, a_pre), mode)
-    y, info = stage.ffn(xf, mode, forced=forced_experts, impl=impl, impose=impose)
-    out = expand(y, h_attn, f_post, f_comb)
+    idx = _block_indices(newest, cfg.window_size, bs)
+    o = body.attend(stage.attn, q, keys, idx, cfg, plan)
+    a_out, h_attn = body.attn_out(stage.attn, o, cos, sin, h, (a_post, a_comb), plan)
+    out, f_pre, (xf, y, f_post, f_comb, info) = body.ffn_site(stage, h_attn, a_pre, plan, forced_experts, impose)
     if trace is not None:
-        p = f"stage{k}."
+        p = f"stage{stage.stage}."
         trace.update({p + "block_input": h, p + "pre_mix_in": pre, p + "hc_attn_pre": a_pre, p + "hc_attn_post": a_post,
                       p + "hc_attn_comb": a_comb, p + "attn_input": x, p + "sparse_attn_out": o, p + "attn_topk_idxs": idx,
                       p + "attn_kv": keys, p + "attn_output": a_out, p + "ffn_input": xf, p + "hc_ffn_pre": f_pre,
