@@ -245,6 +245,30 @@ def test_split_prefill_with_tail_covering_prompt_is_exact(micro):
         assert ax["topk"] and all(same(ax["topk"][l], e_ax["topk"][l]) for l in ax["topk"]), n
 
 
+@pytest.mark.slow
+def test_image_spans_through_exact_and_split_prefill_equal_forward():
+    """Image spans reach the serving prefills: exact prefill with spans equals model.forward with the
+    same spans bit for bit, and so does split prefill when the prompt fits the tail; without the
+    spans the logits move (the span rows, bias_vl routing and the shut Engram gate act)."""
+    cfg = micro_config(vision_n_layers=2, vision_dim=32, vision_n_heads=2, vision_inter_dim=48, vision_patch_size=4,
+                       vision_max_n_token=64, vision_min_pixels=256, image_token_id=255)
+    gd, params = nnx.split(random_model(cfg, seed=5))
+    T = cfg.window_size  # the split's tail covers the prompt: Graph B is exact
+    rng = np.random.default_rng(2)
+    types = np.array([-1, -1, 0, 1, 1, 2, -1, -1])[:T]
+    tokens = rng.integers(0, cfg.vocab_size - 1, (1, T))
+    tokens[0, types >= 0] = cfg.image_token_id
+    spans = (jnp.asarray(rng.standard_normal((1, T, cfg.dim)), jnp.bfloat16), jnp.asarray(types[None], jnp.int32))
+    tokens, cache = jnp.asarray(tokens, jnp.int32), buckets.empty_cache(cfg, 1, cfg.max_seq_len)
+    f_logits, f_cache, _ = make_step(gd, Runtime())(params, tokens, cache, None, None, None, spans)
+    exact = sp.make_exact_prefill(gd)
+    e_logits, e_cache, _ = exact(params, tokens, cache, spans=spans)
+    assert same(e_logits, f_logits) and same(e_cache, f_cache)
+    s_logits, s_cache, _ = sp.make_split_prefill(gd)(params, tokens, cache, spans=spans)
+    assert same(s_logits, f_logits) and same(s_cache, f_cache)
+    assert not same(exact(params, tokens, cache)[0], f_logits)
+
+
 def test_split_refuses_configs_it_cannot_serve():
     with pytest.raises(ValueError, match="come after the first decoder layer"):
         sp.check_splittable(micro_config(n_layers=5, compress_ratios=(0, 2, 1, 1, 1), kv_source_layers=(1, 2, 4),

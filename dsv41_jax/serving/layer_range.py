@@ -26,14 +26,14 @@ def head(model, h: jax.Array, pre: jax.Array, mode: str) -> jax.Array:
 
 
 def project_ced(model, h: jax.Array, pre: jax.Array, start: jax.Array, cache: dict, runtime: Runtime,
-                engram_ids: jax.Array | None = None) -> dict:
+                engram_ids: jax.Array | None = None, vl: jax.Array | None = None) -> dict:
     """Graph A's last step (docs/REFERENCE.md §5): the first decoder layer's attention input from the encoder
-    output (after that layer's Engram, if it has one), and its global writes only. Its
-    compressed KV and index keys come out exact."""
+    output (after that layer's Engram, if it has one, shut at image-span positions `vl`), and its
+    global writes only. Its compressed KV and index keys come out exact."""
     cfg = model.cfg
     block = model.layers[cfg.decoder_start]
     plan = body.Plan.resolve(runtime)
-    span = body.Span.at(start, h.shape[1], engram_ids=engram_ids)
+    span = body.Span.at(start, h.shape[1], engram_ids=engram_ids, vl=vl)
     store = body.QuantStore(cfg, cache)
     h, _ = body.engram_site(cfg, block, h, span, plan)
     body.write_source(block, body.attn_input(block, h, pre, plan), span, store, plan)
@@ -43,7 +43,7 @@ def project_ced(model, h: jax.Array, pre: jax.Array, start: jax.Array, cache: di
 def run_layers(model, h: jax.Array, pre: jax.Array, cache: dict, *, start: jax.Array, layers: range,
                runtime: Runtime = Runtime(), engram_ids: jax.Array | None = None, floor: jax.Array | None = None,
                write_globals: bool = True, lean: bool = False, collect_topk: bool = False,
-               packed_index: bool = True):
+               packed_index: bool = True, vl: jax.Array | None = None):
     """Run `layers` over a chunk whose first token sits at position start[b]. Returns
     (h, pre, cache, aux) with aux = {"topk": {layer: [B,T,K]}, "pool": mask or None}.
 
@@ -51,13 +51,14 @@ def run_layers(model, h: jax.Array, pre: jax.Array, cache: dict, *, start: jax.A
     `fast_index.scores_packed` (head weights folded into the query, no intermediate bf16
     rounding); False keeps `Indexer.scores`' reference rounding points, and the lean step then
     equals `model.forward` bit for bit. Exact mode always uses `Indexer.scores`.
+    vl: optional bool [B,T], image-span positions (Engram shut, the MoE routes with `bias_vl`).
 
     The cache's `length` is not touched (callers own it). The attention and indexer run their
     XLA math (Plan.kernels=False) whatever runtime.impl says, as they always have here.
     """
     plan = body.Plan.resolve(runtime, kernels=False, writes="all" if write_globals else "window",
                              pool_scoring=lean, packed_scoring=lean and packed_index)
-    span = body.Span.at(start, h.shape[1], engram_ids=engram_ids, floor=floor)
+    span = body.Span.at(start, h.shape[1], engram_ids=engram_ids, floor=floor, vl=vl)
     h, pre, store, carry, records = body.run_layers(model, h, pre, body.QuantStore(model.cfg, cache), span, plan,
                                                     layers)
     return h, pre, store.cache, {"topk": records.get("topk", {}) if collect_topk else {}, "pool": carry.pool}

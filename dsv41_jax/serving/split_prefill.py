@@ -41,27 +41,35 @@ def _slice_ids(engram_ids, lo: int, hi: int):
     return None if engram_ids is None else engram_ids[:, lo:hi]
 
 
-def encoder_pass(model, tokens: jax.Array, cache: dict, *, runtime: Runtime = Runtime(), engram_ids=None):
+def _vl(spans):
+    """The image-span mask [B,T] of `spans` = (rows, token_types) (type >= 0 in a span), or None."""
+    return None if spans is None else spans[1] >= 0
+
+
+def encoder_pass(model, tokens: jax.Array, cache: dict, *, runtime: Runtime = Runtime(), engram_ids=None,
+                 spans=None):
     """Graph A over one chunk continuing from cache["length"]: returns (h, pre, cache), the encoder
-    output [B,T,hc,d] / pre-mix [B,T,hc] and the cache with its length advanced by T."""
+    output [B,T,hc,d] / pre-mix [B,T,hc] and the cache with its length advanced by T.
+    spans: optional (rows [B,T,dim], token_types [B,T]) image spans, as `model.forward` takes them."""
     cfg = model.cfg
     start = cache["length"]
-    h, pre = embed(model, tokens)
+    h, pre = embed(model, tokens, spans)
     h, pre, cache, _ = run_layers(model, h, pre, cache, start=start, layers=range(cfg.decoder_start),
-                                  runtime=runtime, engram_ids=engram_ids)
-    cache = project_ced(model, h, pre, start, cache, runtime, engram_ids)
+                                  runtime=runtime, engram_ids=engram_ids, vl=_vl(spans))
+    cache = project_ced(model, h, pre, start, cache, runtime, engram_ids, _vl(spans))
     cache["length"] = start + tokens.shape[1]
     return h, pre, cache
 
 
 def decoder_pass(model, h: jax.Array, pre: jax.Array, cache: dict, *, start: jax.Array, floor: jax.Array,
-                 runtime: Runtime = Runtime(), engram_ids=None, collect_topk: bool = False):
+                 runtime: Runtime = Runtime(), engram_ids=None, collect_topk: bool = False, vl=None):
     """Graph B over one piece of the tail (positions start[b]..): returns (logits [B,T,V], cache, aux).
-    Window slots below floor[b] are empty; the global caches are only read."""
+    Window slots below floor[b] are empty; the global caches are only read. vl: the tail's
+    image-span mask [B,T] (or None)."""
     cfg = model.cfg
     h, pre, cache, aux = run_layers(model, h, pre, cache, start=start, layers=range(cfg.decoder_start, cfg.n_layers),
                                     runtime=runtime, engram_ids=engram_ids, floor=floor, write_globals=False,
-                                    collect_topk=collect_topk)
+                                    collect_topk=collect_topk, vl=vl)
     return head(model, h, pre, runtime.mode), cache, aux
 
 
@@ -74,7 +82,7 @@ def tail_floor(start: jax.Array, n_new: int, tail: int) -> jax.Array:
 
 
 def split_prefill(model, tokens: jax.Array, cache: dict, *, tail: int | None = None, runtime: Runtime = Runtime(),
-                  engram_ids=None, collect_topk: bool = False):
+                  engram_ids=None, collect_topk: bool = False, spans=None):
     """Graph A over all of `tokens`, Graph B over the last min(T, tail) of them.
 
     tail defaults to the window. Returns (logits of the tail positions [B, min(T, tail), V], cache, aux).
@@ -88,23 +96,25 @@ def split_prefill(model, tokens: jax.Array, cache: dict, *, tail: int | None = N
                          "would be truncated")
     B, T = tokens.shape
     start = cache["length"]
-    h, pre, cache = encoder_pass(model, tokens, cache, runtime=runtime, engram_ids=engram_ids)
+    h, pre, cache = encoder_pass(model, tokens, cache, runtime=runtime, engram_ids=engram_ids, spans=spans)
     n_t = min(T, tail)
     floor = tail_floor(start, T, tail)
+    vl = _vl(spans)
     logits, cache, aux = decoder_pass(model, h[:, T - n_t:], pre[:, T - n_t:], cache, start=start + (T - n_t),
                                       floor=floor, runtime=runtime, engram_ids=_slice_ids(engram_ids, T - n_t, T),
-                                      collect_topk=collect_topk)
+                                      collect_topk=collect_topk, vl=None if vl is None else vl[:, T - n_t:])
     return logits, cache, aux
 
 
 def exact_prefill(model, tokens: jax.Array, cache: dict, *, runtime: Runtime = Runtime(), engram_ids=None,
-                  collect_topk: bool = False, lean: bool = False):
-    """Every layer over every token (model.forward's math): (logits [B,T,V], cache, aux)."""
+                  collect_topk: bool = False, lean: bool = False, spans=None):
+    """Every layer over every token (model.forward's math): (logits [B,T,V], cache, aux).
+    spans: optional image spans (rows, token_types), as `model.forward` takes them."""
     cfg = model.cfg
     start = cache["length"]
-    h, pre = embed(model, tokens)
+    h, pre = embed(model, tokens, spans)
     h, pre, cache, aux = run_layers(model, h, pre, cache, start=start, layers=range(cfg.n_layers), runtime=runtime,
-                                    engram_ids=engram_ids, collect_topk=collect_topk, lean=lean)
+                                    engram_ids=engram_ids, collect_topk=collect_topk, lean=lean, vl=_vl(spans))
     cache["length"] = start + tokens.shape[1]
     return head(model, h, pre, runtime.mode), cache, aux
 
@@ -131,19 +141,19 @@ def drop_window(cache: dict) -> dict:
 
 def _jit(fn, graphdef, **static):
     @functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
-    def run(params, tokens, cache, engram_ids=None):
-        return fn(nnx.merge(graphdef, params), tokens, cache, engram_ids=engram_ids, **static)
+    def run(params, tokens, cache, engram_ids=None, **traced):  # traced: spans, where the driver takes them
+        return fn(nnx.merge(graphdef, params), tokens, cache, engram_ids=engram_ids, **static, **traced)
 
     return run
 
 
 def make_split_prefill(graphdef, runtime: Runtime = Runtime(), tail: int | None = None, collect_topk: bool = False):
-    """jit (params, tokens, cache, engram_ids=None) -> split_prefill(...)."""
+    """jit (params, tokens, cache, engram_ids=None, spans=None) -> split_prefill(...)."""
     return _jit(split_prefill, graphdef, runtime=runtime, tail=tail, collect_topk=collect_topk)
 
 
 def make_exact_prefill(graphdef, runtime: Runtime = Runtime(), collect_topk: bool = False, lean: bool = False):
-    """jit (params, tokens, cache, engram_ids=None) -> exact_prefill(...)."""
+    """jit (params, tokens, cache, engram_ids=None, spans=None) -> exact_prefill(...)."""
     return _jit(exact_prefill, graphdef, runtime=runtime, collect_topk=collect_topk, lean=lean)
 
 
