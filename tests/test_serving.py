@@ -247,9 +247,10 @@ def test_split_prefill_with_tail_covering_prompt_is_exact(micro):
 
 @pytest.mark.slow
 def test_image_spans_through_exact_and_split_prefill_equal_forward():
-    """Image spans reach the serving prefills: exact prefill with spans equals model.forward with the
-    same spans bit for bit, and so does split prefill when the prompt fits the tail; without the
-    spans the logits move (the span rows, bias_vl routing and the shut Engram gate act)."""
+    """Image spans reach the serving prefills and the engine: exact prefill with spans equals
+    model.forward with the same spans bit for bit, and so do split prefill when the prompt fits the
+    tail and the engine's prefill (exact and split); without the spans the logits move (the span
+    rows and bias_vl routing act)."""
     cfg = micro_config(vision_n_layers=2, vision_dim=32, vision_n_heads=2, vision_inter_dim=48, vision_patch_size=4,
                        vision_max_n_token=64, vision_min_pixels=256, image_token_id=255)
     gd, params = nnx.split(random_model(cfg, seed=5))
@@ -267,6 +268,27 @@ def test_image_spans_through_exact_and_split_prefill_equal_forward():
     s_logits, s_cache, _ = sp.make_split_prefill(gd)(params, tokens, cache, spans=spans)
     assert same(s_logits, f_logits) and same(s_cache, f_cache)
     assert not same(exact(params, tokens, cache)[0], f_logits)
+
+    # the engine (exact prefill, and split prefill for a prompt inside the tail) gives forward's last row
+    from dsv41_jax.serving.engine import Engine, Request
+
+    req = Request(prompt=[int(t) for t in tokens[0]], spans=(np.asarray(spans[0][0]), types))
+    for exact_prefill in (True, False):
+        engine = Engine(nnx.merge(gd, params), slots=1, min_capacity=cfg.max_seq_len, exact_prefill=exact_prefill,
+                        fingerprint="test")
+        logits = engine.prefill(req)[0]
+        assert same(logits, f_logits[:, -1])
+    with pytest.raises(ValueError, match="spans must be"):
+        engine._check(Request(prompt=req.prompt, spans=(np.asarray(spans[0][0, :3]), types[:3])), 0)
+
+    # a prompt longer than the tail: the engine's Graph A / Graph B with spans equal split_prefill's
+    long_types = np.concatenate([types, types])
+    long_tokens = jnp.concatenate([tokens, tokens], 1)
+    long_spans = (jnp.concatenate([spans[0], spans[0][:, ::-1]], 1), jnp.asarray(long_types[None], jnp.int32))
+    want = sp.make_split_prefill(gd, tail=engine.tail)(params, long_tokens, cache, spans=long_spans)[0][:, -1]
+    got = engine.prefill(Request(prompt=[int(t) for t in long_tokens[0]],
+                                 spans=(np.asarray(long_spans[0][0]), long_types)))[0]
+    assert same(got, want)
 
 
 def test_split_refuses_configs_it_cannot_serve():

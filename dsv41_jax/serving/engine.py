@@ -43,7 +43,9 @@ class Request:
     `on_token(token, logprobs)` is called with every token as it is generated (for streaming);
     `logprobs` is the log-softmax row [V] (numpy float32, banned ids at -inf) when
     `want_logprobs`, else None. `forced_tokens` (tests only) replaces the first sampled tokens
-    by these ids; the model still runs on them, so the engine's path is the production one."""
+    by these ids; the model still runs on them, so the engine's path is the production one.
+    `spans` = (rows [len(prompt), dim], token_types [len(prompt)]) are the prompt's image spans
+    (`dsv41_jax.vision.merge.span_rows`; type >= 0 inside a span), as `model.forward` takes them."""
 
     prompt: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -53,6 +55,7 @@ class Request:
     on_token: Callable | None = None
     want_logprobs: bool = False
     forced_tokens: tuple[int, ...] = ()
+    spans: tuple | None = None
 
 
 @dataclass
@@ -87,6 +90,13 @@ def pieces(n: int, chunk: int) -> list[int]:
             r -= bit
         bit >>= 1
     return out
+
+
+def _spans(spans, lo: int, hi: int):
+    """Rows lo..hi of a prompt's image spans as a batch of one, or None (no spans, or none in range)."""
+    if spans is None or not np.any(np.asarray(spans[1])[lo:hi] >= 0):
+        return None
+    return jnp.asarray(np.asarray(spans[0])[None, lo:hi]), jnp.asarray(np.asarray(spans[1])[None, lo:hi], jnp.int32)
 
 
 def decode_plan(runtime: Runtime) -> body.Plan:
@@ -135,23 +145,24 @@ class Engine:
         jit = functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
 
         @functools.partial(jit, donate_argnums=(2, 3, 4))
-        def encoder(params, tokens, cache, enc_h, enc_pre, ids):
+        def encoder(params, tokens, cache, enc_h, enc_pre, ids, spans=None):
             model = nnx.merge(gd, params)
-            h, pre, cache = encoder_pass(model, tokens, cache, runtime=rt, engram_ids=ids)
+            h, pre, cache = encoder_pass(model, tokens, cache, runtime=rt, engram_ids=ids, spans=spans)
             keep = lambda buf, new: jnp.concatenate([buf, new], 1)[:, -tail:]
             return cache, keep(enc_h, h), keep(enc_pre, pre)
 
         @functools.partial(jit, donate_argnums=(3,))
-        def decoder(params, enc_h, enc_pre, cache, floor, ids):
+        def decoder(params, enc_h, enc_pre, cache, floor, ids, vl=None):
             model = nnx.merge(gd, params)
             start = cache["length"] - tail
             logits, cache, _ = decoder_pass(model, enc_h, enc_pre, cache, start=start, floor=floor, runtime=rt,
-                                            engram_ids=ids)
+                                            engram_ids=ids, vl=vl)
             return logits[:, -1], cache
 
         @functools.partial(jit, donate_argnums=(2,))
-        def full(params, tokens, cache, ids):
-            logits, cache, _ = exact_prefill(nnx.merge(gd, params), tokens, cache, runtime=rt, engram_ids=ids)
+        def full(params, tokens, cache, ids, spans=None):
+            logits, cache, _ = exact_prefill(nnx.merge(gd, params), tokens, cache, runtime=rt, engram_ids=ids,
+                                             spans=spans)
             return logits[:, -1], cache
 
         @functools.partial(jit, donate_argnums=(2,))
@@ -215,6 +226,15 @@ class Engine:
             raise ValueError(f"token id {bad} is out of range for vocab_size {cfg.vocab_size}")
         if cached + prompt.size == 0:
             raise ValueError("empty prompt: give at least one token (e.g. BOS)")
+        if req.spans is not None:
+            rows, types = np.asarray(req.spans[0]), np.asarray(req.spans[1])
+            if types.shape != prompt.shape or rows.shape != prompt.shape + (cfg.dim,):
+                raise ValueError(f"spans must be (rows [{prompt.size}, {cfg.dim}], token_types [{prompt.size}]) for this "
+                                 f"prompt, got rows {rows.shape} and token_types {types.shape} "
+                                 "(dsv41_jax.vision.merge.span_rows builds them)")
+            if not cfg.vision_enabled:
+                raise ValueError("this model has no vision tower (gate.bias_vl): a request with image spans needs a VL "
+                                 "checkpoint")
         total = cached + prompt.size + req.sampling.max_tokens
         if total > self.max_seq_len:
             raise ValueError(f"request needs {total} positions (cached {cached} + prompt {prompt.size} + max_tokens "
@@ -255,7 +275,8 @@ class Engine:
                 for size in pieces(len(new), self.prefill_chunk):
                     chunk = new[done:done + size]
                     logits, cache = self._full(self.params, jnp.asarray([chunk], jnp.int32), cache,
-                                               self._engram_ids(tokens + new[:done], chunk))
+                                               self._engram_ids(tokens + new[:done], chunk),
+                                               _spans(req.spans, done, done + size))
                     done += size
             else:
                 enc_h = jnp.zeros((1, self.tail, cfg.hc_mult, cfg.dim), jnp.bfloat16)
@@ -264,13 +285,16 @@ class Engine:
                 for size in pieces(len(new), self.prefill_chunk):
                     chunk = new[done:done + size]
                     cache, enc_h, enc_pre = self._encoder(self.params, jnp.asarray([chunk], jnp.int32), cache, enc_h,
-                                                          enc_pre, self._engram_ids(tokens + new[:done], chunk))
+                                                          enc_pre, self._engram_ids(tokens + new[:done], chunk),
+                                                          _spans(req.spans, done, done + size))
                     done += size
                 end = cached + len(new)
                 floor = jnp.full((1,), end - self.tail, jnp.int32)
                 tail_tokens = new[-self.tail:]
+                tail_spans = _spans(req.spans, len(new) - self.tail, len(new))
                 logits, cache = self._decoder(self.params, enc_h, enc_pre, cache, floor,
-                                              self._engram_ids(tokens + new[:-self.tail], tail_tokens))
+                                              self._engram_ids(tokens + new[:-self.tail], tail_tokens),
+                                              None if tail_spans is None else tail_spans[1] >= 0)
         return logits, cache, tokens + new, cached
 
     def _admit(self):
