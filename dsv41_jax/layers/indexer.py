@@ -94,21 +94,12 @@ def candidate_pool(scores: jax.Array, visible_len: jax.Array, n_blocks: int, blo
 
     A block scores the max of its positions; the block holding the newest visible position is
     pinned (+inf); picks that come back -inf (nothing reachable) are dropped.
-    Returns (pool mask like scores, block scores [.., n_total_blocks]).
+    Returns (pool mask like scores, block scores [.., n_total_blocks]). The math is the kernel
+    package's reference (`pallas_kernels/indexer/reference.py: candidate_blocks`), kept once.
     """
-    G = scores.shape[-1]
-    nb = -(-G // block)
-    pad = nb * block - G
-    s = jnp.pad(scores, [(0, 0)] * (scores.ndim - 1) + [(0, pad)], constant_values=-jnp.inf)
-    bs = jnp.max(s.reshape(*s.shape[:-1], nb, block), axis=-1)
-    last = (visible_len - 1) // block
-    bs = jnp.where(jnp.arange(nb) == last[..., None], jnp.inf, bs)
-    k = min(n_blocks, nb)
-    vals, idx = jax.lax.top_k(bs, k)
-    keep = jnp.zeros(bs.shape, bool)
-    keep = jnp.put_along_axis(keep, idx, vals > -jnp.inf, axis=-1, inplace=False)
-    mask = jnp.repeat(keep, block, axis=-1)[..., :G]
-    return mask, bs
+    from pallas_kernels.indexer.reference import candidate_blocks  # the kernels are an optional dependency
+
+    return candidate_blocks(scores, visible_len, block, n_blocks)
 
 
 def select_topk(scores: jax.Array, visible_len: jax.Array, k: int):

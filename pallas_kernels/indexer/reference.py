@@ -55,12 +55,14 @@ def indexer_scores_reference(q_packed, q_scale, keys, weights, compress_len, poo
     return jnp.where(visibility_mask(compress_len, pool_mask, k.shape[1]), scores, -jnp.inf)
 
 
-def candidate_pool(scores: jax.Array, compress_len: jax.Array, block_size: int, n_blocks: int) -> jax.Array:
-    """bool [B, S, G]: the positions of the `n_blocks` best blocks of `block_size` positions.
+def candidate_blocks(scores: jax.Array, compress_len: jax.Array, block_size: int, n_blocks: int):
+    """(pool bool [B, S, G], block scores [B, S, n_total_blocks]): the positions of the `n_blocks` best
+    blocks of `block_size` positions, and every block's score.
 
     Blocks lie on an absolute grid; a block scores the max of its positions (-inf pads the last);
     the block holding the newest visible position (compress_len - 1) is pinned to +inf; picks that
-    come back -inf are dropped (reference model.py: select_candidate_blocks).
+    come back -inf are dropped (reference model.py: select_candidate_blocks). The model's indexer
+    (`layers.indexer.candidate_pool`) runs this function.
     """
     if block_size < 1 or n_blocks < 1:
         raise ValueError(f"candidate_pool: block_size and n_blocks must be >= 1, got {block_size}, {n_blocks}")
@@ -73,7 +75,13 @@ def candidate_pool(scores: jax.Array, compress_len: jax.Array, block_size: int, 
     values, picks = jax.lax.top_k(block_scores, min(n_blocks, nb))
     keep = jnp.zeros(block_scores.shape, bool)
     keep = jnp.put_along_axis(keep, picks, values > -jnp.inf, axis=-1, inplace=False)
-    return jnp.repeat(keep, block_size, axis=-1)[..., :G]
+    return jnp.repeat(keep, block_size, axis=-1)[..., :G], block_scores
+
+
+def candidate_pool(scores: jax.Array, compress_len: jax.Array, block_size: int, n_blocks: int) -> jax.Array:
+    """bool [B, S, G]: the positions of the `n_blocks` best blocks of `block_size` positions
+    (`candidate_blocks` without the block scores)."""
+    return candidate_blocks(scores, compress_len, block_size, n_blocks)[0]
 
 
 def topk_indices(scores: jax.Array, topk: int) -> jax.Array:
