@@ -230,6 +230,8 @@ def _post(server, path, body, key=KEY, raw=None):
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "images"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "role"),
     ({"messages": USER, "reasoning_effort": "extreme"}, "reasoning_effort"),
+    ({"messages": USER, "reasoning_effort": []}, "reasoning_effort"),  # was a 500 (found by the fuzz test)
+    ({"messages": USER, "reasoning_effort": {"a": 1}}, "reasoning_effort"),
 ])
 def test_bad_requests_are_400(server, body, needle):
     r = _post(server, "/v1/chat/completions", body, raw=b"{not json" if body is None else None)

@@ -380,6 +380,19 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
             for t in tasks:
                 t.cancel()
 
+    async def _respond(request: HTTPRequest, runs: list[_Run], sp: P.Sampling, choices: list, cid: str,
+                       chunk_object: str, whole_object: str):
+        """Both endpoints' answer: an SSE stream of chunks, or one body with every choice."""
+        created = int(time.time())
+        if sp.stream:
+            await _first_all(runs, request)
+            head = {"id": cid, "object": chunk_object, "created": created, "model": cfg.model_name}
+            return _stream(request, runs, sp, choices, head)
+        texts = await _collect(runs, sp, request)
+        metrics.requests.labels(request.url.path, "200").inc()
+        return {"id": cid, "object": whole_object, "created": created, "model": cfg.model_name,
+                "choices": [c.whole(t) for c, t in zip(choices, texts)], "usage": _usage(runs)}
+
     def _stream(request: HTTPRequest, runs: list[_Run], sp: P.Sampling, choices: list, head: dict):
         """The one SSE loop of both endpoints: each choice object turns text into its chunk entries
         (`opening`, `piece(text)`, `closing()`)."""
@@ -423,16 +436,9 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
         except (ValueError, TypeError) as e:
             raise P.APIError(400, f"messages: {e}", param="messages") from None
         runs = _start(body, prompt, sp, mode)
-        created, cid = int(time.time()), runs[0].job.request.request_id.replace("cmpl-", "chatcmpl-")
+        cid = runs[0].job.request.request_id.replace("cmpl-", "chatcmpl-")
         choices = [_ChatChoice(i, run, mode, sp) for i, run in enumerate(runs)]
-        if sp.stream:
-            await _first_all(runs, request)
-            head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": cfg.model_name}
-            return _stream(request, runs, sp, choices, head)
-        texts = await _collect(runs, sp, request)
-        metrics.requests.labels(request.url.path, "200").inc()
-        return {"id": cid, "object": "chat.completion", "created": created, "model": cfg.model_name,
-                "choices": [c.whole(t) for c, t in zip(choices, texts)], "usage": _usage(runs)}
+        return await _respond(request, runs, sp, choices, cid, "chat.completion.chunk", "chat.completion")
 
     class _ChatChoice:
         """One chat choice: reasoning / content / tool calls split by its own ReplyParser."""
@@ -572,16 +578,9 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
         ids = await _prompt_ids(body.get("prompt"))
         sp = P.sampling_fields(body, chat=False)
         runs = _start(body, ids, sp, None)
-        created, cid = int(time.time()), runs[0].job.request.request_id
         choices = [_TextChoice(i, run, sp) for i, run in enumerate(runs)]
-        if sp.stream:
-            await _first_all(runs, request)
-            head = {"id": cid, "object": "text_completion", "created": created, "model": cfg.model_name}
-            return _stream(request, runs, sp, choices, head)
-        texts = await _collect(runs, sp, request)
-        metrics.requests.labels(request.url.path, "200").inc()
-        return {"id": cid, "object": "text_completion", "created": created, "model": cfg.model_name,
-                "choices": [c.whole(t) for c, t in zip(choices, texts)], "usage": _usage(runs)}
+        return await _respond(request, runs, sp, choices, runs[0].job.request.request_id, "text_completion",
+                              "text_completion")
 
     class _TextChoice:
         """One completions choice: the text as it comes, with logprobs in the legacy block shape."""

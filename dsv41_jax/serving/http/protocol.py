@@ -208,7 +208,7 @@ def chat_mode(body: Mapping) -> ChatMode:
     `chat_template_kwargs.thinking` is true; an explicit `thinking` wins over the effort."""
     effort = body.get("reasoning_effort")
     names = dict(DEFAULT_EFFORT_TABLE)
-    if effort is not None and not (effort == "none" or effort in names or
+    if effort is not None and not (effort == "none" or (isinstance(effort, str) and effort in names) or
                                    (_is_int(effort) and EFFORT_MIN <= effort <= EFFORT_MAX)):
         raise bad("reasoning_effort", f"expected one of {sorted(names)}, 'none' or an integer 1-100, got {effort!r:.80}")
     kwargs = _get(body, "chat_template_kwargs", lambda v: isinstance(v, Mapping), "an object", {})
