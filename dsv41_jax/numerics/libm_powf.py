@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from dsv41_jax.numerics.glibc_expf import _TAB as _GLIBC_EXP2_TAB
+
 _SPLIT = 134217729.0  # 2^27 + 1 (Veltkamp)
 
 
@@ -76,17 +78,8 @@ _LOG2_TAB = np.array([[float.fromhex(a), float.fromhex(b)] for a, b in (
 )])
 _LOG2_POLY = [float.fromhex(h) for h in ("0x1.27616c9496e0bp-2", "-0x1.71969a075c67ap-2", "0x1.ec70a6ca7baddp-2",
                                          "-0x1.7154748bef6c8p-1", "0x1.71547652ab82bp0")]
-# exp2f_data: tab[i] = bits(2^(i/32)) - (i << 47); the same table glibc's expf uses
-_EXP2_TAB = np.array([
-    0x3ff0000000000000, 0x3fefd9b0d3158574, 0x3fefb5586cf9890f, 0x3fef9301d0125b51,
-    0x3fef72b83c7d517b, 0x3fef54873168b9aa, 0x3fef387a6e756238, 0x3fef1e9df51fdee1,
-    0x3fef06fe0a31b715, 0x3feef1a7373aa9cb, 0x3feedea64c123422, 0x3feece086061892d,
-    0x3feebfdad5362a27, 0x3feeb42b569d4f82, 0x3feeab07dd485429, 0x3feea47eb03a5585,
-    0x3feea09e667f3bcd, 0x3fee9f75e8ec5f74, 0x3feea11473eb0187, 0x3feea589994cce13,
-    0x3feeace5422aa0db, 0x3feeb737b0cdc5e5, 0x3feec49182a3f090, 0x3feed503b23e255d,
-    0x3feee89f995ad3ad, 0x3feeff76f2fb5e47, 0x3fef199bdd85529c, 0x3fef3720dcef9069,
-    0x3fef5818dcfba487, 0x3fef7c97337b9b5f, 0x3fefa4afa2a490da, 0x3fefd0765b6e4540,
-], dtype=np.uint64)
+# exp2f_data: tab[i] = bits(2^(i/32)) - (i << 47); the same table glibc's expf uses, so it is shared with it
+_EXP2_TAB = _GLIBC_EXP2_TAB
 _EXP2_POLY = [float.fromhex(h) for h in ("0x1.c6af84b912394p-5", "0x1.ebfce50fac4f3p-3", "0x1.62e42ff0c52d6p-1")]
 _EXP2_SHIFT = float.fromhex("0x1.8p+52") / 32  # shift_scaled
 _SIGN_BIAS = np.uint64(1 << 16)  # 1 << (EXP2F_TABLE_BITS + 11): lands on bit 63 after << 47
