@@ -7,8 +7,38 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pathlib
+import shutil
+import tempfile
 
 import pytest
+
+# A persistent compilation cache shared by the xdist workers and the subprocesses tests start
+# (CLI runs, notebook kernels): most of the suite's time is XLA compiling whole-model programs,
+# and tests in different modules (or on the other worker) compile identical ones. The first
+# process to import this file (the xdist controller, or the only process) makes a fresh folder
+# and removes it at exit; workers inherit it through the environment, so every run starts
+# empty, as on CI's clean clone. The key is a hash of the lowered program, the jax/jaxlib
+# versions, the platform, XLA_FLAGS and the compile options (jax/_src/cache_key.py), and
+# programs with host callbacks are never written, so a hit is the same executable the compile
+# would have produced. DSV41_JAX_CACHE_DIR=<folder> keeps a cache across runs (same machine
+# only: CPU executables are built for this host); DSV41_JAX_CACHE_DIR=off disables it.
+_CACHE_SETTING = os.environ.get("DSV41_JAX_CACHE_DIR", "")
+_OWN_CACHE_DIR = None
+if _CACHE_SETTING != "off" and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    if _CACHE_SETTING:
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE_SETTING
+    else:
+        _OWN_CACHE_DIR = tempfile.mkdtemp(prefix="dsv41-jax-cache-")
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE_DIR
+if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    # every program, however fast it compiled (the defaults skip those under 1 s)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE_DIR is not None and not hasattr(config, "workerinput"):
+        shutil.rmtree(_OWN_CACHE_DIR, ignore_errors=True)
 
 REPO = pathlib.Path(__file__).resolve().parent
 
@@ -39,3 +69,60 @@ def tiny_every_role():
                            candidate_block_size=4, max_seq_len=32, max_batch_size=2)
     graphdef, params = nnx.split(Transformer(cfg, rngs=1))
     return cfg, graphdef, params
+
+
+# DSV41_COMPILE_REPORT=N: after the run, the N test phases that spent the most time in XLA
+# compilation, with their tracing/lowering time and persistent-cache hits (works under xdist:
+# the figures travel in each report's user_properties). For finding where the suite's time goes.
+_COMPILE_REPORT = int(os.environ.get("DSV41_COMPILE_REPORT", "0") or 0)
+_jax_times = {"compile": 0.0, "trace": 0.0, "lower": 0.0, "hits": 0}
+_compile_rows = []
+
+
+def _install_compile_listeners():
+    from jax._src import monitoring
+
+    names = {"/jax/core/compile/backend_compile_duration": "compile",
+             "/jax/core/compile/jaxpr_trace_duration": "trace",
+             "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower"}
+
+    def on_duration(event, duration, **_):
+        if event in names:
+            _jax_times[names[event]] += duration
+
+    def on_event(event, **_):
+        if event == "/jax/compilation_cache/cache_hits":
+            _jax_times["hits"] += 1
+
+    monitoring.register_event_duration_secs_listener(on_duration)
+    monitoring.register_event_listener(on_event)
+
+
+if _COMPILE_REPORT:
+    def pytest_configure(config):
+        _install_compile_listeners()
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(item, call):
+        item.user_properties[:] = [p for p in item.user_properties if p[0] != "jax_times"]
+        item.user_properties.append(("jax_times", dict(_jax_times)))
+        for k in _jax_times:
+            _jax_times[k] = 0 if k == "hits" else 0.0
+        yield
+
+    def pytest_runtest_logreport(report):
+        times = dict(report.user_properties).get("jax_times")
+        if times is not None:
+            _compile_rows.append((times["compile"], report.duration, report.when, report.nodeid, times))
+
+    def pytest_terminal_summary(terminalreporter):
+        rows = sorted(_compile_rows, reverse=True)[:_COMPILE_REPORT]
+        tr = terminalreporter
+        tr.section(f"top {len(rows)} test phases by XLA compile time")
+        total = sum(r[0] for r in _compile_rows)
+        tr.write_line(f"all phases: {total:.1f} s compiling, {sum(r[4]['trace'] + r[4]['lower'] for r in _compile_rows):.1f} s "
+                      f"tracing+lowering, {sum(r[1] for r in _compile_rows):.1f} s in all, "
+                      f"{sum(r[4]['hits'] for r in _compile_rows)} persistent-cache hits")
+        for comp, dur, when, nodeid, t in rows:
+            tr.write_line(f"{dur:7.1f}s {when:8s} compile {comp:6.1f}s trace+lower {t['trace'] + t['lower']:5.1f}s "
+                          f"hits {t['hits']:3d}  {nodeid}")
