@@ -222,8 +222,8 @@ class ExpertParallelMoE(nnx.Module):
         self.topk, self.grouped_threshold = moe.topk, moe.grouped_threshold
         self.mesh, self.expert_axis, self.dispatch = mesh, expert_axis, dispatch
 
-    def __call__(self, x, mode, forced=None, impl="xla", **route_kwargs):
-        del impl  # the Pallas expert kernel is single-device; EP runs the experts' XLA math per device
+    def __call__(self, x, mode, forced=None, impl="xla", interpret=False, **route_kwargs):
+        del impl, interpret  # the Pallas expert kernel is single-device; EP runs the experts' XLA math per device
         return expert_parallel_moe(self, x, self.mesh, mode=mode, forced=forced, expert_axis=self.expert_axis,
                                    dispatch=self.dispatch, **route_kwargs)
 

@@ -147,12 +147,10 @@ def _kernels_of(fn, *args) -> set[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="issue 20: the serving drivers run the XLA attention and indexer (Plan kernels=False) "
-                          "until they are verified on the kernels")
 def test_every_serving_driver_runs_the_kernels_for_pallas(tiny):
     """Exact prefill, the replay and the engine's decode step (all on model/block.py) trace the same
-    three kernels as model.forward when impl="pallas" (trace only, nothing compiled)."""
+    three kernels as model.forward when impl="pallas" (trace only, nothing compiled). Their exact-mode
+    results equal impl="xla" bit for bit: tests/test_serving.py, the engine's steps on the kernels."""
     from dsv41_jax.model import block as body
     from dsv41_jax.serving import split_prefill as sp
     from dsv41_jax.serving.engine import decode_plan

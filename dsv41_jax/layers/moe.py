@@ -150,9 +150,12 @@ class MoE(nnx.Module):
         self.topk = cfg.n_activated_experts
         self.grouped_threshold = 256  # rows above which the sorted ragged path is cheaper
 
-    def __call__(self, x, mode, forced=None, impl="xla", impose=True, vl_mask=None):
+    def __call__(self, x, mode, forced=None, impl="xla", impose=True, vl_mask=None, interpret=False):
         """x [B, T, d] bf16 -> (y bf16, info) with info = {scores, biased, experts}.
 
+        impl, interpret: resolved (`dsv41_jax.model.block.Plan.resolve`, never "auto" or None here);
+        impl "pallas" runs the grouped FP4 expert kernel in fast mode. Exact mode always runs the
+        per-row math: the kernel has no exact mode (it would not match the oracle's rounding).
         vl_mask: optional bool [B, T], True at image-span positions (routed with `gate.bias_vl`)."""
         B, T, d = x.shape
         flat = x.reshape(B * T, d)
@@ -166,9 +169,9 @@ class MoE(nnx.Module):
         w_sorted = jnp.take_along_axis(weights, slot_order, -1)
         rows = jnp.repeat(flat, k, axis=0)
         n = B * T * k
-        if impl == "pallas" and self.experts.kind == "fp4":
+        if mode != "exact" and impl == "pallas" and self.experts.kind == "fp4":
             from pallas_kernels import expert_gemm_moe  # noqa: WPS433 (optional dependency on the kernels)
-            out = expert_gemm_moe(self.experts, rows, e_sorted.reshape(-1), w_sorted.reshape(-1))
+            out = expert_gemm_moe(self.experts, rows, e_sorted.reshape(-1), w_sorted.reshape(-1), interpret=interpret)
         elif mode == "exact" or n <= self.grouped_threshold:
             out = self.experts.per_row(rows, e_sorted.reshape(-1), w_sorted.reshape(-1), mode)
         else:

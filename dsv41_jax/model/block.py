@@ -38,8 +38,6 @@ from pallas_kernels.sparse_attention.dense_reference import sparse_attention
 class Plan:
     """How a driver runs the body (static).
 
-    kernels: whether the attention and indexer run their Pallas kernels when `impl` is "pallas"
-      (False: their XLA math; the serving drivers until they are verified on the kernels).
     writes: "all" (KV sources write compressed entries, index keys, compressor state) or "window"
       (only the window rings: Graph B of the split prefill and the replay read the globals).
     pool_scoring: in-pool Reindex layers score only the pool's index keys, and the compressed rows
@@ -53,7 +51,6 @@ class Plan:
     interpret: bool = False
     index_keys: Literal["intended", "quirk"] = "intended"
     check_finite: bool = False
-    kernels: bool = True
     writes: Literal["all", "window"] = "all"
     pool_scoring: bool = False
     packed_scoring: bool = False
@@ -78,7 +75,7 @@ class Plan:
     @property
     def kernel_mode(self) -> str | None:
         """The numerics the attention/indexer kernels run, or None when they run their XLA math."""
-        return self.runtime.kernel_mode() if self.kernels else None
+        return self.runtime.kernel_mode()
 
 
 class Span(NamedTuple):
@@ -290,7 +287,7 @@ def ffn_site(block, h, a_pre, plan: Plan, forced=None, impose=True, vl=None):
     mode = plan.numerics
     f_pre, f_post, f_comb = block.hc_ffn.mixes(h, mode)
     x = block.ffn_norm(collapse(h, a_pre), mode)
-    y, info = block.ffn(x, mode, forced=forced, impl=plan.impl, impose=impose, vl_mask=vl)
+    y, info = block.ffn(x, mode, forced=forced, impl=plan.impl, impose=impose, vl_mask=vl, interpret=plan.interpret)
     return expand(y, h, f_post, f_comb), f_pre, (x, y, f_post, f_comb, info)
 
 

@@ -32,6 +32,7 @@ from dsv41_jax.model import block as body
 from dsv41_jax.model.cache import scatter_container
 from dsv41_jax.model.probe import tap, tie_aware_equal
 from dsv41_jax.numerics import kv_layout
+from dsv41_jax.runtime import Runtime
 
 
 class DSparkUnavailable(ValueError):
@@ -163,7 +164,7 @@ def _stage_forward(stage: DSparkStage, h, pre, ring, newest, cfg, mode, forced_e
     """One stage over the block stream h [B, bs, hc, d]: the layer body's stage functions (a window-only
     layer) over the read-only ring plus the block, every block token seeing the whole block."""
     bs = h.shape[1]
-    plan = body.Plan(numerics=mode, impl=impl)
+    plan = body.Plan.resolve(Runtime(mode=mode, impl=impl))  # impl and interpret decided in one place
     positions = newest[:, None] + 1 + jnp.arange(bs)[None]
     x, _, q, cos, sin, blk, (a_pre, a_post, a_comb) = body.attn_in(stage, h, pre, positions, 0, cfg, plan)
     keys = jnp.concatenate([kv_layout.dequantize_window(ring), kv_layout.dequantize_window(blk)], 1)

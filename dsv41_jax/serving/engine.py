@@ -101,9 +101,9 @@ def _spans(spans, lo: int, hi: int):
 
 def decode_plan(runtime: Runtime) -> body.Plan:
     """The engine's decode plan: in-pool scoring, packed fast index scoring, selected compressed rows
-    gathered; the attention and indexer keep their XLA math (kernels=False), as before the one body,
-    until the engine is verified on the kernels."""
-    return body.Plan.resolve(runtime, kernels=False, pool_scoring=True, packed_scoring=True)
+    gathered (XLA math); the attention and the full-width indexer run their kernels when runtime.impl
+    is "pallas" (exact mode: equal to the XLA math bit for bit, tests/test_serving.py)."""
+    return body.Plan.resolve(runtime, pool_scoring=True, packed_scoring=True)
 
 
 class Engine:

@@ -54,9 +54,9 @@ def run_layers(model, h: jax.Array, pre: jax.Array, cache: dict, *, start: jax.A
     vl: optional bool [B,T], image-span positions (Engram shut, the MoE routes with `bias_vl`).
 
     The cache's `length` is not touched (callers own it). The attention and indexer run their
-    XLA math (Plan.kernels=False) whatever runtime.impl says, as they always have here.
+    kernels when runtime.impl is "pallas", as model.forward does.
     """
-    plan = body.Plan.resolve(runtime, kernels=False, writes="all" if write_globals else "window",
+    plan = body.Plan.resolve(runtime, writes="all" if write_globals else "window",
                              pool_scoring=lean, packed_scoring=lean and packed_index)
     span = body.Span.at(start, h.shape[1], engram_ids=engram_ids, floor=floor, vl=vl)
     h, pre, store, carry, records = body.run_layers(model, h, pre, body.QuantStore(model.cfg, cache), span, plan,
