@@ -112,18 +112,58 @@ class QuantStore:
     def copy(self) -> "QuantStore":
         return QuantStore(self.cfg, self.cache)
 
-    def window(self, l: int, new: kv_layout.WindowKV, span: Span):
-        """This chunk's window rows in: (rows [B, W+T, D] dequantized, idx [B, T, W], the packed rows for
-        the kernel). The ring keeps the chunk's last W rows."""
+    def window(self, l: int, raw: jax.Array, span: Span):
+        """This chunk's window rows [B, T, D] in (stored FP8): (rows [B, W+T, D] dequantized, idx [B, T, W],
+        the packed rows for the kernel). The ring keeps the chunk's last W rows."""
         W = self.cfg.window_size
         ring = self.cache["window"][l]
+        new = kv_layout.quantize_window(raw)
         rows = jnp.concatenate([kv_layout.dequantize_window(ring), kv_layout.dequantize_window(new)], 1)
         idx = window_indices(span.start, span.positions.shape[1], W)
         if span.floor is not None:
             p = span.positions[..., None] - (W - 1) + jnp.arange(W)
             idx = jnp.where(p >= span.floor[:, None, None], idx, -1)
         self.cache["window"][l] = write_ring(ring, new, span.start, W)
-        return rows, idx, (ring, new)
+        return rows, idx, kv_layout.concat_rows(ring, new)
+
+    def visible(self, span: Span, m: int) -> jax.Array:
+        """[B, T] compressed groups complete by each query (docs/REFERENCE.md §3)."""
+        return (span.positions + 1) // m
+
+    def groups(self, src: int, m: int, lat, gids, span: Span):
+        """(latents, their RoPE positions, write group ids): a group sits at its first token's position."""
+        return lat, jnp.maximum(gids, 0) * m, gids
+
+    def key_source(self, lat):
+        """The latent the index keys are computed from."""
+        return lat
+
+    def index_inputs(self, x, qr):
+        """The indexer's query-side inputs (x, qr)."""
+        return x, qr
+
+    def index_keys(self, role, plan: "Plan") -> jax.Array:
+        """The bf16 index keys [B, G, Di] an index source scores (intended or the reference's quirk)."""
+        return index_keys_for(self.cfg, self.cache, role, plan.runtime).astype(jnp.bfloat16)
+
+    def mask_scores(self, src: int, scores):
+        return scores
+
+    def pool_visible(self, src: int, visible):
+        """The visible length the candidate pool pins its newest block by."""
+        return visible
+
+    def restrict(self, src: int, sel):
+        """A top-k selection with the groups this store hides removed (none: visibility is a length)."""
+        return sel
+
+    def compressed(self, src: int):
+        """The source's compressed container (what the attention kernel reads)."""
+        return self.cache["compressed"][f"layer{src}"]
+
+    def compressed_rows(self, src: int) -> jax.Array:
+        """The source's compressed rows [B, G, D], dequantized."""
+        return kv_layout.dequantize_compressed(self.cache["compressed"][f"layer{src}"])
 
     def compressor_state(self, src: int):
         return self.cache["compressor"].get(f"layer{src}")
@@ -195,8 +235,9 @@ def write_source(block, x, span: Span, store: QuantStore, plan: Plan, probe: Pro
     m = block.role.ratio
     freqs = layer_rope(cfg, m)
     lat, gids, state = attn.compressor.groups(x, span.start, store.compressor_state(l), plan.numerics)
-    gcos, gsin = cos_sin(jnp.maximum(gids, 0) * m, freqs)
-    keys = attn.indexer.keys(lat, gcos, gsin, plan.numerics) if attn.indexer is not None else None
+    lat, gpos, gids = store.groups(l, m, lat, gids, span)
+    gcos, gsin = cos_sin(gpos, freqs)
+    keys = attn.indexer.keys(store.key_source(lat), gcos, gsin, plan.numerics) if attn.indexer is not None else None
     store.write_source(l, state, gids, apply_rope(lat, gcos, gsin, cfg.rope_head_dim), keys)
     key = f"layer{l}"
 
@@ -219,9 +260,9 @@ def select(block, x, qr, cos, sin, visible, store: QuantStore, carry: Carry, pla
     pool_scoring = plan.pool_scoring and plan.index_keys == "intended"
     packed = pool_scoring and plan.packed_scoring and mode == "fast"
     P = cfg.candidate_topk_blocks * cfg.candidate_block_size
-    G = store.cache["index_keys"][key].packed.shape[1]
     rec, pool, pool_blocks = {}, carry.pool, carry.pool_blocks
-    if role.uses_candidates and pool_scoring and pool_blocks is not None and width <= P < G:
+    if (role.uses_candidates and pool_scoring and pool_blocks is not None
+            and width <= P < store.cache["index_keys"][key].packed.shape[1]):
         s, cand = _pool_scores(attn, x, qr, cos, sin, store.cache["index_keys"][key], *pool_blocks,
                                     cfg.candidate_block_size, visible, mode, packed)
         sel = _pool_select(s, cand, visible, width)
@@ -236,10 +277,12 @@ def select(block, x, qr, cos, sin, visible, store: QuantStore, carry: Carry, pla
             if pool_scoring:
                 keys_bf16 = decode_index_keys(store.cache["index_keys"][key])
             else:
-                keys_bf16 = index_keys_for(cfg, store.cache, role, plan.runtime).astype(jnp.bfloat16)
-            scores = attn.indexer.scores(x, qr, keys_bf16, cos, sin, visible, mode)
+                keys_bf16 = store.index_keys(role, plan)
+            scores = attn.indexer.scores(*store.index_inputs(x, qr), keys_bf16, cos, sin, visible, mode)
+        scores = store.mask_scores(src, scores)
         if role.is_candidate_source:
-            pool, block_scores = candidate_pool(scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)
+            pool, block_scores = candidate_pool(scores, store.pool_visible(src, visible), cfg.candidate_topk_blocks,
+                                                cfg.candidate_block_size)
             rec = probe.see(l, lambda: {f"layer{l}.candidates": pool, "candidate_block_scores": block_scores})
             if pool_scoring:
                 vals, bidx = jax.lax.top_k(block_scores, min(cfg.candidate_topk_blocks, block_scores.shape[-1]))
@@ -247,22 +290,22 @@ def select(block, x, qr, cos, sin, visible, store: QuantStore, carry: Carry, pla
                 pool_blocks = (jnp.take_along_axis(bidx, order, -1), jnp.take_along_axis(vals > -jnp.inf, order, -1))
         elif role.uses_candidates:
             scores = jnp.where(pool, scores, -jnp.inf)
-        sel = select_topk(scores, visible, width)
+        sel = store.restrict(src, select_topk(scores, visible, width))
         sel, r = probe.decide("topk", l, sel, scores, pin)
         rec = _merge(rec, r, probe.see(l, lambda: {f"layer{l}.index_score": scores}))
     return sel, Carry({**carry.topk, l: sel}, pool, pool_blocks), rec
 
 
 def attn_in(block, h, pre, positions, ratio: int, cfg, plan: Plan):
-    """The attention site's inputs: (x, qr, q, cos, sin, this chunk's quantized window rows, the
-    site's mHC mixes (pre, post, comb)). A DSpark stage is a layer of ratio 0."""
+    """The attention site's inputs: (x, qr, q, cos, sin, this chunk's window rows (unquantized: the
+    store keeps them in its format), the site's mHC mixes (pre, post, comb)). A DSpark stage is a
+    layer of ratio 0."""
     mode = plan.numerics
     mixes = block.hc_attn.mixes(h, mode)
     x = attn_input(block, h, pre, plan)
     cos, sin = cos_sin(positions, layer_rope(cfg, ratio))
     qr, q = block.attn.queries(x, cos, sin, mode)
-    win_new = kv_layout.quantize_window(block.attn.window_kv(x, cos, sin, mode))
-    return x, qr, q, cos, sin, win_new, mixes
+    return x, qr, q, cos, sin, block.attn.window_kv(x, cos, sin, mode), mixes
 
 
 def attend(attn, q, rows, idx, cfg, plan: Plan, kernel_inputs=None):
@@ -302,26 +345,30 @@ def block_step(block, h, pre, store: QuantStore, carry: Carry, span: Span, plan:
     h, rec = engram_site(cfg, block, h, span, plan, probe)
     h, pre, r = probe.enter(l, h, pre, pin)
     rec = _merge(rec, r)
-    x, qr, q, cos, sin, win_new, (a_pre, a_post, a_comb) = attn_in(block, h, pre, span.positions, role.ratio, cfg, plan)
-    keys, idx, (ring, _) = store.window(l, win_new, span)
-    win_idx, comp_kv, comp_sel = idx, None, None  # what the attention kernel reads
+    x, qr, q, cos, sin, win_raw, (a_pre, a_post, a_comb) = attn_in(block, h, pre, span.positions, role.ratio, cfg,
+                                                                   plan)
+    keys, idx, win_rows = store.window(l, win_raw, span)
+    kernel_inputs = (win_rows, idx, None, None)  # what the attention kernel reads
 
     if role.ratio:
         src = role.kv_source
-        key = f"layer{src}"
-        visible = (span.positions + 1) // role.ratio
+        visible = store.visible(span, role.ratio)
         if role.is_kv_source and plan.writes == "all":
             rec = _merge(rec, write_source(block, x, span, store, plan, probe))
         if role.is_index_source:
             _, carry, r = select(block, x, qr, cos, sin, visible, store, carry, plan, probe, pin)
-            rec = _merge(rec, r)
+            win_keys, win_idx = keys, idx
+            rec = _merge(rec, r, probe.scored(l, lambda: {
+                "store": store, "src": src, "attn": block.attn, "q": q, "win": win_keys, "win_idx": win_idx,
+                "pool": carry.pool if role.uses_candidates else None,
+                "score": lambda pick, k: block.attn.indexer.scores(*store.index_inputs(pick(x), pick(qr)), k, pick(cos),
+                                                                   pick(sin), pick(visible), plan.numerics)}, pin))
         sel = carry.topk[role.index_source]
         rec["topk"] = sel
-        comp_kv, comp_sel = store.cache["compressed"][key], sel
+        kernel_inputs = (win_rows, idx, store.compressed(src), sel)
         if plan.kernel_mode is None:
-            keys, idx = _with_compressed(keys, idx, store.cache["compressed"][key], sel, plan)
+            keys, idx = _with_compressed(keys, idx, store, src, sel, plan)
 
-    kernel_inputs = (kv_layout.concat_rows(ring, win_new), win_idx, comp_kv, comp_sel)
     o = attend(attn, q, keys, idx, cfg, plan, kernel_inputs)
     a_out, h = attn_out(attn, o, cos, sin, h, (a_post, a_comb), plan)
     rec = _merge(rec, probe.see(l, lambda: {
@@ -340,19 +387,20 @@ def block_step(block, h, pre, store: QuantStore, carry: Carry, span: Span, plan:
     return h, f_pre, store, carry, rec
 
 
-def _with_compressed(keys, idx, comp: kv_layout.CompressedKV, sel, plan: Plan):
-    """The attention's key rows and indices with the selected compressed rows appended: the whole
-    cache dequantized, or (pool_scoring decode, when fewer) only the selected rows, query by query."""
+def _with_compressed(keys, idx, store, src: int, sel, plan: Plan):
+    """The attention's key rows and indices with the selected compressed rows appended: all of the
+    source's rows, or (pool_scoring decode, when fewer) only the selected rows, query by query."""
     B, T, K = sel.shape
     off = keys.shape[1]
-    if plan.pool_scoring and T * K < comp.packed.shape[1]:
+    if plan.pool_scoring and T * K < store.compressed(src).packed.shape[1]:
+        comp = store.compressed(src)
         b = jnp.arange(B)[:, None, None]
         safe = jnp.maximum(sel, 0)
         rows = kv_layout.dequantize_compressed(kv_layout.CompressedKV(comp.packed[b, safe], comp.scales[b, safe]))
         keys = jnp.concatenate([keys, rows.astype(keys.dtype).reshape(B, T * K, -1)], 1)
         slot = off + jnp.arange(T)[:, None] * K + jnp.arange(K)[None]
         return keys, jnp.concatenate([idx, jnp.where(sel >= 0, slot[None], -1)], -1)
-    rows = kv_layout.dequantize_compressed(comp).astype(keys.dtype)
+    rows = store.compressed_rows(src).astype(keys.dtype)
     return jnp.concatenate([keys, rows], 1), jnp.concatenate([idx, jnp.where(sel >= 0, sel + off, -1)], -1)
 
 

@@ -167,6 +167,7 @@ def _stage_forward(stage: DSparkStage, h, pre, ring, newest, cfg, mode, forced_e
     plan = body.Plan.resolve(Runtime(mode=mode, impl=impl))  # impl and interpret decided in one place
     positions = newest[:, None] + 1 + jnp.arange(bs)[None]
     x, _, q, cos, sin, blk, (a_pre, a_post, a_comb) = body.attn_in(stage, h, pre, positions, 0, cfg, plan)
+    blk = kv_layout.quantize_window(blk)
     keys = jnp.concatenate([kv_layout.dequantize_window(ring), kv_layout.dequantize_window(blk)], 1)
     idx = _block_indices(newest, cfg.window_size, bs)
     o = body.attend(stage.attn, q, keys, idx, cfg, plan)

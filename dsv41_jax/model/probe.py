@@ -43,6 +43,8 @@ class Probe:
     Hooks, in body order:
     - enter(l, h, pre, pin) -> (h, pre, records): the layer's input, after its Engram;
     - decide("topk", l, own, scores, pin) -> (chosen, records): an index source's top-k;
+    - scored(l, ctx, pin) -> records: after an index source selected; `ctx()` gives the store, the
+      attention's query and window rows, the pool and a scoring function (training's indexer KL);
     - forced_experts(l, pin) -> (forced [B,T,k] | None, impose): expert ids the MoE imposes;
     - experts_chosen(l, moe, info, forced, vl, pin) -> records: after the MoE routed;
     - see(l, thunk) -> records: `thunk()` builds named intermediates; only recording probes call it.
@@ -53,6 +55,9 @@ class Probe:
 
     def decide(self, kind, l, own, scores, pin):
         return own, {}
+
+    def scored(self, l, ctx, pin) -> dict:
+        return {}
 
     def forced_experts(self, l, pin):
         return None, True
@@ -142,6 +147,12 @@ class Probes(Probe):
             own, r = p.decide(kind, l, own, scores, pin)
             rec = _merge(rec, r)
         return own, rec
+
+    def scored(self, l, ctx, pin) -> dict:
+        rec = {}
+        for p in self.probes:
+            rec = _merge(rec, p.scored(l, ctx, pin))
+        return rec
 
     def forced_experts(self, l, pin):
         for p in self.probes:

@@ -3,7 +3,7 @@
 `model.forward` runs on a cache whose entries are stored quantized (integer codes: no
 gradient) and continues one sequence per row. Training needs neither the cache nor the
 continuation, but needs gradients through every format of docs/REFERENCE.md §4 and several documents per
-row, so this module runs the same layer loop with:
+row, so this module runs the one layer body (`dsv41_jax.model.block`) on a `FakeQuantStore`, with:
   * window K=V, compressed KV and index keys fake-quantized in place (`quant.fake_*`, identity
     backward) instead of stored and re-read;
   * packed documents (docs/REFERENCE.md §7): positions restart at every document (`batch["positions"]`);
@@ -13,7 +13,8 @@ row, so this module runs the same layer loop with:
     candidate blocks are exactly the document-relative ones serving computes;
   * optional replay-aware windows: decoder layers see only window slots >= a per-row tail
     start s (for queries at or after s), as split prefill runs them (docs/REFERENCE.md §5);
-  * the indexer's KL objective (docs/REFERENCE.md §7) on sampled query positions, from detached inputs.
+  * the indexer's KL objective (docs/REFERENCE.md §7) on sampled query positions, from detached inputs
+    (`TrainProbe`, a probe of the body, with the layers' gate scores).
 On unpacked rows with T = max_seq_len the logits equal `model.forward`'s bit for bit (with the
 training model built with exact_mhc=True; see qat_modules.LoopedHyperSite).
 """
@@ -24,12 +25,10 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from dsv41_jax.model import block as body
+from dsv41_jax.model import probe as body_probe
 from dsv41_jax.numerics import quant
-from dsv41_jax.layers.indexer import candidate_pool
-from dsv41_jax.layers.mhc_site import collapse, expand
-from dsv41_jax.layers.basic import matmul
-from dsv41_jax.layers.rope import apply_rope, cos_sin, layer_rope
-from pallas_kernels.sparse_attention.dense_reference import sparse_attention
+from dsv41_jax.runtime import Runtime
 
 sg = jax.lax.stop_gradient
 
@@ -75,14 +74,6 @@ def _legal_groups(positions, seg_start, m: int):
     return complete[None] & same_doc & pure[:, None, :]
 
 
-def _select(scores, legal, k: int):
-    """Top-k legal positions, ascending, -1 padded (ties to the lower index, like select_topk)."""
-    _, idx = jax.lax.top_k(scores, k)
-    idx = jnp.sort(idx, axis=-1)
-    ok = jnp.take_along_axis(legal, idx, axis=-1)
-    return jnp.where(ok, idx, -1).astype(jnp.int32)
-
-
 def _gather_rows(a, pos):
     """a [B, T, ...] at positions pos [B, P] -> [B, P, ...]."""
     return jnp.take_along_axis(a, pos.reshape(pos.shape + (1,) * (a.ndim - 2)), axis=1)
@@ -123,8 +114,117 @@ def _kl(target, student_scores, allowed):
     return jnp.sum(jnp.where(has, kl, 0.0)), jnp.sum(has).astype(jnp.float32)
 
 
+class FakeQuantStore:
+    """The training cache as the layer body (`dsv41_jax.model.block`) sees it: every row a whole
+    (packed) sequence from position 0, nothing stored across calls, values fake-quantized in place
+    (straight-through). Same questions as `block.QuantStore`; the answers differ in:
+      * window: the row's own keys at fake-FP8 values, visible inside the query's document only
+        (and, with `replay_start`, decoder layers see only slots >= the tail start);
+      * groups: one zero compressor state per row, groups at their document-relative positions, only
+        the T // m complete groups; legal = complete, pure and in the query's document;
+      * index keys: computed from the detached latent (only the KL trains the key projection) and
+        scored from detached inputs; the top-k keeps legal groups only.
+    """
+
+    def __init__(self, cfg, positions, replay_start=None, act_quant: bool = True):
+        self.cfg, self.positions, self.replay_start, self.act_quant = cfg, positions, replay_start, act_quant
+        self.seg_start = jnp.arange(positions.shape[1])[None] - positions  # where each token's document starts
+        self.comp, self.ikeys, self.legal = {}, {}, {}
+
+    def copy(self) -> "FakeQuantStore":
+        out = FakeQuantStore.__new__(FakeQuantStore)
+        out.__dict__.update(self.__dict__)
+        out.comp, out.ikeys, out.legal = dict(self.comp), dict(self.ikeys), dict(self.legal)
+        return out
+
+    def _q(self, fn, a, block):
+        return fn(a, block) if self.act_quant else a
+
+    def window(self, l, raw, span):
+        T = raw.shape[1]
+        truncate = self.replay_start is not None and self.cfg.roles[l].half == "decoder"
+        idx = _window_slots(T, self.cfg.window_size, self.seg_start, self.replay_start, truncate)
+        return self._q(quant.fake_fp8_act, raw, 32), idx, None
+
+    def visible(self, span, m: int):
+        B, T = span.positions.shape
+        return (jnp.arange(T)[None] + 1) // m * jnp.ones((B, 1), jnp.int32)
+
+    def compressor_state(self, src: int):
+        m, B = self.cfg.compress_ratios[src], self.positions.shape[0]
+        if m == 1:
+            return None
+        return {"kv": jnp.zeros((B, m, self.cfg.head_dim), jnp.float32),
+                "score": jnp.full((B, m, self.cfg.head_dim), -jnp.inf, jnp.float32)}
+
+    def groups(self, src: int, m: int, lat, gids, span):
+        G = self.positions.shape[1] // m
+        return lat[:, :G], self.positions[:, ::m][:, :G], None  # a group takes its first token's position
+
+    def key_source(self, lat):
+        return sg(lat)
+
+    def write_source(self, src: int, state, gids, entries, index_keys) -> None:
+        m = self.cfg.compress_ratios[src]
+        self.comp[src] = self._q(quant.fake_fp4_kv, entries, 16)
+        self.legal[src] = _legal_groups(self.positions, self.seg_start, m)
+        if index_keys is not None:
+            self.ikeys[src] = self._q(quant.fake_fp4_mx, index_keys, 32).astype(jnp.bfloat16)
+
+    def topk_width(self, src: int) -> int:
+        return min(self.cfg.index_topk, self.positions.shape[1] // self.cfg.compress_ratios[src])
+
+    def index_inputs(self, x, qr):
+        return sg(x), sg(qr)
+
+    def index_keys(self, role, plan):
+        if plan.index_keys != "intended":
+            raise ValueError("training scores the intended index keys (Runtime.index_k_quirk=False)")
+        return sg(self.ikeys[role.kv_source])
+
+    def mask_scores(self, src: int, scores):
+        return jnp.where(self.legal[src], sg(scores), -jnp.inf)
+
+    def pool_visible(self, src: int, visible):
+        legal = self.legal[src]
+        return jnp.max(jnp.where(legal, jnp.arange(legal.shape[-1]), -1), -1) + 1  # past the newest legal group
+
+    def restrict(self, src: int, sel):
+        ok = jnp.take_along_axis(self.legal[src], jnp.maximum(sel, 0), axis=-1)
+        return jnp.where((sel >= 0) & ok, sel, -1).astype(jnp.int32)
+
+    def compressed(self, src: int):
+        return self.comp[src]
+
+    def compressed_rows(self, src: int):
+        return self.comp[src]
+
+
+class TrainProbe(body_probe.Probe):
+    """Training's observer of the layer body: every layer's gate scores (the balance loss) and, with
+    `kl`, the indexer KL at the sampled query positions pin["kl_pos"] [B, P] (docs/REFERENCE.md §7)."""
+
+    def __init__(self, kl: bool = False):
+        self.kl = bool(kl)
+
+    def scored(self, l, ctx, pin) -> dict:
+        if not self.kl:
+            return {}
+        c = ctx()
+        store, src, attn = c["store"], c["src"], c["attn"]
+        allowed = store.legal[src] if c["pool"] is None else store.legal[src] & c["pool"]
+        pick = lambda a: _gather_rows(a, pin["kl_pos"])
+        allowed_s = pick(allowed)
+        target = sg(_attention_target(sg(pick(c["q"])), sg(c["win"]), pick(c["win_idx"]), sg(store.comp[src]),
+                                      allowed_s, sg(attn.attn_sink[...]), store.cfg.head_dim ** -0.5))
+        return {"indexer_kl": _kl(target, c["score"](pick, store.ikeys[src]), allowed_s)}
+
+    def experts_chosen(self, l, moe, info, forced, vl, pin) -> dict:
+        return {"gate_scores": info["scores"]}
+
+
 def train_forward(model, batch: dict, opts: ForwardOptions = ForwardOptions(), *, replay_start=None, kl_pos=None):
-    """Logits [B, T, V] fp32 and aux for the losses.
+    """Logits [B, T, V] fp32 and aux for the losses: the layer body on a `FakeQuantStore`.
 
     batch: tokens [B,T] int32, positions [B,T] int32 (document-relative, restarting at 0 at
       every document; padding counts as one-token documents), engram_ids [B,T,n,cols] int32
@@ -134,102 +234,19 @@ def train_forward(model, batch: dict, opts: ForwardOptions = ForwardOptions(), *
     aux: experts {l: [B,T,k]}, gate_scores {l: [B,T,E]}, indexer_kl {l: (sum, count)}.
     """
     cfg = model.cfg
-    mode = "fast"
     tokens, positions = batch["tokens"], batch["positions"]
     B, T = tokens.shape
-    W = cfg.window_size
     for s in cfg.kv_source_layers:
         if T % cfg.compress_ratios[s]:
             raise ValueError(f"sequence length {T} must be a multiple of layer {s}'s compress ratio {cfg.compress_ratios[s]}")
-    seg_start = jnp.arange(T)[None] - positions  # absolute index where each token's document starts
-    engram_ids = batch.get("engram_ids")
-    q8 = (lambda a: quant.fake_fp8_act(a, 32)) if opts.act_quant else (lambda a: a)
-    q4kv = (lambda a: quant.fake_fp4_kv(a, 16)) if opts.act_quant else (lambda a: a)
-    q4mx = (lambda a: quant.fake_fp4_mx(a, 32)) if opts.act_quant else (lambda a: a)
-    aux = {"experts": {}, "gate_scores": {}, "indexer_kl": {}}
-    truncate_any = replay_start is not None
-
-    h = model.embed[...][tokens]
-    h = jnp.broadcast_to(h[:, :, None, :], (B, T, cfg.hc_mult, cfg.dim))
-    pre = jnp.zeros((B, T, cfg.hc_mult), jnp.float32).at[..., 0].set(1.0)
-    comp_of, ikeys_of, legal_of, topk_of = {}, {}, {}, {}
-    pool = None
-
-    for block in model.layers:
-        l, role = block.layer, block.role
-        if block.engram is not None:
-            if engram_ids is None:
-                raise ValueError(f"layer {l} has Engram: the batch needs engram_ids (see dsv41_jax.train.data)")
-            h, _ = block.engram(h, engram_ids[:, :, cfg.engram_layer_ids.index(l)], mode)
-        a_pre, a_post, a_comb = block.hc_attn.mixes(h, mode)
-        x = block.attn_norm(collapse(h, pre))
-        attn = block.attn
-        freqs = layer_rope(cfg, role.ratio)
-        cos, sin = cos_sin(positions, freqs)
-        qr, q = attn.queries(x, cos, sin, mode)
-        win = q8(attn.window_kv(x, cos, sin, mode))
-        win_idx = _window_slots(T, W, seg_start, replay_start, truncate_any and role.half == "decoder")
-        keys, idx = win, win_idx
-
-        if role.ratio:
-            m, src = role.ratio, role.kv_source
-            if role.is_kv_source:
-                state = None
-                if m > 1:
-                    state = {"kv": jnp.zeros((B, m, cfg.head_dim), jnp.float32),
-                             "score": jnp.full((B, m, cfg.head_dim), -jnp.inf, jnp.float32)}
-                lat, _, _ = attn.compressor.groups(x, jnp.zeros((B,), jnp.int32), state, mode)
-                G = T // m
-                lat = lat[:, :G]
-                gpos = positions[:, ::m][:, :G]  # a group takes its first token's position
-                gcos, gsin = cos_sin(gpos, freqs)
-                comp_of[src] = q4kv(apply_rope(lat, gcos, gsin, cfg.rope_head_dim))
-                legal_of[src] = _legal_groups(positions, seg_start, m)
-                if attn.indexer is not None:
-                    # keys from the detached latent: only the KL trains the key projection
-                    ikeys_of[src] = q4mx(attn.indexer.keys(sg(lat), gcos, gsin, mode)).astype(jnp.bfloat16)
-            legal = legal_of[src]
-            if role.is_index_source:
-                visible = (jnp.arange(T)[None] + 1) // m * jnp.ones((B, 1), jnp.int32)
-                scores = attn.indexer.scores(sg(x), sg(qr), sg(ikeys_of[src]), cos, sin, visible, mode)
-                scores = jnp.where(legal, sg(scores), -jnp.inf)
-                allowed = legal
-                if role.is_candidate_source:
-                    newest = jnp.max(jnp.where(legal, jnp.arange(legal.shape[-1]), -1), -1)
-                    pool, _ = candidate_pool(scores, newest + 1, cfg.candidate_topk_blocks, cfg.candidate_block_size)
-                elif role.uses_candidates:
-                    scores = jnp.where(pool, scores, -jnp.inf)
-                    allowed = legal & pool
-                k = min(cfg.index_topk, scores.shape[-1])
-                topk_of[l] = _select(scores, legal, k)
-                if opts.kl_positions and kl_pos is not None:
-                    aux["indexer_kl"][l] = _indexer_kl(attn, x, qr, q, win, win_idx, comp_of[src], ikeys_of[src],
-                                                       allowed, cos, sin, visible, kl_pos, cfg, mode)
-            sel = topk_of[role.index_source]
-            keys = jnp.concatenate([win, comp_of[src].astype(win.dtype)], 1)
-            idx = jnp.concatenate([win_idx, jnp.where(sel >= 0, sel + T, -1)], -1)
-
-        o = sparse_attention(q, keys.astype(q.dtype), attn.attn_sink[...], idx, cfg.head_dim ** -0.5, mode=mode)
-        h = expand(attn.output(o, cos, sin, mode), h, a_post, a_comb)
-
-        f_pre, f_post, f_comb = block.hc_ffn.mixes(h, mode)
-        x = block.ffn_norm(collapse(h, a_pre))
-        y, info = block.ffn(x, mode, impl="xla")
-        aux["experts"][l] = info["experts"]
-        aux["gate_scores"][l] = info["scores"]
-        h = expand(y, h, f_post, f_comb)
-        pre = f_pre
-
-    x = model.norm(collapse(h, pre))
-    logits = matmul(x.astype(jnp.float32), model.head[...].astype(jnp.float32), "btd,vd->btv", jnp.float32, mode)
-    return logits, aux
-
-
-def _indexer_kl(attn, x, qr, q, win, win_idx, comp, ikeys, allowed, cos, sin, visible, kl_pos, cfg, mode):
-    """KL(main-attention mass || softmax(index scores)) at the sampled positions (docs/REFERENCE.md §7)."""
-    pick = lambda a: _gather_rows(a, kl_pos)
-    allowed_s = pick(allowed)
-    target = sg(_attention_target(sg(pick(q)), sg(win), pick(win_idx), sg(comp), allowed_s,
-                                  sg(attn.attn_sink[...]), cfg.head_dim ** -0.5))
-    student = attn.indexer.scores(sg(pick(x)), sg(pick(qr)), ikeys, pick(cos), pick(sin), pick(visible), mode)
-    return _kl(target, student, allowed_s)
+    if any(block.engram is not None for block in model.layers) and batch.get("engram_ids") is None:
+        raise ValueError("the model has Engram layers: the batch needs engram_ids (see dsv41_jax.train.data)")
+    plan = body.Plan.resolve(Runtime(mode="fast", impl="xla"))
+    store = FakeQuantStore(cfg, positions, replay_start, opts.act_quant)
+    span = body.Span(positions=positions, start=jnp.zeros((B,), jnp.int32), engram_ids=batch.get("engram_ids"))
+    probe = TrainProbe(kl=bool(opts.kl_positions) and kl_pos is not None)
+    h, pre = body.embed(model, tokens)
+    h, pre, _, _, rec = body.run_layers(model, h, pre, store, span, plan, range(cfg.n_layers), probe,
+                                        {"kl_pos": kl_pos})
+    logits = body.head(model, h, pre, plan.numerics)[0]
+    return logits, {k: rec.get(k, {}) for k in ("experts", "gate_scores", "indexer_kl")}
