@@ -305,7 +305,13 @@ def attn_in(block, h, pre, positions, ratio: int, cfg, plan: Plan):
     x = attn_input(block, h, pre, plan)
     cos, sin = cos_sin(positions, layer_rope(cfg, ratio))
     qr, q = block.attn.queries(x, cos, sin, mode)
-    return x, qr, q, cos, sin, block.attn.window_kv(x, cos, sin, mode), mixes
+    return x, qr, q, cos, sin, window_rows(block.attn, x, cos, sin, mode), mixes
+
+
+def window_rows(attn, x, cos, sin, mode: str):
+    """The window K=V rows [B, T, D] of attention inputs x (unquantized): a layer's own, and the rows a
+    DSpark stage's ring takes from the main model (`dspark.write_rings`)."""
+    return attn.window_kv(x, cos, sin, mode)
 
 
 def attend(attn, q, rows, idx, cfg, plan: Plan, kernel_inputs=None):

@@ -130,7 +130,7 @@ def init_state(cfg: ModelConfig, batch: int) -> dict:
 
 def _stage_keys(stage: DSparkStage, x, positions, cfg, mode) -> kv_layout.WindowKV:
     cos, sin = cos_sin(positions, layer_rope(cfg, 0))
-    return kv_layout.quantize_window(stage.attn.window_kv(x, cos, sin, mode))
+    return kv_layout.quantize_window(body.window_rows(stage.attn, x, cos, sin, mode))
 
 
 def write_rings(model, state: dict, mx: jax.Array, start: jax.Array, n_valid: jax.Array, mode: str) -> dict:
