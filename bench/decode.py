@@ -2,8 +2,8 @@
 """Decode-step cost against context length: FLOPs from XLA cost analysis (compile only, no
 weights), and optionally wall time with random weights on whatever backend JAX has.
 
-FLOPs are measured on the engine's lean decode step (`dsv41_jax.serving.layer_range`,
-lean=True) over abstract parameters with bf16 weights of the real shapes
+FLOPs are measured on the engine's lean decode step (`dsv41_jax.serving.split_prefill.decode_step`
+on `decode_plan`) over abstract parameters with bf16 weights of the real shapes
 (`cost.arithmetic_config`), per distinct layer signature (`cost.decode_flops_by_role`; `--full`
 lowers the whole step instead, which agrees to <0.01% and takes minutes). Each context is
 checked against:
@@ -131,7 +131,6 @@ def golden_rows(root, steps: int, random_length: int) -> list[dict]:
     from dsv41_jax.model.transformer import COMPILER_OPTIONS
     from dsv41_jax.serving import split_prefill as sp
     from dsv41_jax.serving.buckets import capacity_for, empty_cache
-    from dsv41_jax.serving.layer_range import embed, head, run_layers
 
     rows = []
     for gc in discover(root):
@@ -141,13 +140,9 @@ def golden_rows(root, steps: int, random_length: int) -> list[dict]:
         def make(packed):
             @jax.jit
             def step(params, tokens, cache, ids):
-                model = nnx.merge(gd, params)
-                start = cache["length"]
-                h, pre = embed(model, tokens)
-                h, pre, cache, aux = run_layers(model, h, pre, cache, start=start, layers=range(cfg.n_layers),
-                                                engram_ids=ids, lean=True, collect_topk=True, packed_index=packed)
-                cache["length"] = start + 1
-                return head(model, h, pre, "fast")[:, -1], cache, aux["topk"]
+                logits, cache, aux = sp.decode_step(nnx.merge(gd, params), tokens, cache, sp.decode_plan(packed=packed),
+                                                    engram_ids=ids, collect_topk=True)
+                return logits[:, -1], cache, aux["topk"]
 
             return step
 

@@ -24,6 +24,7 @@ goes on to the next section, and the exit status is 1: nothing is skipped silent
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import pathlib
@@ -152,15 +153,12 @@ def _decode_step(gd, rt):
     from flax import nnx
 
     from dsv41_jax.model.transformer import COMPILER_OPTIONS
-    from dsv41_jax.serving.layer_range import embed, head, run_layers
+    from dsv41_jax.serving.split_prefill import decode_plan, decode_step
 
     @functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
     def step(params, tokens, cache):
-        model = nnx.merge(gd, params)
-        h, pre = embed(model, tokens)
-        h, pre, cache, _ = run_layers(model, h, pre, cache, start=cache["length"], layers=range(model.cfg.n_layers),
-                                      runtime=rt, lean=True)
-        return head(model, h, pre, rt.mode)[:, -1], cache
+        logits, cache, _ = decode_step(nnx.merge(gd, params), tokens, cache, decode_plan(rt))
+        return logits[:, -1], cache
 
     return step
 
@@ -187,7 +185,8 @@ def section_layer(tiny: bool, steps: int) -> dict:
     from flax import nnx
 
     from dsv41_jax.runtime import Runtime
-    from dsv41_jax.serving.layer_range import run_layers
+    from dsv41_jax.model import block as body
+    from dsv41_jax.serving.split_prefill import decode_plan
 
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
     import kernels as kernel_bench
@@ -203,8 +202,9 @@ def section_layer(tiny: bool, steps: int) -> dict:
     @jax.jit
     def one(params, h, pre, cache):
         model = nnx.merge(gd, params)
-        return run_layers(model, h, pre, cache, start=cache["length"], layers=range(layer, layer + 1), runtime=rt,
-                          lean=True, write_globals=False)[0]
+        plan = dataclasses.replace(decode_plan(rt), writes="window")
+        span = body.Span.at(cache["length"], 1)
+        return body.run_layers(model, h, pre, body.QuantStore(cfg, cache), span, plan, range(layer, layer + 1))[0]
 
     t = _time(lambda: one(params, h, pre, cache), steps=steps)
     weights = sum(int(a.nbytes) for a in jax.tree.leaves(nnx.state(nnx.merge(gd, params).layers[layer])))

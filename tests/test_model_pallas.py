@@ -151,9 +151,7 @@ def test_every_serving_driver_runs_the_kernels_for_pallas(tiny):
     """Exact prefill, the replay and the engine's decode step (all on model/block.py) trace the same
     three kernels as model.forward when impl="pallas" (trace only, nothing compiled). Their exact-mode
     results equal impl="xla" bit for bit: tests/test_serving.py, the engine's steps on the kernels."""
-    from dsv41_jax.model import block as body
     from dsv41_jax.serving import split_prefill as sp
-    from dsv41_jax.serving.engine import decode_plan
 
     cfg, graphdef, params = tiny
     rt = Runtime(impl="pallas")
@@ -161,10 +159,7 @@ def test_every_serving_driver_runs_the_kernels_for_pallas(tiny):
     model = lambda p: nnx.merge(graphdef, p)
 
     def decode(p, t, c):
-        h, pre = body.embed(model(p), t)
-        h, pre, store, _, _ = body.run_layers(model(p), h, pre, body.QuantStore(cfg, c), body.Span.at(c["length"], 1),
-                                              decode_plan(rt), range(cfg.n_layers))
-        return body.head(model(p), h, pre, "fast")[0], store.cache
+        return sp.decode_step(model(p), t, c, sp.decode_plan(rt))[:2]
 
     drivers = {"exact_prefill": lambda p, t, c: sp.exact_prefill(model(p), t, c, runtime=rt),
                "replay": lambda p, t, c: sp.replay_window(model(p), t, c, runtime=rt), "decode": decode}

@@ -19,7 +19,6 @@ from dsv41_jax.model.transformer import Transformer, make_step
 from dsv41_jax.runtime import Runtime
 from dsv41_jax.serving import buckets, prefix_cache, sampling
 from dsv41_jax.serving import split_prefill as sp
-from dsv41_jax.serving.layer_range import embed, head, run_layers
 from dsv41_jax.serving.random_weights import random_model
 
 N = 24  # prompt length: three windows
@@ -50,16 +49,13 @@ def micro():
             "exact": (ex_logits, ex_cache, ex_aux)}
 
 
-def _lean_step(gd, packed_index: bool = True):
+def _lean_step(gd, packed_index: bool = True, runtime: Runtime = Runtime()):
+    """The engine's decode step (`split_prefill.decode_step`), jitted, with its top-k."""
     @jax.jit
     def step(params, tokens, cache):
-        model = nnx.merge(gd, params)
-        start = cache["length"]
-        h, pre = embed(model, tokens)
-        h, pre, cache, aux = run_layers(model, h, pre, cache, start=start, layers=range(model.cfg.n_layers), lean=True,
-                                        collect_topk=True, packed_index=packed_index)
-        cache["length"] = start + tokens.shape[1]
-        return head(model, h, pre, "fast"), cache, aux["topk"]
+        logits, cache, aux = sp.decode_step(nnx.merge(gd, params), tokens, cache,
+                                            sp.decode_plan(runtime, packed=packed_index), collect_topk=True)
+        return logits, cache, aux["topk"]
 
     return step
 
@@ -107,18 +103,7 @@ def test_lean_decode_exact_mode_ignores_packed_index(micro):
         _, cache, _ = step(params, micro["tokens"], buckets.empty_cache(cfg, 2, cfg.max_seq_len))
         nxt = micro["tokens"][:, :1]
         ref_logits, ref_cache, _ = step(params, nxt, cache)
-
-        @jax.jit
-        def lean(params, tokens, cache):
-            model = nnx.merge(gd, params)
-            start = cache["length"]
-            h, pre = embed(model, tokens)
-            h, pre, cache, _ = run_layers(model, h, pre, cache, start=start, layers=range(cfg.n_layers), runtime=rt,
-                                          lean=True, packed_index=True)
-            cache["length"] = start + tokens.shape[1]
-            return head(model, h, pre, "exact"), cache
-
-        logits, lean_cache = lean(params, nxt, cache)
+        logits, lean_cache, _ = _lean_step(gd, packed_index=True, runtime=rt)(params, nxt, cache)
     assert same(logits, ref_logits) and same(lean_cache, ref_cache)
 
 
@@ -163,7 +148,7 @@ def test_fast_index_scores_track_the_reference_scoring(micro):
     from dsv41_jax.numerics import kv_layout
     from dsv41_jax.layers.rope import cos_sin, layer_rope
     from dsv41_jax.serving import fast_index
-    from dsv41_jax.serving.layer_range import decode_index_keys
+    from dsv41_jax.model.block import decode_index_keys
 
     cfg = micro["cfg"]
     ind = micro["model"].layers[cfg.decoder_start].attn.indexer

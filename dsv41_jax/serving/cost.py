@@ -95,16 +95,12 @@ def loop_probe() -> dict:
 # ---------------------------------------------------------------------------------- decode
 def decode_fn(graphdef, runtime: Runtime = Runtime(), layers: range | None = None):
     """The engine's lean one-token step, optionally over a slice of layers (for per-role costs)."""
-    from dsv41_jax.serving.layer_range import embed, head, run_layers
+    from dsv41_jax.serving.split_prefill import decode_plan, decode_step
 
     def step(params, tokens, cache, engram_ids=None):
-        model = nnx.merge(graphdef, params)
-        start = cache["length"]
-        h, pre = embed(model, tokens)
-        rng = layers if layers is not None else range(model.cfg.n_layers)
-        h, pre, cache, _ = run_layers(model, h, pre, cache, start=start, layers=rng, runtime=runtime,
-                                      engram_ids=engram_ids, lean=True)
-        return head(model, h, pre, runtime.mode), cache
+        logits, cache, _ = decode_step(nnx.merge(graphdef, params), tokens, cache, decode_plan(runtime),
+                                       engram_ids=engram_ids, layers=layers)
+        return logits, cache
 
     return step
 
@@ -183,7 +179,7 @@ def indexer_scoring_flops(cfg: ModelConfig, positions: int, batch: int = 1, pack
     from dsv41_jax.numerics import kv_layout
     from dsv41_jax.layers.rope import cos_sin, layer_rope
     from dsv41_jax.serving.fast_index import scores_packed
-    from dsv41_jax.serving.layer_range import decode_index_keys
+    from dsv41_jax.model.block import decode_index_keys
 
     gd, params = abstract_params(cfg)
     layer = cfg.decoder_start

@@ -4,8 +4,8 @@ Each slot holds one sequence with its own position. Between decode steps the eng
 waiting requests into free slots (their prompts are prefilled alone, in chunks, and the
 one-row cache is written into the slot) and evicts finished ones. Prefill uses the CED split
 (Graph A over every prompt token, Graph B over the last `window + tail_slack`) unless
-`exact_prefill=True`. Decode runs the one layer body (`model.block`) with `Engine.decode_plan`
-(pool scoring, packed fast index scoring, selected compressed rows gathered).
+`exact_prefill=True`. Decode is `split_prefill.decode_step` (the one layer body, `model.block`)
+with `Engine.decode_plan` (pool scoring, packed fast index scoring, selected compressed rows gathered).
 
 Every compiled step is a pure function of (params, inputs, cache) -> (outputs, cache); the host
 keeps only the slot table. Compiled shapes: prefill chunks of `prefill_chunk` tokens plus
@@ -29,10 +29,9 @@ from dsv41_jax.model.transformer import COMPILER_OPTIONS
 from dsv41_jax.runtime import Runtime
 from dsv41_jax.serving import prefix_cache
 from dsv41_jax.serving.buckets import capacity_for, capacity_of, empty_cache, resize_cache
-from dsv41_jax.model import block as body
 from dsv41_jax.serving.sampling import SamplingParams, banned_mask, sample, slot_arrays
-from dsv41_jax.serving.split_prefill import (check_splittable, decoder_pass, encoder_pass, exact_prefill,
-                                             replay_window)
+from dsv41_jax.serving.split_prefill import (check_splittable, decode_plan, decode_step, decoder_pass,
+                                             encoder_pass, exact_prefill, replay_window)
 
 
 @dataclass
@@ -97,13 +96,6 @@ def _spans(spans, lo: int, hi: int):
     if spans is None or not np.any(np.asarray(spans[1])[lo:hi] >= 0):
         return None
     return jnp.asarray(np.asarray(spans[0])[None, lo:hi]), jnp.asarray(np.asarray(spans[1])[None, lo:hi], jnp.int32)
-
-
-def decode_plan(runtime: Runtime) -> body.Plan:
-    """The engine's decode plan: in-pool scoring, packed fast index scoring, selected compressed rows
-    gathered (XLA math); the attention and the full-width indexer run their kernels when runtime.impl
-    is "pallas" (exact mode: equal to the XLA math bit for bit, tests/test_serving.py)."""
-    return body.Plan.resolve(runtime, pool_scoring=True, packed_scoring=True)
 
 
 class Engine:
@@ -174,15 +166,8 @@ class Engine:
 
         @functools.partial(jit, donate_argnums=(2,))
         def decode(params, tokens, cache, active, ids):
-            model = nnx.merge(gd, params)
-            start = cache["length"]
-            h, pre = body.embed(model, tokens)
-            span = body.Span.at(start, tokens.shape[1], engram_ids=ids)
-            h, pre, store, _, _ = body.run_layers(model, h, pre, body.QuantStore(model.cfg, cache), span, plan,
-                                                  range(model.cfg.n_layers))
-            cache = store.cache
-            cache["length"] = jnp.where(active, start + 1, start)
-            return body.head(model, h, pre, plan.numerics)[0][:, -1], cache
+            logits, cache, _ = decode_step(nnx.merge(gd, params), tokens, cache, plan, engram_ids=ids, active=active)
+            return logits[:, -1], cache
 
         @functools.partial(jax.jit, donate_argnums=(0,))
         def insert(cache, row, slot):

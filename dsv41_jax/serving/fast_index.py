@@ -24,7 +24,7 @@ Per scored position that leaves 128 (block scale) + 32 (clamp) + 32 (head sum) +
 + 2 (visibility) elementwise operations besides the 8,192 of the dot (docs/SERVING.md, "Cost").
 The scores differ from `Indexer.scores` only by fp32 rounding order and by the reference's
 intermediate bf16 roundings, which this path does not make (tests bound the difference and
-check the top-k agreement). Exact mode never uses this: `layer_range.run_layers` keeps
+check the top-k agreement). Exact mode never uses this: the body's `select` keeps
 `Indexer.scores` there, so exact-mode numerics are untouched.
 
 The query side (`wq_b`, RoPE, MXFP4 fake quantization, `weights_proj` and its scale) restates

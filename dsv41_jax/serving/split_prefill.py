@@ -8,9 +8,12 @@
 - `exact_prefill`: every layer over every token, which is `model.forward`'s math.
 - `replay_window`: after a prefix-cache restore, every layer over the last cached tokens with
   the global caches read-only, to rebuild the window rings.
+- `decode_step` (the engine's, on `decode_plan`): every layer over a decode-sized chunk, the
+  selected compressed rows gathered and in-pool Reindex layers scoring only the pool.
 
-All functions take and return the cache; nothing is mutated. `make_*` wrap them in `jax.jit`
-with the model's compiler options.
+Each is a short driver of the one layer body (`dsv41_jax.model.block`): a Plan, a Span, the cache
+behind a QuantStore. All functions take and return the cache; nothing is mutated. `make_*` wrap
+them in `jax.jit` with the model's compiler options.
 """
 from __future__ import annotations
 
@@ -20,9 +23,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dsv41_jax.model import block as body
 from dsv41_jax.model.transformer import COMPILER_OPTIONS
 from dsv41_jax.runtime import Runtime
-from dsv41_jax.serving.layer_range import embed, head, project_ced, run_layers
 
 
 def check_splittable(cfg) -> None:
@@ -46,6 +49,26 @@ def _vl(spans):
     return None if spans is None else spans[1] >= 0
 
 
+def _layers(model, h, pre, cache: dict, span: body.Span, plan: body.Plan, layers, collect_topk: bool = False):
+    """The body over `layers` on `cache`: (h, pre, cache, aux) with aux = {"topk": {layer: [B,T,K]} (when
+    collected), "pool": the candidate pool mask or None}."""
+    h, pre, store, carry, records = body.run_layers(model, h, pre, body.QuantStore(model.cfg, cache), span, plan,
+                                                    layers)
+    return h, pre, store.cache, {"topk": records.get("topk", {}) if collect_topk else {}, "pool": carry.pool}
+
+
+def project_ced(model, h: jax.Array, pre: jax.Array, span: body.Span, cache: dict, plan: body.Plan) -> dict:
+    """Graph A's last step (docs/REFERENCE.md §5): the first decoder layer's attention input from the encoder
+    output (after that layer's Engram, if it has one, shut at image-span positions), and its global
+    writes only. Its compressed KV and index keys come out exact."""
+    cfg = model.cfg
+    block = model.layers[cfg.decoder_start]
+    store = body.QuantStore(cfg, cache)
+    h, _ = body.engram_site(cfg, block, h, span, plan)
+    body.write_source(block, body.attn_input(block, h, pre, plan), span, store, plan)
+    return store.cache
+
+
 def encoder_pass(model, tokens: jax.Array, cache: dict, *, runtime: Runtime = Runtime(), engram_ids=None,
                  spans=None):
     """Graph A over one chunk continuing from cache["length"]: returns (h, pre, cache), the encoder
@@ -53,10 +76,11 @@ def encoder_pass(model, tokens: jax.Array, cache: dict, *, runtime: Runtime = Ru
     spans: optional (rows [B,T,dim], token_types [B,T]) image spans, as `model.forward` takes them."""
     cfg = model.cfg
     start = cache["length"]
-    h, pre = embed(model, tokens, spans)
-    h, pre, cache, _ = run_layers(model, h, pre, cache, start=start, layers=range(cfg.decoder_start),
-                                  runtime=runtime, engram_ids=engram_ids, vl=_vl(spans))
-    cache = project_ced(model, h, pre, start, cache, runtime, engram_ids, _vl(spans))
+    plan = body.Plan.resolve(runtime)
+    span = body.Span.at(start, tokens.shape[1], engram_ids=engram_ids, vl=_vl(spans))
+    h, pre = body.embed(model, tokens, spans)
+    h, pre, cache, _ = _layers(model, h, pre, cache, span, plan, range(cfg.decoder_start))
+    cache = project_ced(model, h, pre, span, cache, plan)
     cache["length"] = start + tokens.shape[1]
     return h, pre, cache
 
@@ -67,10 +91,10 @@ def decoder_pass(model, h: jax.Array, pre: jax.Array, cache: dict, *, start: jax
     Window slots below floor[b] are empty; the global caches are only read. vl: the tail's
     image-span mask [B,T] (or None)."""
     cfg = model.cfg
-    h, pre, cache, aux = run_layers(model, h, pre, cache, start=start, layers=range(cfg.decoder_start, cfg.n_layers),
-                                    runtime=runtime, engram_ids=engram_ids, floor=floor, write_globals=False,
-                                    collect_topk=collect_topk, vl=vl)
-    return head(model, h, pre, runtime.mode), cache, aux
+    plan = body.Plan.resolve(runtime, writes="window")
+    span = body.Span.at(start, h.shape[1], engram_ids=engram_ids, floor=floor, vl=vl)
+    h, pre, cache, aux = _layers(model, h, pre, cache, span, plan, range(cfg.decoder_start, cfg.n_layers), collect_topk)
+    return body.head(model, h, pre, plan.numerics)[0], cache, aux
 
 
 def tail_floor(start: jax.Array, n_new: int, tail: int) -> jax.Array:
@@ -107,16 +131,17 @@ def split_prefill(model, tokens: jax.Array, cache: dict, *, tail: int | None = N
 
 
 def exact_prefill(model, tokens: jax.Array, cache: dict, *, runtime: Runtime = Runtime(), engram_ids=None,
-                  collect_topk: bool = False, lean: bool = False, spans=None):
+                  collect_topk: bool = False, spans=None):
     """Every layer over every token (model.forward's math): (logits [B,T,V], cache, aux).
     spans: optional image spans (rows, token_types), as `model.forward` takes them."""
     cfg = model.cfg
     start = cache["length"]
-    h, pre = embed(model, tokens, spans)
-    h, pre, cache, aux = run_layers(model, h, pre, cache, start=start, layers=range(cfg.n_layers), runtime=runtime,
-                                    engram_ids=engram_ids, collect_topk=collect_topk, lean=lean, vl=_vl(spans))
+    plan = body.Plan.resolve(runtime)
+    span = body.Span.at(start, tokens.shape[1], engram_ids=engram_ids, vl=_vl(spans))
+    h, pre = body.embed(model, tokens, spans)
+    h, pre, cache, aux = _layers(model, h, pre, cache, span, plan, range(cfg.n_layers), collect_topk)
     cache["length"] = start + tokens.shape[1]
-    return head(model, h, pre, runtime.mode), cache, aux
+    return body.head(model, h, pre, plan.numerics)[0], cache, aux
 
 
 def replay_window(model, tokens: jax.Array, cache: dict, *, runtime: Runtime = Runtime(), engram_ids=None):
@@ -126,10 +151,35 @@ def replay_window(model, tokens: jax.Array, cache: dict, *, runtime: Runtime = R
     cfg = model.cfg
     T = tokens.shape[1]
     start = cache["length"] - T  # callers check that the cache holds T positions (host side)
-    h, pre = embed(model, tokens)
-    h, pre, cache, _ = run_layers(model, h, pre, cache, start=start, layers=range(cfg.n_layers), runtime=runtime,
-                                  engram_ids=engram_ids, floor=start, write_globals=False)
-    return head(model, h, pre, runtime.mode), cache
+    plan = body.Plan.resolve(runtime, writes="window")
+    span = body.Span.at(start, T, engram_ids=engram_ids, floor=start)
+    h, pre = body.embed(model, tokens)
+    h, pre, cache, _ = _layers(model, h, pre, cache, span, plan, range(cfg.n_layers))
+    return body.head(model, h, pre, plan.numerics)[0], cache
+
+
+def decode_plan(runtime: Runtime = Runtime(), packed: bool = True) -> body.Plan:
+    """The engine's decode plan: in-pool scoring, selected compressed rows gathered, and (packed, fast
+    mode) the packed index scoring `fast_index.scores_packed` (XLA math); the attention and the
+    full-width indexer run their kernels when runtime.impl is "pallas" (exact mode: equal to the
+    XLA math bit for bit, tests/test_serving.py). packed=False keeps `Indexer.scores`' rounding
+    points: the step then equals model.forward's bit for bit."""
+    return body.Plan.resolve(runtime, pool_scoring=True, packed_scoring=packed)
+
+
+def decode_step(model, tokens: jax.Array, cache: dict, plan: body.Plan, *, engram_ids=None, layers=None,
+                active=None, collect_topk: bool = False):
+    """The engine's decode step over a chunk continuing from cache["length"] (a `decode_plan`):
+    (logits [B,T,V], cache, aux) as `exact_prefill`'s. layers: a slice of the layers (cost accounting;
+    default all); active [B]: rows whose length advances by T (default all)."""
+    cfg = model.cfg
+    start, T = cache["length"], tokens.shape[1]
+    h, pre = body.embed(model, tokens)
+    span = body.Span.at(start, T, engram_ids=engram_ids)
+    h, pre, cache, aux = _layers(model, h, pre, cache, span, plan, range(cfg.n_layers) if layers is None else layers,
+                                 collect_topk)
+    cache["length"] = start + T if active is None else jnp.where(active, start + T, start)
+    return body.head(model, h, pre, plan.numerics)[0], cache, aux
 
 
 def drop_window(cache: dict) -> dict:
@@ -152,9 +202,9 @@ def make_split_prefill(graphdef, runtime: Runtime = Runtime(), tail: int | None 
     return _jit(split_prefill, graphdef, runtime=runtime, tail=tail, collect_topk=collect_topk)
 
 
-def make_exact_prefill(graphdef, runtime: Runtime = Runtime(), collect_topk: bool = False, lean: bool = False):
+def make_exact_prefill(graphdef, runtime: Runtime = Runtime(), collect_topk: bool = False):
     """jit (params, tokens, cache, engram_ids=None, spans=None) -> exact_prefill(...)."""
-    return _jit(exact_prefill, graphdef, runtime=runtime, collect_topk=collect_topk, lean=lean)
+    return _jit(exact_prefill, graphdef, runtime=runtime, collect_topk=collect_topk)
 
 
 def make_replay(graphdef, runtime: Runtime = Runtime()):
