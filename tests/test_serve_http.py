@@ -208,7 +208,9 @@ def test_completions_stop_and_logprobs(server, client):
 
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
-    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(server.url + "/health").json() == {"status": "ok", "ready": True}
+    ready = httpx.get(server.url + "/ready")  # built without warm-up: ready at once
+    assert ready.status_code == 200 and ready.json()["status"] == "ready"
 
 
 # ------------------------------------------------------------------------------ errors

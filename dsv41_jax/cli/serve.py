@@ -40,6 +40,7 @@ def load_server(args):
     """(app, worker, options) for the parsed arguments; raises InputError on bad input."""
     from dsv41_jax.checkpoint import checkpoint_format, load
     from dsv41_jax.runtime import Runtime
+    from dsv41_jax.serving import warmup
     from dsv41_jax.serving.http.server import ServeOptions, build
     from dsv41_jax.text.tokenizer import load_tokenizer
 
@@ -51,6 +52,10 @@ def load_server(args):
                          "weights into it (checkpoints from `dsv41 train --export` and `dsv41 demo` carry one)")
     checkpoint_format(folder)
     tokenizer = load_tokenizer(folder)
+    # before anything compiles: JAX decides once, at its first compile, whether a cache is on
+    cache = warmup.compile_cache(warmup.default_cache_dir() if args.compile_cache is None else args.compile_cache)
+    if cache is not None and not args.quiet:
+        print(f"dsv41 serve: compilation cache {cache} (--compile-cache off to disable)", file=sys.stderr)
     overrides = {"max_batch_size": args.max_batch}
     if args.max_model_len is not None:
         overrides["max_seq_len"] = args.max_model_len
@@ -67,9 +72,21 @@ def load_server(args):
                         exact_prefill=args.exact_prefill, max_queue=args.max_queue, api_key=args.api_key,
                         cache_dir=args.prefix_cache_dir, cache_bytes=args.prefix_cache_bytes,
                         runtime=Runtime(mode=args.numerics, impl=args.impl),
-                        max_request_bytes=args.max_request_bytes)
+                        max_request_bytes=args.max_request_bytes, warm=not args.no_warm)
     app, worker = build(model, tokenizer, opts)
+    if not args.quiet:
+        worker.warm_progress = _print_warm_progress
     return app, worker, opts
+
+
+def _print_warm_progress(done: int, total: int, name: str, seconds: float) -> None:
+    if done == 0:
+        print(f"dsv41 serve: warming up: compiling {total} programs (GET /ready answers 503 until done; "
+              "requests sent meanwhile wait)", file=sys.stderr, flush=True)
+        return
+    print(f"dsv41 serve: warm-up {done}/{total}: {name} ({seconds:.1f} s)", file=sys.stderr, flush=True)
+    if done == total:
+        print("dsv41 serve: ready", file=sys.stderr, flush=True)
 
 
 def _cmd_serve(args) -> int:
@@ -110,6 +127,12 @@ def register(subparsers) -> None:
     s.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1/*")
     s.add_argument("--max-request-bytes", type=_byte_size, default=32 << 20,
                    help="largest request body; a larger one gets HTTP 413 before it is read (default 32M)")
+    s.add_argument("--no-warm", action="store_true",
+                   help="skip the warm-up: report ready at once and compile each program on first use "
+                        "(the first requests then wait for compiles)")
+    s.add_argument("--compile-cache", metavar="DIR|off", default=None,
+                   help="persistent compilation cache folder, so a restart loads programs instead of compiling "
+                        "(default: $DSV41_COMPILE_CACHE or ~/.cache/dsv41-jax/xla; 'off' disables it)")
     s.add_argument("--json", action="store_true", help="print the start-up line as JSON")
     s.add_argument("--quiet", action="store_true", help="no progress bar or load summary on stderr")
     s.set_defaults(func=_cmd_serve)

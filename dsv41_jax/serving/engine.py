@@ -124,7 +124,7 @@ class Engine:
         self.banned = jnp.asarray(banned_mask(cfg.vocab_size, banned_ids))
         self.fingerprint = fingerprint or prefix_cache.model_fingerprint(self.params)
         self.capacity = capacity_for(cfg, 1, min_capacity, self.max_seq_len)
-        self.cache = empty_cache(cfg, slots, self.capacity)
+        self.cache = self.empty(slots)
         self.table: list[_Slot | None] = [None] * slots
         self.waiting: list[tuple[Request, dict]] = []
         self.done: dict[str, Result] = {}
@@ -194,6 +194,20 @@ class Engine:
             return None
         return jnp.concatenate([self._engram_ids(hist, [tok]) for hist, tok in rows], 0)
 
+    def placed(self, tree):
+        """`tree` committed where the params live (replicated over their mesh, if any). A fresh array
+        is uncommitted and a step's output is committed, and jit compiles a program once for each,
+        so a cache, buffer or stored conversation that enters a step is placed first: every piece of
+        a prompt, its first included, then runs one program per shape."""
+        sharding = jax.tree.leaves(self.params)[0].sharding
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+        return jax.device_put(tree, sharding)
+
+    def empty(self, batch: int) -> dict:
+        """An empty cache for `batch` sequences at the engine's capacity, placed (`placed`)."""
+        return self.placed(empty_cache(self.cfg, batch, self.capacity))
+
     def _grow(self, needed: int):
         if needed <= self.capacity:
             return
@@ -246,13 +260,14 @@ class Engine:
         if req.resume_from is not None:
             cache, stored = prefix_cache.load_prefix(req.resume_from, cfg, capacity=self.capacity,
                                                      fingerprint=self.fingerprint)
+            cache = self.placed(cache)
             tokens = [int(t) for t in stored]
             cached = len(tokens)
             n = min(W, cached)
             logits, cache = self._replay(self.params, jnp.asarray([tokens[-n:]], jnp.int32), cache,
                                          self._engram_ids(tokens[:-n], tokens[-n:]))
         else:
-            cache = empty_cache(cfg, 1, self.capacity)
+            cache = self.empty(1)
         new = [int(t) for t in req.prompt]
         if new:
             if self.exact or len(new) <= self.tail:
@@ -264,8 +279,8 @@ class Engine:
                                                _spans(req.spans, done, done + size))
                     done += size
             else:
-                enc_h = jnp.zeros((1, self.tail, cfg.hc_mult, cfg.dim), jnp.bfloat16)
-                enc_pre = jnp.zeros((1, self.tail, cfg.hc_mult), jnp.float32)
+                enc_h, enc_pre = self.placed((jnp.zeros((1, self.tail, cfg.hc_mult, cfg.dim), jnp.bfloat16),
+                                              jnp.zeros((1, self.tail, cfg.hc_mult), jnp.float32)))
                 done = 0
                 for size in pieces(len(new), self.prefill_chunk):
                     chunk = new[done:done + size]
@@ -385,7 +400,7 @@ class Engine:
         dropped = [req.request_id for req, _ in self.waiting] + [st.request.request_id for st in self.table if st]
         self.waiting.clear()
         self.table = [None] * self.slots
-        self.cache = empty_cache(self.cfg, self.slots, self.capacity)
+        self.cache = self.empty(self.slots)
         return dropped
 
     def occupancy(self) -> tuple[int, int]:

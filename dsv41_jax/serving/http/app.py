@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP API over an `EngineWorker` (FastAPI; `dsv41 serve` runs it with uvicorn).
 
 Endpoints: POST /v1/chat/completions and /v1/completions (SSE streaming or one JSON body, n
-choices), POST /tokenize and /detokenize (vLLM's shapes), GET /v1/models, /health, /metrics
-(Prometheus text) and /openapi.json (request and response schemas: `schema.py`). Chat replies are split into
+choices), POST /tokenize and /detokenize (vLLM's shapes), GET /v1/models, /health (liveness),
+/ready (readiness: every program compiled), /metrics (Prometheus text) and /openapi.json (request and response schemas: `schema.py`). Chat replies are split into
 `reasoning_content` (also sent as `reasoning`, vLLM's newer name), `content` and `tool_calls`
 by the streaming `ReplyParser`; stop strings are matched on the decoded text with a hold-back of
 the longest stop minus one character, so a stop split across tokens is still found.
@@ -199,8 +199,18 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        """Liveness: 200 while the engine thread runs, warming included (readiness is /ready)."""
         alive = worker.thread.is_alive()
-        return JSONResponse({"status": "ok" if alive else "engine thread stopped"}, status_code=200 if alive else 503)
+        return JSONResponse({"status": "ok" if alive else "engine thread stopped", "ready": worker.ready.is_set()},
+                            status_code=200 if alive else 503)
+
+    @app.get("/ready")
+    async def ready():
+        """Readiness: 200 once every program is compiled (dsv41 serve warms before serving), else 503
+        with the progress ({"status": "warming", "done": 3, "total": 25, "current": "graph_a 64"}).
+        Requests sent before then are queued, not refused."""
+        st = worker.readiness()
+        return JSONResponse(st, status_code=200 if st["status"] == "ready" else 503)
 
     @app.get("/metrics")
     async def metrics_text():

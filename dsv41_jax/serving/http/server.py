@@ -33,6 +33,7 @@ class ServeOptions:
     cache_bytes: int = 1 << 30
     runtime: Runtime = Runtime()
     max_request_bytes: int = 32 << 20
+    warm: bool = False  # compile every program before /ready says ready (`dsv41 serve` turns it on)
     test_hooks: bool = False  # tests build the app with this; no `dsv41 serve` flag sets it
 
 
@@ -56,12 +57,20 @@ def build(model, tokenizer, opts: ServeOptions):
                     prefill_chunk=opts.prefill_chunk, exact_prefill=opts.exact_prefill, runtime=opts.runtime,
                     banned_ids=banned_ids(cfg, tokenizer), engram=engram)
     metrics = Metrics(opts.max_batch)
-    worker = EngineWorker(engine, metrics, max_queue=opts.max_queue)
     conversations = None
     if opts.cache_dir is not None:
         from dsv41_jax.serving.http.conversations import ConversationStore
 
         conversations = ConversationStore(opts.cache_dir, opts.cache_bytes, engine, metrics)
+    warm = None
+    if opts.warm:
+        from dsv41_jax.serving import warmup
+
+        replay = conversations is not None
+
+        def warm(engine, progress):
+            return warmup.warm(engine, replay=replay, progress=progress)
+    worker = EngineWorker(engine, metrics, max_queue=opts.max_queue, warm=warm)
     scfg = ServerConfig(opts.model_name, max_len, api_key=opts.api_key, test_hooks=opts.test_hooks,
                         conversations=conversations, has_vision=bool(getattr(cfg, "vision_enabled", False)),
                         max_request_bytes=opts.max_request_bytes)

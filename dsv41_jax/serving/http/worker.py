@@ -6,6 +6,10 @@ and cancellations from a thread-safe inbox between engine steps (so a client tha
 frees its slot at the next step), runs `Engine.step`, and posts each token and the final result
 back to the job's event loop with `call_soon_threadsafe`. A step that raises fails the requests
 it held (HTTP 500) and the engine is reset; the thread keeps serving.
+
+With `warm` (serving/warmup.py) the thread first compiles every program the engine will run;
+requests submitted meanwhile wait in the inbox, and `readiness()` (the server's /ready) reports
+the progress until it is done.
 """
 from __future__ import annotations
 
@@ -44,8 +48,11 @@ class QueueFull(Exception):
 class EngineWorker:
     """Runs `engine` in a daemon thread; `max_queue` bounds the requests not yet in a slot."""
 
-    def __init__(self, engine: Engine, metrics: Metrics, *, max_queue: int = 256):
+    def __init__(self, engine: Engine, metrics: Metrics, *, max_queue: int = 256, warm=None):
         self.engine, self.metrics, self.max_queue = engine, metrics, max_queue
+        self.warm = warm  # callable(engine, progress) -> dict, run in the engine thread before serving
+        self.ready = threading.Event()
+        self.warm_state = {"done": 0, "total": 0, "current": None, "error": None, "seconds": None}
         self.inbox: queue.Queue = queue.Queue()
         self.jobs: dict[str, Job] = {}
         self._ids = itertools.count()
@@ -138,7 +145,37 @@ class EngineWorker:
         self.metrics.queue_depth.set(waiting + self._pending)
         self.metrics.occupancy.set(running / self.engine.slots)
 
+    def readiness(self) -> dict:
+        """{"status": "ready" | "warming" | "warm-up failed" | "engine thread stopped", ...progress}."""
+        st = dict(self.warm_state)
+        if not self.thread.is_alive():
+            status = "engine thread stopped"
+        elif st["error"] is not None:
+            status = "warm-up failed"
+        else:
+            status = "ready" if self.ready.is_set() else "warming"
+        return {"status": status, **st}
+
+    def _warm(self):
+        def progress(done, total, name, seconds):
+            self.warm_state.update(done=done, total=total, current=name)
+            if self.warm_progress is not None:
+                self.warm_progress(done, total, name, seconds)
+
+        try:
+            report = self.warm(self.engine, progress)
+            self.warm_state["seconds"] = report.get("seconds")
+        except Exception as e:  # noqa: BLE001 - a failed warm-up leaves a cold but working server
+            traceback.print_exc()
+            self.warm_state["error"] = f"{type(e).__name__}: {e}"
+            self.engine.reset()
+
+    warm_progress = None  # optional callable(done, total, name, seconds): `dsv41 serve` prints it
+
     def _run(self):
+        if self.warm is not None:
+            self._warm()
+        self.ready.set()
         while not self._stop.is_set():
             idle = self.engine.idle()
             if self._take(block=idle):

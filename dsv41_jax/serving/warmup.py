@@ -1,0 +1,147 @@
+"""Warm start: compile every program a server will run before it says it is ready.
+
+A request that reaches a cold server pays for compiling the prefill pieces its prompt length
+needs, the CED split's Graph B, the decode step, the sampler and the slot insert: on the demo
+checkpoint that was 70-83 s for a first chat request and as much again for each new prompt
+shape (issue 22). `warm` runs each of those programs once on dummy inputs, at the one cache
+capacity the server keeps (the bucket that holds `max_seq_len`; a request without `max_tokens`
+reserves that much, so a server reaches that bucket at its first request anyway), so that after
+it no request compiles, whatever its length:
+
+- prefill pieces: `engine.pieces` cuts a prompt into `prefill_chunk` chunks plus the binary digits
+  of the remainder; `program_list` finds which piece sizes the reachable prompt lengths need, for
+  the exact path (prompts inside the tail, or every prompt with `exact_prefill`) and for Graph A;
+- Graph B (one shape), the replay of a stored conversation's last window (when conversation
+  caches are on; a conversation shorter than a window replays a shorter piece, compiled on use);
+- one request through the engine's own admit/decode path: the batch-1 and batch-`slots` sampler,
+  the slot insert, the decode step, the logprob path.
+
+With a persistent compilation cache (`compile_cache`) a second start loads the programs instead
+of compiling them. Image spans add operands to the prefill programs; they are not warmed because
+the server does not take images yet.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from dsv41_jax.serving.engine import Engine, Request
+from dsv41_jax.serving.sampling import SamplingParams
+
+
+def piece_sizes(lo: int, hi: int, chunk: int) -> list[int]:
+    """Every piece size `pieces(n, chunk)` uses for some prompt length n in [lo, hi] (empty if lo > hi)."""
+    if lo > hi:
+        return []
+    sizes = {chunk} if hi >= chunk else set()
+    if hi - lo + 1 >= chunk:  # every remainder 0..chunk-1 occurs
+        rems = range(chunk)
+    else:
+        rems = {n % chunk for n in range(lo, hi + 1)}
+    bits = 0
+    for r in rems:
+        bits |= r
+    p = 1
+    while p < chunk:
+        if bits & p:
+            sizes.add(p)
+        p <<= 1
+    return sorted(sizes)
+
+
+def program_list(engine: Engine, *, replay: bool = False) -> list[tuple[str, int]]:
+    """(kind, tokens) of every program `warm` compiles: ("exact", n) and ("graph_a", n) prefill
+    pieces, ("graph_b", tail), ("replay", window) when asked, ("decode", slots) for the rest."""
+    longest = engine.max_seq_len - 1  # a prompt leaves room for at least one generated token
+    if engine.exact:
+        exact_hi, split = longest, []
+    else:
+        exact_hi = min(engine.tail, longest)
+        split = piece_sizes(engine.tail + 1, longest, engine.prefill_chunk)
+    out = [("exact", n) for n in piece_sizes(1, exact_hi, engine.prefill_chunk)]
+    out += [("graph_a", n) for n in split]
+    if split:
+        out.append(("graph_b", engine.tail))
+    if replay:
+        out.append(("replay", engine.cfg.window_size))
+    out.append(("decode", engine.slots))
+    return out
+
+
+def _run(engine: Engine, kind: str, n: int):
+    # the arguments exactly as Engine.prefill passes them: same shapes and dtypes, placed buffers
+    # (Engine.placed), uncommitted token/id/floor arrays, and None spelled out where it passes None
+    # (an omitted default argument is another jit signature, compiled again)
+    cfg = engine.cfg
+    tokens = jnp.asarray([[0] * n], jnp.int32)
+    ids = engine._engram_ids([], [0] * n)
+    buffers = lambda: engine.placed((jnp.zeros((1, engine.tail, cfg.hc_mult, cfg.dim), jnp.bfloat16),
+                                     jnp.zeros((1, engine.tail, cfg.hc_mult), jnp.float32)))
+    if kind == "exact":
+        out = engine._full(engine.params, tokens, engine.empty(1), ids, None)
+    elif kind == "graph_a":
+        enc_h, enc_pre = buffers()
+        out = engine._encoder(engine.params, tokens, engine.empty(1), enc_h, enc_pre, ids, None)
+    elif kind == "graph_b":
+        enc_h, enc_pre = buffers()
+        out = engine._decoder(engine.params, enc_h, enc_pre, engine.empty(1), jnp.full((1,), 0, jnp.int32), ids,
+                              None)
+    elif kind == "replay":
+        out = engine._replay(engine.params, tokens, engine.empty(1), ids)
+    else:  # one request through admit, the samplers, insert, decode and logprobs
+        req = Request([0], SamplingParams(max_tokens=2), request_id="dsv41-warmup", want_logprobs=True,
+                      on_token=lambda token, logprobs: None)
+        engine.run([req])
+        return
+    jax.block_until_ready(out)
+
+
+def warm(engine: Engine, *, replay: bool = False,
+         progress: Callable[[int, int, str, float], None] | None = None) -> dict:
+    """Compile (or load from the persistent cache) every program of `program_list`, growing the
+    engine's caches to the bucket that holds `max_seq_len` first. The engine must be idle; it is
+    idle and empty afterwards. `progress(done, total, name, seconds)` after each program.
+    Returns {"programs": total, "seconds": wall time, "capacity": positions per slot}."""
+    if not engine.idle():
+        raise RuntimeError("warm() needs an idle engine (call it before serving requests)")
+    t0 = time.perf_counter()
+    engine._grow(engine.max_seq_len)
+    todo = program_list(engine, replay=replay)
+    if progress is not None:
+        progress(0, len(todo), "start", 0.0)
+    for i, (kind, n) in enumerate(todo, 1):
+        t = time.perf_counter()
+        _run(engine, kind, n)
+        if progress is not None:
+            progress(i, len(todo), f"{kind} {n}", time.perf_counter() - t)
+    engine.reset()
+    return {"programs": len(todo), "seconds": time.perf_counter() - t0, "capacity": engine.capacity}
+
+
+def default_cache_dir() -> pathlib.Path:
+    """$DSV41_COMPILE_CACHE, else $XDG_CACHE_HOME/dsv41-jax/xla, else ~/.cache/dsv41-jax/xla."""
+    if os.environ.get("DSV41_COMPILE_CACHE"):
+        return pathlib.Path(os.environ["DSV41_COMPILE_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(base) / "dsv41-jax" / "xla"
+
+
+def compile_cache(folder) -> pathlib.Path | None:
+    """Turn on JAX's persistent compilation cache in `folder` ("off" or None: leave it off).
+    Every program is kept, however fast it compiled (JAX skips those under 1 s by default, and a
+    server's small programs add up). Entries are keyed by the lowered program, the jax/jaxlib
+    versions, the device kind and the compile options (jax/_src/cache_key.py), so a stale entry is
+    never used for a changed model or another machine's device."""
+    if folder is None or str(folder) == "off":
+        return None
+    path = pathlib.Path(folder).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    return path
