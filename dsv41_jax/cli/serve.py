@@ -132,7 +132,7 @@ def register(subparsers) -> None:
                         "(the first requests then wait for compiles)")
     s.add_argument("--compile-cache", metavar="DIR|off", default=None,
                    help="persistent compilation cache folder, so a restart loads programs instead of compiling "
-                        "(default: $DSV41_COMPILE_CACHE or ~/.cache/dsv41-jax/xla; 'off' disables it)")
+                        "(default: $DSV41_COMPILE_CACHE, $JAX_COMPILATION_CACHE_DIR or ~/.cache/dsv41-jax/xla; 'off' disables it)")
     s.add_argument("--json", action="store_true", help="print the start-up line as JSON")
     s.add_argument("--quiet", action="store_true", help="no progress bar or load summary on stderr")
     s.set_defaults(func=_cmd_serve)

@@ -124,9 +124,11 @@ def warm(engine: Engine, *, replay: bool = False,
 
 
 def default_cache_dir() -> pathlib.Path:
-    """$DSV41_COMPILE_CACHE, else $XDG_CACHE_HOME/dsv41-jax/xla, else ~/.cache/dsv41-jax/xla."""
-    if os.environ.get("DSV41_COMPILE_CACHE"):
-        return pathlib.Path(os.environ["DSV41_COMPILE_CACHE"])
+    """$DSV41_COMPILE_CACHE, else JAX's own $JAX_COMPILATION_CACHE_DIR, else
+    $XDG_CACHE_HOME/dsv41-jax/xla, else ~/.cache/dsv41-jax/xla."""
+    for var in ("DSV41_COMPILE_CACHE", "JAX_COMPILATION_CACHE_DIR"):
+        if os.environ.get(var):
+            return pathlib.Path(os.environ[var])
     base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
     return pathlib.Path(base) / "dsv41-jax" / "xla"
 
