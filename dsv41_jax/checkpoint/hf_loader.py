@@ -49,6 +49,7 @@ class LoadReport:
     skipped_bytes: int = 0
     dequantized: list[str] = field(default_factory=list)  # FP8 wo_a -> bf16 (docs/REFERENCE.md §4)
     upcast: list[str] = field(default_factory=list)  # bf16 on disk -> fp32 parameter (exact)
+    bytes_per_device: dict[str, int] = field(default_factory=dict)  # placed parameter bytes, by device
 
     def summary(self) -> str:
         groups = sorted({re.sub(r"^layers\.\d+\.", "layers.*.", n) if n.startswith("layers.") else n.split(".")[0]
@@ -59,6 +60,10 @@ class LoadReport:
             s += f"; skipped {len(self.skipped)} tensors not modelled ({', '.join(groups)}; {self.skipped_bytes / 2**20:.1f} MiB)"
         if self.dequantized:
             s += f"; dequantized {len(self.dequantized)} FP8 wo_a to bf16"
+        if len(self.bytes_per_device) > 1:
+            per = sorted(self.bytes_per_device.values())
+            s += (f"; {len(per)} devices hold {per[0] / 2**20:.1f}"
+                  f"{'' if per[0] == per[-1] else f'..{per[-1] / 2**20:.1f}'} MiB each")
         return s
 
 
@@ -243,9 +248,22 @@ class _Reader:
         return _to_param(self._read(t0.name, index), self.want)
 
 
+def _zero_padded(read, rows: int, dtype):
+    """A reader over `rows` stored rows that answers rows past them with zeros (a table padded so
+    row shards are equal; those rows are never addressed)."""
+    def padded(index: tuple) -> np.ndarray:
+        (r0, r1), rest = (index[0].start, index[0].stop), index[1:]
+        out = np.zeros((r1 - r0,) + tuple(s.stop - s.start for s in rest), dtype)
+        if min(r1, rows) > r0:
+            out[: min(r1, rows) - r0] = read((slice(r0, min(r1, rows)),) + rest)
+        return out
+
+    return padded
+
+
 def load_checkpoint(folder, *, shardings: placement.ShardingSpec = None, progress: bool = True,
                     config_overrides: dict | None = None, check_values: bool = True, cfg: ModelConfig | None = None,
-                    language_model_only: bool = False):
+                    language_model_only: bool = False, padded_shape=None):
     """Load an HF-format folder. Returns (cfg, model, report).
 
     language_model_only: leave the vision tower, aligner, delimiters and `bias_vl` on disk (they
@@ -255,6 +273,9 @@ def load_checkpoint(folder, *, shardings: placement.ShardingSpec = None, progres
     config_overrides: runtime fields to change (e.g. {"max_seq_len": 8192}); they size caches only.
     check_values: refuse tensors holding NaN/inf (`values.py`), naming them; False skips the pass.
     cfg: the config to load into instead of the folder's config.json (its shapes must match the tensors).
+    padded_shape: optional (param path, shape) -> shape with more rows; the parameter is created
+      with that shape and the extra rows are zeros (Engram tables padded to equal row shards,
+      `sharding.load`). The report's `bytes_per_device` counts what each device holds.
     """
     from tqdm.auto import tqdm
 
@@ -282,9 +303,18 @@ def load_checkpoint(folder, *, shardings: placement.ShardingSpec = None, progres
         with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=not progress) as bar:
             for path, var in params.items():
                 tensors = by_path[path]
-                sharding = where(path, tuple(var.shape), np.dtype(var.dtype))
+                shape = tuple(var.shape) if padded_shape is None else tuple(padded_shape(path, tuple(var.shape)))
+                if shape[1:] != tuple(var.shape)[1:] or shape[0] < var.shape[0]:
+                    raise ValueError(f"padded_shape may only add rows: {path} {tuple(var.shape)} -> {shape}")
+                sharding = where(path, shape, np.dtype(var.dtype))
                 read = _Reader(folder, wm, files, var, tensors, infos, check_values)
-                var.set_value(placement.place(tuple(var.shape), var.dtype, sharding, read))
+                if shape != tuple(var.shape):
+                    read = _zero_padded(read, var.shape[0], np.dtype(var.dtype))
+                value = placement.place(shape, var.dtype, sharding, read)
+                for shard in value.addressable_shards:
+                    key = str(shard.device)
+                    report.bytes_per_device[key] = report.bytes_per_device.get(key, 0) + shard.data.nbytes
+                var.set_value(value)
                 names = [t.name for t in tensors]
                 if is_wo_a(path) and _scale_of(names[0]) in infos:
                     names.append(_scale_of(names[0]))
