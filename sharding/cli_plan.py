@@ -81,6 +81,17 @@ def _compile(args, in_process: bool) -> dict:
         return {"ok": False, "devices": n, "error": (proc.stderr or proc.stdout)[-2000:]}
 
 
+def serve_command(plan: dict, args) -> str:
+    """The `dsv41 serve` command line for the planned mesh, preset, batch and context."""
+    from sharding.mesh import format_mesh_spec
+
+    cmd = (f"dsv41 serve --checkpoint DIR --mesh {format_mesh_spec(plan['mesh'])} --preset {args.preset} "
+           f"--max-batch {args.batch} --max-model-len {plan['context']} --prefill-chunk {args.prefill_chunk}")
+    if args.engram == "host":  # the engine keeps the tables in HBM; host tables are a sharding/ API only
+        cmd += "  (Engram in host memory is not a dsv41 serve option yet: this serves with the tables in HBM)"
+    return cmd
+
+
 def run(args) -> int:
     from dsv41_jax.config import ConfigError, ModelConfig  # no JAX backend start: safe before the flags
 
@@ -96,6 +107,7 @@ def run(args) -> int:
         print(f"dsv41 plan: {e}", file=sys.stderr)
         return 2
     plan["config"] = args.config
+    plan["serve_command"] = serve_command(plan, args)
     if args.max_batch:
         if args.device is None:
             print("dsv41 plan: --max-batch needs --device", file=sys.stderr)
@@ -111,5 +123,6 @@ def run(args) -> int:
         print(format_plan(plan))
         if "max_batch" in plan:
             print(f"largest batch that fits {args.device} at context {plan['context']}: {plan['max_batch']}")
+        print(f"serve it: {plan['serve_command']}")
     ok = plan.get("fits", True) and plan.get("compile", {"ok": True})["ok"]
     return 0 if ok else 1

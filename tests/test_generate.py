@@ -144,6 +144,9 @@ def test_bad_inputs_fail_clearly_before_loading(ckpt, tmp_path, capsys):
         (base + ["--messages", tmp_path / "norole.json"], "role"),
         (base + ["--prompt", "hi", "--temperature", "-1"], "temperature must be"),
         (base + ["--prompt", "hi", "--devices", "99"], "asked for 99 devices"),
+        (base + ["--prompt", "hi", "--mesh", "expert=4,tensor=4"], "asked for 16 devices"),
+        (base + ["--prompt", "hi", "--mesh", "expert=4", "--devices", "2"], "not both"),
+        (base + ["--prompt", "hi", "--mesh", "expert=2", "--preset", "nope"], "unknown sharding preset"),
     ]
     import re
 

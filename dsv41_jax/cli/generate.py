@@ -55,16 +55,61 @@ def _prompt_ids(args, tokenizer) -> list[int]:
         raise InputError(str(e)) from None
 
 
-def _mesh_shardings(n_devices: int):
-    """None (first device) for 1; a replicated ("data",) mesh over the first n devices otherwise."""
-    from dsv41_jax.checkpoint import placement
+def mesh_of(args):
+    """The mesh `--mesh SPEC` (or its short form `--devices N` = `--mesh data=N`) names; None for one device.
 
-    if n_devices == 1:
-        return None
+    The devices are the first ones the spec needs, so `--devices 2` works on a host with 8."""
+    import math
+
+    import jax
+
+    from sharding.mesh import MeshSpecError, make_mesh, parse_mesh_spec
+    from sharding.rules import ShardingRuleError, get_rules
+
+    if args.mesh is not None and args.devices is not None:
+        raise InputError(f"give --mesh or --devices, not both (--devices {args.devices} is short for --mesh data={args.devices})")
     try:
-        return placement.replicated(placement.data_mesh(n_devices))
-    except ValueError as e:
-        raise InputError(f"--devices: {e}") from None
+        get_rules(args.preset)
+    except ShardingRuleError as e:
+        raise InputError(f"--preset: {e}") from None
+    spec = args.mesh if args.mesh is not None else (f"data={args.devices}" if (args.devices or 1) > 1 else None)
+    if spec is None:
+        return None
+    flag = "--mesh" if args.mesh is not None else "--devices"
+    try:
+        sizes = parse_mesh_spec(spec)
+        devices = jax.devices()
+        n = len(devices) if -1 in sizes.values() else math.prod(sizes.values())
+        if n > len(devices):
+            raise MeshSpecError(f"asked for {n} devices but {len(devices)} are visible ({jax.default_backend()}); "
+                                f"use a mesh of at most {len(devices)} devices")
+        return make_mesh(sizes, devices=devices[:n])
+    except MeshSpecError as e:
+        raise InputError(f"{flag} {spec}: {e}") from None
+
+
+def load_on(folder, mesh, preset: str, **kwargs):
+    """(cfg, model, report) of a checkpoint on one device (mesh None) or laid out on `mesh` by
+    `preset`, each device reading only its slices (`sharding.load`)."""
+    from dsv41_jax.checkpoint import checkpoint_format, load
+
+    if mesh is None:
+        return load(folder, **kwargs)
+    from sharding.load import load_sharded, preset_sharding
+
+    if checkpoint_format(folder) == "hf":
+        return load_sharded(folder, mesh, preset, **kwargs)
+    return load(folder, shardings=preset_sharding(mesh, preset), **kwargs)  # orbax: tables padded by the engine
+
+
+def add_mesh_args(s) -> None:
+    s.add_argument("--mesh", metavar="SPEC", default=None,
+                   help="run on a device mesh laid out by --preset, e.g. expert=4,tensor=2 (the vocabulary of "
+                        "`dsv41 plan`); default: the first device")
+    s.add_argument("--preset", default="inference",
+                   help="sharding preset for --mesh (inference, inference-indexer-replicated, training; default inference)")
+    s.add_argument("--devices", type=positive_int, default=None, metavar="N",
+                   help="short for --mesh data=N (the first N devices)")
 
 
 def _run(args) -> int:
@@ -80,7 +125,7 @@ def _run(args) -> int:
     if args.print_prompt_ids:
         print(json.dumps(prompt))
         return 0
-    from dsv41_jax.checkpoint import checkpoint_format, load
+    from dsv41_jax.checkpoint import checkpoint_format
     from dsv41_jax.checkpoint.hf_loader import read_config
     from dsv41_jax.runtime import Runtime
     from dsv41_jax.serving.generate import Generator, Sampling, TextStream
@@ -94,9 +139,10 @@ def _run(args) -> int:
     if len(prompt) > cfg.max_seq_len:
         raise InputError(f"the prompt is {len(prompt)} tokens but the cache holds max_seq_len={cfg.max_seq_len}; "
                          "shorten the prompt or pass a larger --max-seq-len")
-    cfg, model, report = load(folder, shardings=_mesh_shardings(args.devices), progress=not args.quiet,
-                              config_overrides=overrides, check_values=not args.no_value_check,
-                              language_model_only=args.language_model_only)
+    mesh = mesh_of(args)
+    cfg, model, report = load_on(folder, mesh, args.preset, progress=not args.quiet,
+                                 config_overrides=overrides, check_values=not args.no_value_check,
+                                 language_model_only=args.language_model_only)
     if not args.quiet:
         print(report.summary(), file=sys.stderr)
     runtime = Runtime(mode="fast", impl=args.impl, check_finite=args.check_finite)
@@ -174,8 +220,7 @@ def register(subparsers) -> None:
     s.add_argument("--top-p", type=float, default=0.95, help="nucleus mass (default 0.95)")
     s.add_argument("--seed", type=non_negative_int, default=0)
     s.add_argument("--max-seq-len", type=positive_int, default=None, help="cache length (default: the config's)")
-    s.add_argument("--devices", type=positive_int, default=1,
-                   help="run on a replicated mesh over the first N devices (default 1: the first device)")
+    add_mesh_args(s)
     s.add_argument("--impl", choices=("xla", "pallas", "auto"), default="xla", help="attention/MoE implementation")
     s.add_argument("--speculative", choices=("dspark",), default=None,
                    help="speculative decoding with the checkpoint's DSpark drafter (mtp.* tensors); --json adds the "

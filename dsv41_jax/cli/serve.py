@@ -12,7 +12,7 @@ import pathlib
 import sys
 
 from dsv41_jax.cli.argtypes import positive_int
-from dsv41_jax.cli.generate import InputError, _mesh_shardings
+from dsv41_jax.cli.generate import InputError, add_mesh_args, load_on, mesh_of
 
 
 def _byte_size(text: str) -> int:
@@ -38,7 +38,7 @@ def _port(text: str) -> int:
 
 def load_server(args):
     """(app, worker, options) for the parsed arguments; raises InputError on bad input."""
-    from dsv41_jax.checkpoint import checkpoint_format, load
+    from dsv41_jax.checkpoint import checkpoint_format
     from dsv41_jax.runtime import Runtime
     from dsv41_jax.serving import warmup
     from dsv41_jax.serving.http.server import ServeOptions, build
@@ -63,8 +63,8 @@ def load_server(args):
         import jax
 
         jax.config.update("jax_enable_x64", True)
-    cfg, model, report = load(folder, shardings=_mesh_shardings(args.devices), progress=not args.quiet,
-                              config_overrides=overrides)
+    mesh = mesh_of(args)
+    cfg, model, report = load_on(folder, mesh, args.preset, progress=not args.quiet, config_overrides=overrides)
     if not args.quiet:
         print(report.summary(), file=sys.stderr)
     opts = ServeOptions(model_name=args.served_model_name or folder.resolve().name, max_batch=args.max_batch,
@@ -72,7 +72,8 @@ def load_server(args):
                         exact_prefill=args.exact_prefill, max_queue=args.max_queue, api_key=args.api_key,
                         cache_dir=args.prefix_cache_dir, cache_bytes=args.prefix_cache_bytes,
                         runtime=Runtime(mode=args.numerics, impl=args.impl),
-                        max_request_bytes=args.max_request_bytes, warm=not args.no_warm)
+                        max_request_bytes=args.max_request_bytes, warm=not args.no_warm, mesh=mesh,
+                        preset=args.preset)
     app, worker = build(model, tokenizer, opts)
     if not args.quiet:
         worker.warm_progress = _print_warm_progress
@@ -118,7 +119,7 @@ def register(subparsers) -> None:
     s.add_argument("--max-queue", type=positive_int, default=256, help="waiting requests before 429 (default 256)")
     s.add_argument("--prefill-chunk", type=positive_int, default=512, help="prefill chunk length (default 512)")
     s.add_argument("--exact-prefill", action="store_true", help="prefill every layer over every token (no CED split)")
-    s.add_argument("--devices", type=positive_int, default=1, help="a replicated mesh over the first N devices")
+    add_mesh_args(s)
     s.add_argument("--numerics", choices=("fast", "exact"), default="fast", help="fp32 accumulation (fast) or float64 (exact)")
     s.add_argument("--impl", choices=("xla", "pallas", "auto"), default="xla", help="attention/MoE implementation")
     s.add_argument("--prefix-cache-dir", metavar="DIR", help="keep conversation caches in this folder")

@@ -103,10 +103,20 @@ class Engine:
 
     def __init__(self, model, *, slots: int = 4, max_seq_len: int | None = None, min_capacity: int = 256,
                  prefill_chunk: int = 512, exact_prefill: bool = False, tail_slack: int = 0,
-                 runtime: Runtime = Runtime(), banned_ids=(), engram=None, fingerprint: str | None = None):
+                 runtime: Runtime = Runtime(), banned_ids=(), engram=None, fingerprint: str | None = None,
+                 mesh=None, preset: str = "inference"):
+        """mesh: a `jax.sharding.Mesh` (`sharding.mesh.make_mesh("expert=4,tensor=2")`) to serve on,
+        laid out by `preset` (the vocabulary of `dsv41 plan`); None = one device, as given."""
         cfg = model.cfg
         self.cfg, self.runtime = cfg, runtime
-        self.graphdef, self.params = nnx.split(model)
+        self.placement = None
+        if mesh is not None:
+            from sharding.serving import MeshPlacement
+
+            self.placement = MeshPlacement(model, mesh, preset)
+            self.graphdef, self.params = self.placement.graphdef, self.placement.params
+        else:
+            self.graphdef, self.params = nnx.split(model)
         self.slots = slots
         self.max_seq_len = max_seq_len or cfg.max_seq_len
         self.min_capacity = min_capacity
@@ -122,7 +132,8 @@ class Engine:
         # the decode step's plan, compiled into it
         self.decode_plan = decode_plan(runtime)
         self.banned = jnp.asarray(banned_mask(cfg.vocab_size, banned_ids))
-        self.fingerprint = fingerprint or prefix_cache.model_fingerprint(self.params)
+        self.fingerprint = fingerprint or prefix_cache.model_fingerprint(
+            self.params if self.placement is None else self.placement.unpadded(self.params, cfg))
         self.capacity = capacity_for(cfg, 1, min_capacity, self.max_seq_len)
         self.cache = self.empty(slots)
         self.table: list[_Slot | None] = [None] * slots
@@ -135,13 +146,15 @@ class Engine:
     def _build_steps(self):
         gd, rt, tail = self.graphdef, self.runtime, self.tail
         jit = functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
+        # on a mesh every returned cache keeps the preset's layout (steps chain without resharding)
+        fix = (lambda c: c) if self.placement is None else self.placement.constrain
 
         @functools.partial(jit, donate_argnums=(2, 3, 4))
         def encoder(params, tokens, cache, enc_h, enc_pre, ids, spans=None):
             model = nnx.merge(gd, params)
             h, pre, cache = encoder_pass(model, tokens, cache, runtime=rt, engram_ids=ids, spans=spans)
             keep = lambda buf, new: jnp.concatenate([buf, new], 1)[:, -tail:]
-            return cache, keep(enc_h, h), keep(enc_pre, pre)
+            return fix(cache), keep(enc_h, h), keep(enc_pre, pre)
 
         @functools.partial(jit, donate_argnums=(3,))
         def decoder(params, enc_h, enc_pre, cache, floor, ids, vl=None):
@@ -149,30 +162,30 @@ class Engine:
             start = cache["length"] - tail
             logits, cache, _ = decoder_pass(model, enc_h, enc_pre, cache, start=start, floor=floor, runtime=rt,
                                             engram_ids=ids, vl=vl)
-            return logits[:, -1], cache
+            return logits[:, -1], fix(cache)
 
         @functools.partial(jit, donate_argnums=(2,))
         def full(params, tokens, cache, ids, spans=None):
             logits, cache, _ = exact_prefill(nnx.merge(gd, params), tokens, cache, runtime=rt, engram_ids=ids,
                                              spans=spans)
-            return logits[:, -1], cache
+            return logits[:, -1], fix(cache)
 
         @functools.partial(jit, donate_argnums=(2,))
         def replay(params, tokens, cache, ids):
             logits, cache = replay_window(nnx.merge(gd, params), tokens, cache, runtime=rt, engram_ids=ids)
-            return logits[:, -1], cache
+            return logits[:, -1], fix(cache)
 
         plan = self.decode_plan
 
         @functools.partial(jit, donate_argnums=(2,))
         def decode(params, tokens, cache, active, ids):
             logits, cache, _ = decode_step(nnx.merge(gd, params), tokens, cache, plan, engram_ids=ids, active=active)
-            return logits[:, -1], cache
+            return logits[:, -1], fix(cache)
 
         @functools.partial(jax.jit, donate_argnums=(0,))
         def insert(cache, row, slot):
-            return jax.tree.map(lambda a, r: jax.lax.dynamic_update_index_in_dim(a, r[0].astype(a.dtype), slot, 0),
-                                cache, row)
+            return fix(jax.tree.map(lambda a, r: jax.lax.dynamic_update_index_in_dim(a, r[0].astype(a.dtype), slot, 0),
+                                    cache, row))
 
         self._encoder, self._decoder, self._full, self._replay = encoder, decoder, full, replay
         self._decode, self._insert = decode, insert
@@ -198,7 +211,10 @@ class Engine:
         """`tree` committed where the params live (replicated over their mesh, if any). A fresh array
         is uncommitted and a step's output is committed, and jit compiles a program once for each,
         so a cache, buffer or stored conversation that enters a step is placed first: every piece of
-        a prompt, its first included, then runs one program per shape."""
+        a prompt, its first included, then runs one program per shape. On an engine mesh
+        (`mesh=`), caches are laid out by the preset and everything else is replicated."""
+        if self.placement is not None:
+            return self.placement.place(tree)
         sharding = jax.tree.leaves(self.params)[0].sharding
         if isinstance(sharding, jax.sharding.NamedSharding):
             sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
@@ -213,6 +229,8 @@ class Engine:
             return
         cap = capacity_for(self.cfg, needed, self.min_capacity, self.max_seq_len)
         self.cache = resize_cache(self.cfg, self.cache, cap)
+        if self.placement is not None:  # keep the preset's layout at the new capacity
+            self.cache = self.placed(self.cache)
         self.capacity = cap
 
     def _check(self, req: Request, cached: int):

@@ -34,6 +34,8 @@ class ServeOptions:
     runtime: Runtime = Runtime()
     max_request_bytes: int = 32 << 20
     warm: bool = False  # compile every program before /ready says ready (`dsv41 serve` turns it on)
+    mesh: object = None  # a jax.sharding.Mesh to serve on (Engine(mesh=...)); None = one device
+    preset: str = "inference"  # its sharding preset (the vocabulary of `dsv41 plan`)
     test_hooks: bool = False  # tests build the app with this; no `dsv41 serve` flag sets it
 
 
@@ -55,7 +57,7 @@ def build(model, tokenizer, opts: ServeOptions):
     engram = _engram_tables(cfg, tokenizer) if cfg.engram_layer_ids else None
     engine = Engine(model, slots=opts.max_batch, max_seq_len=max_len, min_capacity=min(opts.min_capacity, max_len),
                     prefill_chunk=opts.prefill_chunk, exact_prefill=opts.exact_prefill, runtime=opts.runtime,
-                    banned_ids=banned_ids(cfg, tokenizer), engram=engram)
+                    banned_ids=banned_ids(cfg, tokenizer), engram=engram, mesh=opts.mesh, preset=opts.preset)
     metrics = Metrics(opts.max_batch)
     conversations = None
     if opts.cache_dir is not None:

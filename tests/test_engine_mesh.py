@@ -1,0 +1,138 @@
+"""The serving engine on a mesh of 8 fake CPU devices (the root conftest provides them).
+
+Oracles: the same engine on one device, in exact numerics (float64 dots rounded once, so a sum
+split across devices rounds to the same value): greedy tokens equal and every sampled position's
+logits equal bit for bit; and `dsv41 plan`'s per-device bytes (the rule tables applied to the
+abstract model, no arrays) for what each device holds, which catches a silently replicated model.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.runtime import Runtime
+from dsv41_jax.serving import sampling
+from dsv41_jax.serving.buckets import empty_cache
+from dsv41_jax.serving.engine import Engine, Request
+from dsv41_jax.serving.random_weights import random_model
+from sharding import plan as plan_mod
+from sharding.mesh import make_mesh, mesh_shape
+from sharding.serving import bytes_per_device
+
+# every decoder role (SWA, Full r2, Full r1 pool source, in-pool Reindex, Reuse), Engram on two
+# layers, 8 experts (2 per device at expert=4), 4 heads (2 per device at tensor=2)
+CFG = ModelConfig.tiny(max_seq_len=64, n_layers=5, compress_ratios=(0, 2, 1, 1, 1), kv_source_layers=(1, 2),
+                       index_source_layers=(1, 2, 3), candidate_source_layer=2, hc_sinkhorn_iters=3,
+                       n_routed_experts=8, vocab_size=256, engram_layer_ids=(1, 3))
+SLOTS = 4
+
+
+def _engram(cfg):
+    from dsv41_jax.engram.hashing import EngramLayout
+
+    layout = EngramLayout.build(cfg.engram_layer_ids, cfg.engram_max_ngram_size, cfg.engram_n_heads, cfg.engram_head_dim,
+                                cfg.engram_vocab_size, cfg.engram_compressed_vocab_size, cfg.engram_pad_id)
+    return layout, np.arange(cfg.vocab_size, dtype=np.int64) % cfg.engram_compressed_vocab_size
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(CFG, seed=7)
+
+
+@pytest.fixture
+def x64():
+    """Exact numerics compute in float64."""
+    with jax.enable_x64(True):
+        yield
+
+
+class Recording(Engine):
+    """The engine with every sampled position's logits row kept (as the host sees it)."""
+
+    def _emit(self, req, drawn, token, logits, row):
+        self.seen.setdefault(req.request_id, []).append(np.asarray(jax.device_get(logits[row])))
+        return super()._emit(req, drawn, token, logits, row)
+
+
+def _engine(model, mesh=None, preset="inference", **kw):
+    eng = Recording(model, slots=SLOTS, min_capacity=64, prefill_chunk=8, runtime=Runtime(mode="exact"),
+                    engram=_engram(CFG), mesh=mesh, preset=preset, **kw)
+    eng.seen = {}
+    return eng
+
+
+@pytest.mark.parametrize("spec", ["expert=4,tensor=2", "data=2,expert=2,tensor=2"])
+def test_engine_holds_what_the_preset_implies(model, spec):
+    """Each device's parameter and cache bytes equal the plan's figures for the preset: a model
+    the engine silently replicated would hold the whole 8x (or 4x, 2x) on every device."""
+    mesh = make_mesh(spec)
+    eng = _engine(model, mesh)
+    held = bytes_per_device(eng.params)
+    p = plan_mod.build_plan(CFG, mesh_shape(mesh), batch=SLOTS, context=eng.capacity)
+    want = p["per_device_bytes"]["weights"] + p["per_device_bytes"]["engram"]
+    assert len(held) == 8 and set(held.values()) == {want}, (held, want)
+    whole = sum(np.asarray(a).nbytes for a in jax.tree.leaves(eng.params))
+    assert want < 0.7 * whole  # the preset does split this model (a replicated one holds `whole` everywhere)
+    cache_held = bytes_per_device(eng.cache)
+    want_cache = plan_mod.cache_bytes(CFG.replace(max_seq_len=eng.capacity), mesh_shape(mesh), "inference",
+                                      SLOTS)["per_device"]
+    assert set(cache_held.values()) == {want_cache}
+    # the cache is split by batch: 4 slots over data x expert = 4 shards
+    assert want_cache * 4 == sum(np.asarray(a).nbytes for a in jax.tree.leaves(empty_cache(CFG, SLOTS, eng.capacity)))
+    with pytest.raises(Exception, match="unknown sharding preset"):
+        _engine(model, mesh, preset="nope")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["expert=4,tensor=2"])
+def test_engine_on_mesh_equals_one_device(model, spec, tmp_path, x64):
+    """A batch of concurrent requests of different lengths (short: exact prefill of the tail;
+    long: the split prefill), then a conversation-cache resume: same greedy tokens, logits
+    bitwise, on the mesh and on one device; the mesh's decode program has the all-to-all."""
+    rng = np.random.default_rng(11)
+    prompts = [list(map(int, rng.integers(0, CFG.vocab_size, n))) for n in (5, 13, 24, 31)]
+    greedy = sampling.SamplingParams(max_tokens=5)
+    runs = {}
+    for name, mesh in (("one", None), ("mesh", make_mesh(spec))):
+        eng = _engine(model, mesh)
+        res = eng.run([Request(p, greedy, request_id=f"r{i}", save_to=str(tmp_path / f"{name}{i}") if i == 1 else None)
+                       for i, p in enumerate(prompts)])
+        first = res[1]
+        turn2 = eng.run([Request([first.tokens[-1]] + prompts[0][:3], greedy, request_id="t2",
+                                 resume_from=str(tmp_path / f"{name}1"))])[0]
+        runs[name] = (eng, [r.tokens for r in res] + [turn2.tokens], dict(eng.seen))
+    (one, tok1, seen1), (mesh_eng, tokm, seenm) = runs["one"], runs["mesh"]
+    assert tok1 == tokm
+    assert one.fingerprint == mesh_eng.fingerprint  # prefix-cache files move between the two
+    assert seen1.keys() == seenm.keys()
+    for rid in seen1:
+        for a, b in zip(seen1[rid], seenm[rid]):
+            np.testing.assert_array_equal(a.view(np.uint8) if a.dtype.itemsize == 1 else a, b)
+    # the decode step is one SPMD program with the expert all-to-all
+    hlo = mesh_eng._decode.lower(mesh_eng.params, jax.numpy.zeros((SLOTS, 1), jax.numpy.int32), mesh_eng.cache,
+                                 jax.numpy.ones((SLOTS,), bool),
+                                 mesh_eng._batch_ids([([], 0)] * SLOTS)).compile().as_text()
+    assert "all-to-all" in hlo
+
+
+def test_plan_prints_the_serve_command(capsys):
+    from dsv41_jax.cli.main import main
+
+    assert main(["plan", "--config", "tiny", "--mesh", "expert=4,tensor=2", "--batch", "8", "--context", "100",
+                 "--no-compile"]) == 0
+    out = capsys.readouterr().out
+    cmd = out.strip().splitlines()[-1]
+    assert cmd.startswith("serve it: dsv41 serve --checkpoint DIR --mesh expert=4,tensor=2 --preset inference "
+                          "--max-batch 8 --max-model-len "), cmd
+    # the printed command parses with serve's own flags
+    import argparse
+
+    from dsv41_jax.cli import serve
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    serve.register(sub)
+    args = sub.choices["serve"].parse_args(cmd.split("dsv41 serve ")[1].split())
+    assert (args.mesh, args.preset, args.max_batch) == ("expert=4,tensor=2", "inference", 8)
