@@ -63,10 +63,11 @@ class Result:
 
     request_id: str
     tokens: list[int]
-    finish_reason: str  # "stop" (a stop token, included) or "length" (max_tokens)
+    finish_reason: str  # "stop" (a stop token, included), "length" (max_tokens) or "error" (see `error`)
     prompt_tokens: int
     cached_tokens: int  # tokens restored from a prefix cache
     timing: dict
+    error: str | None = None  # why this request failed alone (finish_reason "error")
 
 
 @dataclass
@@ -320,20 +321,31 @@ class Engine:
             req, times = self.waiting.pop(0)
             slot = self.table.index(None)
             times["admitted"] = time.perf_counter()
-            cached = prefix_cache.read_header(req.resume_from)["n_tokens"] if req.resume_from else 0
-            self._grow(cached + len(req.prompt) + req.sampling.max_tokens)
-            logits, row, tokens, cached = self.prefill(req)
-            sp = req.sampling
-            a = slot_arrays([sp])
-            first = int(sample(logits, a["temperature"], a["top_p"], a["top_k"], a["seed"],
-                               jnp.zeros((1,), jnp.int32), self.banned)[0])
-            first = self._emit(req, 0, first, logits, 0)
+            try:  # a failure here is this request's alone: the batch cache is untouched until the insert
+                cached = prefix_cache.read_header(req.resume_from)["n_tokens"] if req.resume_from else 0
+                self._grow(cached + len(req.prompt) + req.sampling.max_tokens)
+                logits, row, tokens, cached = self.prefill(req)
+                sp = req.sampling
+                a = slot_arrays([sp])
+                first = int(sample(logits, a["temperature"], a["top_p"], a["top_k"], a["seed"],
+                                   jnp.zeros((1,), jnp.int32), self.banned)[0])
+                first = self._emit(req, 0, first, logits, 0)
+            except Exception as e:  # noqa: BLE001 - reported in the request's Result
+                self._fail(req, [], e)
+                continue
             times["first_token"] = time.perf_counter()
             self.cache = self._insert(self.cache, row, slot)
             st = _Slot(req, tokens + [first], len(tokens), [first], times)
             st.prompt_tokens, st.cached_tokens = len(req.prompt), cached
             self.table[slot] = st
             self._maybe_finish(slot)
+
+    def _fail(self, req: Request, generated: list[int], exc: Exception):
+        """End one request with finish_reason "error"; the other requests go on. For failures that
+        belong to one request (its prefill, its stored conversation, its token callback); a failed
+        batch step still raises (its donated cache is gone: `reset`)."""
+        self.done[req.request_id] = Result(req.request_id, list(generated), "error", len(req.prompt), 0, {},
+                                           error=f"{type(exc).__name__}: {exc}")
 
     def _emit(self, req: Request, drawn: int, token: int, logits, row: int) -> int:
         """The token to keep (a forced one in tests), reported to `req.on_token`."""
@@ -392,7 +404,12 @@ class Engine:
             for i, st in enumerate(self.table):
                 if st is None:
                     continue
-                tok = self._emit(st.request, len(st.generated), int(nxt[i]), logits, i)
+                try:  # the host side of one request (its token callback) fails it alone
+                    tok = self._emit(st.request, len(st.generated), int(nxt[i]), logits, i)
+                except Exception as e:  # noqa: BLE001 - reported in the request's Result
+                    self.table[i] = None
+                    self._fail(st.request, st.generated, e)
+                    continue
                 st.in_cache += 1
                 st.generated.append(tok)
                 st.tokens.append(tok)
@@ -433,4 +450,9 @@ class Engine:
         ids = [self.submit(r) for r in requests]
         while not self.idle():
             self.step()
-        return [self.done.pop(i) for i in ids]
+        out = [self.done.pop(i) for i in ids]
+        failed = [r for r in out if r.finish_reason == "error"]
+        if failed:
+            raise RuntimeError(f"{len(failed)} of {len(out)} requests failed; first: {failed[0].request_id}: "
+                               f"{failed[0].error}")
+        return out

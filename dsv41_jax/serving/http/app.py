@@ -241,12 +241,13 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
                              param="max_tokens")
         return sp.max_tokens
 
-    def _test_fields(body: dict) -> tuple[tuple[int, ...], bool]:
+    def _test_fields(body: dict) -> tuple[tuple[int, ...], int]:
+        """(forced tokens, fail at token k or 0); `"fail": true` means the first token."""
         extra = body.get("dsv41_test")
         if extra is None or not cfg.test_hooks:
-            return (), False
+            return (), 0
         forced = tuple(extra.get("forced_tokens") or tokenizer.encode(extra.get("forced_text", "")))
-        return forced, bool(extra.get("fail"))
+        return forced, int(extra.get("fail") or 0)
 
     def _start(body: dict, prompt: list[int], sp: P.Sampling, mode: P.ChatMode | None) -> list[_Run]:
         """Submit one engine request per choice (`n`); each holds a slot, so n is at most the batch."""

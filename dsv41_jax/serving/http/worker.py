@@ -4,8 +4,10 @@ HTTP handlers run on the asyncio event loop and never call the engine; they hand
 `EngineWorker.submit` and read its events from an asyncio queue. The thread takes submissions
 and cancellations from a thread-safe inbox between engine steps (so a client that went away
 frees its slot at the next step), runs `Engine.step`, and posts each token and the final result
-back to the job's event loop with `call_soon_threadsafe`. A step that raises fails the requests
-it held (HTTP 500) and the engine is reset; the thread keeps serving.
+back to the job's event loop with `call_soon_threadsafe`. A request that fails on its own (its
+prefill, its stored conversation, its token callback) gets a 500 and the others go on; a batch
+step that raises fails the requests it held (HTTP 500) and the engine is reset; the thread keeps
+serving.
 
 With `warm` (serving/warmup.py) the thread first compiles every program the engine will run;
 requests submitted meanwhile wait in the inbox, and `readiness()` (the server's /ready) reports
@@ -17,6 +19,7 @@ import asyncio
 import dataclasses
 import itertools
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -35,7 +38,8 @@ class Job:
     events: asyncio.Queue
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
     last_token: float | None = None
-    fail_in_engine: bool = False  # tests: raise inside the engine step (the 500 path)
+    fail_in_engine: int = 0  # tests: raise inside the engine while emitting token k (1 = at admission)
+    emitted: int = 0
     on_finish: object = None  # called in the engine thread with the Result (conversation caches)
     on_admit: object = None  # called in the engine thread before submit (may set resume_from)
     on_cancel: object = None  # called in the engine thread when the request is dropped
@@ -97,8 +101,9 @@ class EngineWorker:
 
     def _on_token(self, job: Job):
         def emit(token: int, logprobs):
-            if job.fail_in_engine:
-                raise RuntimeError("test fault injected inside the engine step")
+            job.emitted += 1
+            if job.fail_in_engine and job.emitted >= job.fail_in_engine:
+                raise RuntimeError(f"test fault injected inside the engine at token {job.emitted}")
             now = time.perf_counter()
             if job.last_token is None:
                 self.metrics.ttft.observe(now - job.submitted)
@@ -198,6 +203,11 @@ class EngineWorker:
                 job = self.jobs.pop(result.request_id, None)
                 self.engine.done.pop(result.request_id, None)
                 if job is None:
+                    continue
+                if result.finish_reason == "error":  # this request failed alone; the others go on
+                    print(f"dsv41 serve: request {result.request_id} failed: {result.error}", file=sys.stderr)
+                    self.metrics.engine_errors.inc()
+                    self._post(job, ("error", 500, f"internal error: {result.error}"))
                     continue
                 if job.on_finish is not None:
                     try:
