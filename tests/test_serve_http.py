@@ -10,6 +10,7 @@ dominates the cost.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -375,11 +376,25 @@ def test_serve_cli_refuses_bad_folders(tmp_path, capsys):
 @pytest.mark.parametrize("path,extra,needle", [
     ("/v1/chat/completions", {"temprature": 0.5}, "temprature: unrecognized request field"),
     ("/v1/chat/completions", {"prompt": "x"}, "belongs to /v1/completions"),
-    ("/v1/chat/completions", {"presence_penalty": 0.5}, "presence_penalty"),
-    ("/v1/chat/completions", {"frequency_penalty": -1}, "frequency_penalty"),
-    ("/v1/chat/completions", {"logit_bias": {"5": 3}}, "logit_bias"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/chat/completions", {"parallel_tool_calls": False}, "parallel_tool_calls"),
+    ("/v1/chat/completions", {"presence_penalty": 2.5}, "presence_penalty: must be in [-2, 2]"),
+    ("/v1/chat/completions", {"frequency_penalty": "x"}, "frequency_penalty: expected a number"),
+    ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty: must be in (0, 10]"),
+    ("/v1/chat/completions", {"logit_bias": {"5": 300}}, "logit_bias: the bias of token 5 must be a number in"),
+    ("/v1/chat/completions", {"logit_bias": {"100000": 3}}, "logit_bias: token id 100000 is outside"),
+    ("/v1/completions", {"logit_bias": {"a": 3}}, "logit_bias: keys are token ids"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format: json_schema needs"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "integer", "minimum": "x"}}}}}},
+     "response_format.json_schema.schema: cannot be used as a constraint: Expected f64 for 'minimum'"),
+    ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format: type must be"),
+    ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "names the function 'nope', which is not in tools"),
+    ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "one constraint per request"),
+    ("/v1/completions", {"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex: cannot be used"),
+    ("/v1/completions", {"structured_outputs": {"regex": "a", "json": {}}}, "structured_outputs: expected exactly one"),
+    ("/v1/chat/completions", {"parallel_tool_calls": "no"}, "parallel_tool_calls: expected true or false"),
     ("/v1/chat/completions", {"top_k": 2147483648}, "top_k: must be in [-1, 2147483647]"),
     ("/v1/chat/completions", {"max_tokens": 2**40}, "max_tokens: must be in [1, 2147483647]"),
     ("/v1/completions", {"echo": True}, "echo"),
@@ -395,6 +410,76 @@ def test_fields_not_served_are_refused_by_name(server, path, extra, needle):
     r = _post(server, path, {**body, "max_tokens": 2, **extra})
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]["message"]
+
+
+def test_penalties_and_bias_apply_to_their_slot_only(server, client):
+    """logit_bias and penalties change the request that asks for them; a plain request decoded in the same
+    batch gets the tokens and logprobs it gets alone (exact numerics: the adjustments are selected per row)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tok = server.tokenizer
+    plain = dict(model="tiny", prompt="def f", max_tokens=16, temperature=0, logprobs=1)
+    alone = client.completions.create(**plain).choices[0]
+    z = tok.encode("Z")[0]
+    penalties = {"frequency_penalty": 2, "presence_penalty": 2, "extra_body": {"repetition_penalty": 2.0}}
+    retrying = client.with_options(max_retries=5)  # the queue holds 1: a 429 (Retry-After 1 s) is retried
+    with ThreadPoolExecutor(2) as pool:  # two at a time: the server has 2 slots
+        pairs = [[pool.submit(retrying.completions.create, **kw) for kw in (plain, {**plain, **extra})]
+                 for extra in ({"logit_bias": {str(z): 100}}, penalties)]
+        (again, biased), (again2, penalized) = [[f.result().choices[0] for f in pair] for pair in pairs]
+    for c in (again, again2):
+        assert c.text == alone.text and c.logprobs.token_logprobs == alone.logprobs.token_logprobs
+    assert biased.text == "Z" * 16
+    ch = next(c for c in alone.text if c.isascii() and c.isprintable())
+    banned = client.completions.create(**{**plain, "logit_bias": {str(tok.encode(ch)[0]): -100}}).choices[0]
+    assert ch not in banned.text
+    assert penalized.text != alone.text  # the arithmetic is checked against numpy in test_serving.py
+
+
+SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green"]},
+                                          "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["color", "n"], "additionalProperties": False}
+PICK = [{"type": "function", "function": {"name": "pick", "parameters": {
+    "type": "object", "properties": {"size": {"type": "string", "enum": ["s", "m"]}, "k": {"type": "boolean"}},
+    "required": ["size", "k"]}}}] + TOOLS
+
+
+def test_constrained_replies_follow_their_grammar(server, client):
+    """A random model, constrained: a JSON schema (also after forced reasoning in thinking mode), a named tool and
+    our regex field each give a reply that parses and validates; max_tokens cutting one is "length", the partial
+    text as is; a plain request decoded beside a constrained one gets the tokens it gets alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jsonschema = pytest.importorskip("jsonschema")
+    fmt = {"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA, "strict": True}}
+    r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=60, temperature=1, seed=3,
+                                       response_format=fmt)
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+    r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=80, temperature=1, seed=4,
+                                       response_format=fmt, reasoning_effort="high",
+                                       extra_body=forced(server.tokenizer, "free text", st.THINK_END))
+    assert r.choices[0].message.reasoning_content == "free text" and r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+    r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=300, temperature=1, seed=5, tools=PICK,
+                                       tool_choice={"type": "function", "function": {"name": "pick"}})
+    assert r.choices[0].finish_reason == "tool_calls" and len(r.choices[0].message.tool_calls) >= 1
+    for call in r.choices[0].message.tool_calls:
+        assert call.function.name == "pick"
+        jsonschema.validate(json.loads(call.function.arguments), PICK[0]["function"]["parameters"])
+    cut = client.chat.completions.create(model="tiny", messages=USER, max_tokens=5, temperature=0, response_format=fmt)
+    assert cut.choices[0].finish_reason == "length" and cut.usage.completion_tokens == 5
+    assert cut.choices[0].message.content.startswith("{")
+    plain = dict(model="tiny", prompt="def f", max_tokens=12, temperature=0, logprobs=1)
+    alone = client.completions.create(**plain).choices[0]
+    retrying = client.with_options(max_retries=5)  # the queue holds 1: a 429 (Retry-After 1 s) is retried
+    with ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(retrying.completions.create, **plain),
+                pool.submit(retrying.completions.create, **{**plain, "extra_body": {
+                    "structured_outputs": {"regex": "[0-9]{3}-[ab]{2}"}}})]
+        again, matched = [f.result().choices[0] for f in runs]
+    assert again.text == alone.text and again.logprobs.token_logprobs == alone.logprobs.token_logprobs
+    assert re.fullmatch("[0-9]{3}-[ab]{2}", matched.text) and matched.finish_reason == "stop"
 
 
 def test_ignored_fields_and_default_values_are_accepted(server, client):

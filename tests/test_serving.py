@@ -444,21 +444,28 @@ def test_capacity_buckets_and_resize(micro):
 
 
 # ------------------------------------------------------------------------------- sampling
+def _draw(logits, t, p, k, s, drawn, banned, **kw):
+    """sampling.sample over a batch with one parameter set, no history, no mask (tokens only)."""
+    B, V = logits.shape
+    a = sampling.slot_arrays([sampling.SamplingParams(temperature=t, top_p=p, top_k=k, seed=s, **kw)] * B)
+    hist = sampling.empty_history(B, V)
+    masks = np.full((B, sampling.mask_words(V)), -1, np.int32)
+    return sampling.sample(logits, a, drawn, hist, jnp.zeros(B, jnp.int32), jnp.zeros(B, bool), banned, masks)[0]
+
+
 def test_sampling_filters_and_seeds():
     V = 50
     rng = np.random.default_rng(1)
     logits = jnp.asarray(rng.normal(size=(4, V)) * 3, jnp.float32)
     banned = jnp.asarray(sampling.banned_mask(V, [int(np.argmax(logits[0]))]))
-    args = lambda t, p, k, s: (jnp.full((4,), t, jnp.float32), jnp.full((4,), p, jnp.float32),
-                               jnp.full((4,), k, jnp.int32), jnp.full((4,), s, jnp.uint32))
-    greedy = sampling.sample(logits, *args(0.0, 1.0, 0, 0), jnp.zeros(4, jnp.int32), banned)
+    zero = jnp.zeros(4, jnp.int32)
+    greedy = _draw(logits, 0.0, 1.0, 0, 0, zero, banned)
     want = np.argmax(np.where(np.asarray(banned)[None], -np.inf, np.asarray(logits)), -1)
     assert np.array_equal(np.asarray(greedy), want)
-    top1 = sampling.sample(logits, *args(1.0, 1.0, 1, 7), jnp.zeros(4, jnp.int32), banned)
+    top1 = _draw(logits, 1.0, 1.0, 1, 7, zero, banned)
     assert np.array_equal(np.asarray(top1), want)  # top_k=1 is greedy
     # top_p: the sampled token is always inside the nucleus
-    draws = np.stack([np.asarray(sampling.sample(logits, *args(1.0, 0.5, 0, s), jnp.full((4,), s, jnp.int32), banned))
-                      for s in range(20)])
+    draws = np.stack([np.asarray(_draw(logits, 1.0, 0.5, 0, s, jnp.full((4,), s, jnp.int32), banned)) for s in range(20)])
     z = np.where(np.asarray(banned)[None], -np.inf, np.asarray(logits))
     probs = np.exp(z - z.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
@@ -468,13 +475,70 @@ def test_sampling_filters_and_seeds():
         nucleus = set(order[(before < 0.5) | (np.arange(V) == 0)])
         assert set(draws[:, b]) <= nucleus
     assert not np.asarray(banned)[draws].any()
-    a = sampling.sample(logits, *args(1.0, 1.0, 0, 3), jnp.full((4,), 2, jnp.int32), banned)
-    b = sampling.sample(logits[::-1], *args(1.0, 1.0, 0, 3), jnp.full((4,), 2, jnp.int32), banned)
+    a = _draw(logits, 1.0, 1.0, 0, 3, jnp.full((4,), 2, jnp.int32), banned)
+    b = _draw(logits[::-1], 1.0, 1.0, 0, 3, jnp.full((4,), 2, jnp.int32), banned)
     assert np.array_equal(np.asarray(a), np.asarray(b)[::-1])  # independent of the slot
     with pytest.raises(ValueError, match="top_p"):
         sampling.SamplingParams(top_p=0.0)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         sampling.banned_mask(V, [V])
+
+
+def test_penalties_and_bias_follow_openai_and_hf():
+    """`sampling.adjust` against the definitions written out in numpy: repetition (HF/vLLM) over
+    prompt + generated, then frequency/presence (OpenAI) over generated, then logit_bias; a
+    neutral row in the same batch is bitwise its raw logits. The history update inside `sample`
+    counts `last` where active."""
+    V, B = 40, 3
+    rng = np.random.default_rng(2)
+    logits = rng.normal(size=(B, V)).astype(np.float32) * 3
+    prompt, generated = [3, 5, 5, 7], [5, 9, 9, 9, 11]
+    params = [sampling.SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.3,
+                                      logit_bias=((2, 7.0), (11, -100.0))),
+              sampling.SamplingParams(),  # neutral
+              sampling.SamplingParams(logit_bias=((1, 0.0),))]  # a zero bias is neutral too
+    hist = sampling.history_row(V, prompt)
+    counts = np.bincount(generated, minlength=V).astype(np.int32)
+    seen = hist["seen"][0] | (counts > 0)
+    history = {"counts": jnp.asarray(np.stack([counts] * B)), "seen": jnp.asarray(np.stack([seen] * B))}
+    banned = jnp.zeros(V, bool)
+    masks = jnp.full((B, sampling.mask_words(V)), -1, jnp.int32)
+    got = np.asarray(sampling.adjust(jnp.asarray(logits), sampling.slot_arrays(params), history, banned, masks))
+    want = logits[0].astype(np.float64).copy()
+    want[seen] = np.where(want[seen] > 0, want[seen] / np.float32(1.3), want[seen] * np.float32(1.3))
+    want -= 0.25 * counts + 0.5 * (counts > 0)
+    want[2] += 7.0
+    want[11] -= 100.0
+    np.testing.assert_allclose(got[0], want, rtol=1e-6, atol=1e-5)
+    assert got[1].tobytes() == logits[1].tobytes() and got[2].tobytes() == logits[2].tobytes()
+    # the step counts the token appended since the last draw, only in active rows
+    a = sampling.slot_arrays(params)
+    h0 = sampling.empty_history(B, V)
+    _, h1 = sampling.sample(jnp.asarray(logits), a, jnp.zeros(B, jnp.int32), h0, jnp.asarray([4, 4, 6], jnp.int32),
+                            jnp.asarray([True, True, False]), banned, masks)
+    c = np.asarray(h1["counts"])
+    assert c[0, 4] == c[1, 4] == 1 and c.sum() == 2 and np.asarray(h1["seen"]).sum() == 2
+    with pytest.raises(ValueError, match="presence_penalty must be in"):
+        sampling.SamplingParams(presence_penalty=2.5)
+    with pytest.raises(ValueError, match="logit_bias for token 3 must be in"):
+        sampling.SamplingParams(logit_bias=((3, 101.0),))
+    with pytest.raises(ValueError, match="repetition_penalty must be in"):
+        sampling.SamplingParams(repetition_penalty=0.0)
+
+
+def test_packed_mask_unpacks_as_llguidance_applies_it():
+    """The int32 words llguidance fills are unpacked on device to exactly the tokens
+    `llguidance.numpy.apply_token_bitmask_inplace` (its own numpy reference) leaves finite."""
+    lg = pytest.importorskip("llguidance.numpy")
+    rng = np.random.default_rng(3)
+    for V in (33, 64, 100):
+        words = lg.allocate_token_bitmask(3, V)
+        words[:] = rng.integers(-2**31, 2**31, size=words.shape, dtype=np.int64).astype(np.int32)
+        words[2] = -1
+        ref = np.zeros((3, V), np.float32)
+        lg.apply_token_bitmask_inplace(ref, words)
+        got = np.asarray(sampling.unpack_mask(jnp.asarray(words), V))
+        assert np.array_equal(got, np.isfinite(ref)) and got[2].all()
 
 
 # ------------------------------------------------------------------------------- engine

@@ -29,7 +29,8 @@ from dsv41_jax.model.transformer import COMPILER_OPTIONS
 from dsv41_jax.runtime import Runtime
 from dsv41_jax.serving import prefix_cache
 from dsv41_jax.serving.buckets import capacity_for, capacity_of, empty_cache, resize_cache
-from dsv41_jax.serving.sampling import SamplingParams, banned_mask, sample, slot_arrays
+from dsv41_jax.serving.sampling import (SamplingParams, banned_mask, empty_history, history_row, mask_words, sample,
+                                        slot_arrays)
 from dsv41_jax.serving.split_prefill import (check_splittable, decode_plan, decode_step, decoder_pass,
                                              encoder_pass, exact_prefill, replay_window)
 
@@ -43,6 +44,11 @@ class Request:
     `logprobs` is the log-softmax row [V] (numpy float32, banned ids at -inf) when
     `want_logprobs`, else None. `forced_tokens` (tests only) replaces the first sampled tokens
     by these ids; the model still runs on them, so the engine's path is the production one.
+    `constraint` (host side, e.g. `dsv41_jax.serving.constraints.Constraint`) limits what may be
+    sampled: before each draw `constraint.fill(row)` writes the allowed ids into a packed int32
+    row of `sampling.mask_words(V)` words (all ones on entry), and every kept token is passed to
+    `constraint.advance(token)`. A row left all zero (the grammar cannot go on) allows only the
+    stop tokens, so the reply ends.
     `spans` = (rows [len(prompt), dim], token_types [len(prompt)]) are the prompt's image spans
     (`dsv41_jax.vision.merge.span_rows`; type >= 0 inside a span), as `model.forward` takes them."""
 
@@ -55,6 +61,7 @@ class Request:
     want_logprobs: bool = False
     forced_tokens: tuple[int, ...] = ()
     spans: tuple | None = None
+    constraint: object | None = None
 
 
 @dataclass
@@ -133,6 +140,9 @@ class Engine:
         # the decode step's plan, compiled into it
         self.decode_plan = decode_plan(runtime)
         self.banned = jnp.asarray(banned_mask(cfg.vocab_size, banned_ids))
+        # per-slot sampling state on device: what the penalties count (sampling.empty_history)
+        self.history = self.placed(empty_history(slots, cfg.vocab_size))  # placed: see `placed`
+        self.mask_words = mask_words(cfg.vocab_size)
         self.fingerprint = fingerprint or prefix_cache.model_fingerprint(
             self.params if self.placement is None else self.placement.unpadded(self.params, cfg))
         self.capacity = capacity_for(cfg, 1, min_capacity, self.max_seq_len)
@@ -253,6 +263,9 @@ class Engine:
             if not cfg.vision_enabled:
                 raise ValueError("this model has no vision tower (gate.bias_vl): a request with image spans needs a VL "
                                  "checkpoint")
+        wrong = [t for t, _ in req.sampling.logit_bias if t >= cfg.vocab_size]
+        if wrong:
+            raise ValueError(f"logit_bias names token id {wrong[0]}, outside the vocabulary [0, {cfg.vocab_size})")
         total = cached + prompt.size + req.sampling.max_tokens
         if total > self.max_seq_len:
             raise ValueError(f"request needs {total} positions (cached {cached} + prompt {prompt.size} + max_tokens "
@@ -325,16 +338,16 @@ class Engine:
                 cached = prefix_cache.read_header(req.resume_from)["n_tokens"] if req.resume_from else 0
                 self._grow(cached + len(req.prompt) + req.sampling.max_tokens)
                 logits, row, tokens, cached = self.prefill(req)
-                sp = req.sampling
-                a = slot_arrays([sp])
-                first = int(sample(logits, a["temperature"], a["top_p"], a["top_k"], a["seed"],
-                                   jnp.zeros((1,), jnp.int32), self.banned)[0])
-                first = self._emit(req, 0, first, logits, 0)
+                zero = jnp.zeros((1,), jnp.int32)
+                first, hist = sample(logits, slot_arrays([req.sampling]), zero, history_row(self.cfg.vocab_size, tokens),
+                                     zero, jnp.zeros((1,), bool), self.banned, self._masks([req]))
+                first = self._emit(req, 0, int(first[0]), logits, 0)
             except Exception as e:  # noqa: BLE001 - reported in the request's Result
                 self._fail(req, [], e)
                 continue
             times["first_token"] = time.perf_counter()
             self.cache = self._insert(self.cache, row, slot)
+            self.history = self._insert(self.history, hist, slot)
             st = _Slot(req, tokens + [first], len(tokens), [first], times)
             st.prompt_tokens, st.cached_tokens = len(req.prompt), cached
             self.table[slot] = st
@@ -351,6 +364,8 @@ class Engine:
         """The token to keep (a forced one in tests), reported to `req.on_token`."""
         if drawn < len(req.forced_tokens):
             token = int(req.forced_tokens[drawn])
+        if req.constraint is not None:
+            req.constraint.advance(token)
         if req.on_token is not None:
             lp = None
             if req.want_logprobs:
@@ -358,6 +373,20 @@ class Engine:
                 lp = np.asarray(jax.nn.log_softmax(z))
             req.on_token(token, lp)
         return token
+
+    def _masks(self, requests) -> np.ndarray:
+        """Packed allowed-token rows [len(requests), W] for `sample`: all ones where a slot is
+        unconstrained (or empty), the constraint's row where it has one."""
+        words = np.full((len(requests), self.mask_words), -1, np.int32)
+        for i, req in enumerate(requests):
+            if req is None or req.constraint is None:
+                continue
+            req.constraint.fill(words[i])
+            if not words[i].any():  # the grammar cannot go on: only a stop token may follow
+                bits = words[i].view(np.uint32)
+                for t in req.sampling.stop_tokens:
+                    bits[t // 32] |= np.uint32(1 << (t % 32))
+        return words
 
     def _maybe_finish(self, slot: int):
         st = self.table[slot]
@@ -398,9 +427,13 @@ class Engine:
             ids = self._batch_ids([(st.tokens[:-1], st.tokens[-1]) if st else ([], 0) for st in self.table])
             logits, self.cache = self._decode(self.params, jnp.asarray(last, jnp.int32)[:, None], self.cache,
                                               jnp.asarray(active), ids)
+            # the masks are computed on the host while the device runs the decode step
+            masks = self._masks([st.request if st else None for st in self.table])
             a = slot_arrays([st.request.sampling if st else None for st in self.table])
             drawn = jnp.asarray([len(st.generated) if st else 0 for st in self.table], jnp.int32)
-            nxt = np.asarray(sample(logits, a["temperature"], a["top_p"], a["top_k"], a["seed"], drawn, self.banned))
+            nxt, self.history = sample(logits, a, drawn, self.history, jnp.asarray(last, jnp.int32), jnp.asarray(active),
+                                       self.banned, masks)
+            nxt = np.asarray(nxt)
             for i, st in enumerate(self.table):
                 if st is None:
                     continue
@@ -436,6 +469,7 @@ class Engine:
         self.waiting.clear()
         self.table = [None] * self.slots
         self.cache = self.empty(self.slots)
+        self.history = self.placed(empty_history(self.slots, self.cfg.vocab_size))
         return dropped
 
     def occupancy(self) -> tuple[int, int]:

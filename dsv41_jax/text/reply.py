@@ -75,11 +75,13 @@ def _held(text: str, tags: tuple[str, ...]) -> int:
 
 class ReplyParser:
     """Streaming parser for one reply. `thinking`: the prompt ended with `<think>`, so the reply
-    starts in reasoning; `tools`: DSML calls are parsed (otherwise all text is content)."""
+    starts in reasoning; `tools`: DSML calls are parsed (otherwise all text is content); `max_calls`: calls
+    beyond this many are dropped (parallel_tool_calls=false)."""
 
-    def __init__(self, *, thinking: bool, tools: bool):
+    def __init__(self, *, thinking: bool, tools: bool, max_calls: int | None = None):
         self.state = "reasoning" if thinking else "content"
         self.tools = tools
+        self.max_calls = max_calls  # parallel_tool_calls=false: calls after the first are dropped
         self.buf = ""
         self.calls: list[ToolCall] = []
         self.pending_ws = ""  # whitespace before a possible calls block, shown once it is not one
@@ -121,6 +123,8 @@ class ReplyParser:
                 if end < 0:
                     return out
                 for m in _INVOKE.finditer(self.buf[:end]):
+                    if self.max_calls is not None and len(self.calls) >= self.max_calls:
+                        break
                     call = ToolCall(len(self.calls), m["name"],
                                     json.dumps(parse_invoke(m["name"], m["body"]), ensure_ascii=False))
                     self.calls.append(call)

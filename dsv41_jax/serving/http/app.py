@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import threading
 import time
 import traceback
 import uuid
@@ -249,20 +250,56 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
         forced = tuple(extra.get("forced_tokens") or tokenizer.encode(extra.get("forced_text", "")))
         return forced, int(extra.get("fail") or 0)
 
-    def _start(body: dict, prompt: list[int], sp: P.Sampling, mode: P.ChatMode | None) -> list[_Run]:
+    grammars = []  # the Grammars of this tokenizer, built on the first constrained request (llguidance reads the file)
+    grammars_lock = threading.Lock()
+
+    def _constraints(spec: P.ConstraintSpec, mode: P.ChatMode | None, n: int) -> list:
+        """One llguidance matcher per choice for the request's constraint (run in a worker thread: a
+        large schema takes a while to compile); a grammar that cannot be used is a 400 naming the field."""
+        from dsv41_jax.serving.constraints import ConstraintError, Grammars
+
+        with grammars_lock:
+            if not grammars:
+                grammars.append(Grammars(tokenizer, worker.engine.cfg.vocab_size))
+        g = grammars[0]
+        try:
+            if spec.kind == "json":
+                grammar = g.json_schema(spec.value, spec.param)
+            elif spec.kind == "regex":
+                grammar = g.regex(spec.value)
+            elif spec.kind == "grammar":
+                grammar = g.lark(spec.value)
+            else:
+                functions = [t["function"] for t in mode.tools]
+                grammar = g.tool_calls(functions, parallel=spec.parallel, param="tools")
+            g.check(grammar, spec.param)
+            after = tokenizer.token_to_id(st.THINK_END) if mode is not None and mode.thinking else None
+            return [g.constraint(grammar, start_after=after) for _ in range(n)]
+        except ConstraintError as e:
+            raise P.bad(e.param, str(e).split(": ", 1)[1]) from None
+
+    def _start(body: dict, prompt: list[int], sp: P.Sampling, mode: P.ChatMode | None,
+               constraints: list | None = None) -> list[_Run]:
         """Submit one engine request per choice (`n`); each holds a slot, so n is at most the batch."""
         max_tokens = _limits(prompt, sp)
         if len(sp.seeds) > worker.engine.slots:
             raise P.bad("n", f"{len(sp.seeds)} choices need {len(sp.seeds)} batch slots at once; this server has "
                              f"{worker.engine.slots} (dsv41 serve --max-batch)")
         forced, fail = _test_fields(body)
+        vocab = worker.engine.cfg.vocab_size
+        wrong = next((t for t, _ in sp.logit_bias if t >= vocab), None)
+        if wrong is not None:
+            raise P.bad("logit_bias", f"token id {wrong} is outside the model's vocabulary [0, {vocab})")
         loop = asyncio.get_running_loop()
         runs = []
-        for seed in sp.seeds:
+        for i, seed in enumerate(sp.seeds):
             params = SamplingParams(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=seed,
-                                    max_tokens=max_tokens, stop_tokens=end_ids)
+                                    max_tokens=max_tokens, stop_tokens=end_ids, presence_penalty=sp.presence_penalty,
+                                    frequency_penalty=sp.frequency_penalty, repetition_penalty=sp.repetition_penalty,
+                                    logit_bias=sp.logit_bias)
             req = Request(list(prompt), params, request_id=f"cmpl-{uuid.uuid4().hex[:24]}",
-                          want_logprobs=sp.logprobs, forced_tokens=forced)
+                          want_logprobs=sp.logprobs, forced_tokens=forced,
+                          constraint=constraints[i] if constraints else None)
             job = Job(req, loop, asyncio.Queue(), fail_in_engine=fail)
             if cfg.conversations is not None:
                 cfg.conversations.attach(job, thinking=bool(mode and mode.thinking), chat=mode is not None)
@@ -440,23 +477,26 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
         P.check_images(messages, cfg.has_vision)
         mode = P.chat_mode(body)
         sp = P.sampling_fields(body, chat=True)
+        spec = P.constraint_spec(body, chat=True)
         _precheck("messages", messages)
         try:  # off the event loop: a long conversation must not stall the other clients
             prompt = await asyncio.to_thread(encode_chat_ids, tokenizer, messages, thinking=mode.thinking,
                                              effort=mode.effort, tools=mode.tools)
         except (ValueError, TypeError) as e:
             raise P.APIError(400, f"messages: {e}", param="messages") from None
-        runs = _start(body, prompt, sp, mode)
+        constraints = spec and await asyncio.to_thread(_constraints, spec, mode, len(sp.seeds))
+        runs = _start(body, prompt, sp, mode, constraints)
         cid = runs[0].job.request.request_id.replace("cmpl-", "chatcmpl-")
-        choices = [_ChatChoice(i, run, mode, sp) for i, run in enumerate(runs)]
+        one_call = not P.parallel_tool_calls(body)
+        choices = [_ChatChoice(i, run, mode, sp, one_call) for i, run in enumerate(runs)]
         return await _respond(request, runs, sp, choices, cid, "chat.completion.chunk", "chat.completion")
 
     class _ChatChoice:
         """One chat choice: reasoning / content / tool calls split by its own ReplyParser."""
 
-        def __init__(self, index: int, run: _Run, mode: P.ChatMode, sp: P.Sampling):
+        def __init__(self, index: int, run: _Run, mode: P.ChatMode, sp: P.Sampling, one_call: bool = False):
             self.index, self.run, self.mode, self.sp = index, run, mode, sp
-            self.parser = ReplyParser(thinking=mode.thinking, tools=mode.parse_tools)
+            self.parser = ReplyParser(thinking=mode.thinking, tools=mode.parse_tools, max_calls=1 if one_call else None)
             self.calls, self.sent_lp = [], 0
 
         @staticmethod
@@ -588,7 +628,9 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
         _check_model(body)
         ids = await _prompt_ids(body.get("prompt"))
         sp = P.sampling_fields(body, chat=False)
-        runs = _start(body, ids, sp, None)
+        spec = P.constraint_spec(body, chat=False)
+        constraints = spec and await asyncio.to_thread(_constraints, spec, None, len(sp.seeds))
+        runs = _start(body, ids, sp, None, constraints)
         choices = [_TextChoice(i, run, sp) for i, run in enumerate(runs)]
         return await _respond(request, runs, sp, choices, runs[0].job.request.request_id, "text_completion",
                               "text_completion")

@@ -16,6 +16,7 @@ import numbers
 import secrets
 from collections.abc import Mapping
 
+from dsv41_jax.serving.sampling import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY
 from dsv41_jax.text.chat import DEFAULT_EFFORT_TABLE, EFFORT_MAX, EFFORT_MIN
 
 
@@ -68,6 +69,10 @@ class Sampling:
     include_usage: bool
     logprobs: bool
     top_logprobs: int
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 INT32_MAX = 2**31 - 1
@@ -76,21 +81,14 @@ MAX_N = 128  # choices per request; each takes an engine slot, so the server als
 # Fields that cannot change the output: accepted and ignored (docs/SERVING.md lists them).
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
 _SAMPLING = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n",
-             "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"}
+             "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+             "structured_outputs"}  # structured_outputs: our constraint field (vLLM's name), constraint_spec
 CHAT_FIELDS = _SAMPLING | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                            "parallel_tool_calls", "reasoning_effort", "chat_template_kwargs", "response_format"}
 COMPLETION_FIELDS = _SAMPLING | {"prompt", "echo", "suffix", "best_of"}
 # Fields that select behaviour this server does not have yet: refused unless they ask for the default.
 # (value is the default, which is accepted)
 _NOT_YET = {
-    "presence_penalty": (0, "presence penalties are not applied by this server yet; leave presence_penalty at 0"),
-    "frequency_penalty": (0, "frequency penalties are not applied by this server yet; leave frequency_penalty at 0"),
-    "repetition_penalty": (1, "repetition penalties are not applied by this server yet; leave repetition_penalty at 1"),
-    "logit_bias": ({}, "logit_bias is not applied by this server yet; send an empty object or leave it out"),
-    "response_format": ({"type": "text"}, "structured output (json_object / json_schema) is not constrained by this "
-                                          "server yet; send {'type': 'text'} or leave response_format out"),
-    "parallel_tool_calls": (True, "parallel_tool_calls=false cannot be enforced by this server yet (the model may "
-                                  "emit several calls); leave it out or true"),
     "echo": (False, "echo (the prompt's own logprobs) is not served yet; leave echo out or false"),
     "suffix": ("", "suffix (fill-in-the-middle) is not supported by this model's completions; leave it out"),
     "best_of": (1, "best_of > 1 is not served; send best_of 1 or leave it out"),
@@ -110,10 +108,8 @@ def check_fields(body: Mapping, *, chat: bool, extra: frozenset = frozenset()) -
                               "docs/SERVING.md \"Request fields\"")
     for key, (default, why) in _NOT_YET.items():
         v = body.get(key)
-        if v is None or v == default or (key == "response_format" and isinstance(v, Mapping) and v.get("type") == "text"):
+        if v is None or v == default:
             continue
-        if key in ("presence_penalty", "frequency_penalty", "repetition_penalty") and not _is_num(v):
-            raise bad(key, f"expected a number, got {type(v).__name__} {v!r:.80}")
         raise bad(key, f"{why} (got {v!r:.80})")
 
 
@@ -190,7 +186,35 @@ def sampling_fields(body: Mapping, *, chat: bool) -> Sampling:
         top = top or 0
         if not 0 <= top <= 20:
             raise bad("logprobs", f"must be in 0-20, got {top}")
-    return Sampling(max_tokens, temperature, top_p, max(top_k, 0), seeds, stop, stream, include_usage, logprobs, top)
+    penalties = {}
+    for key, lo, hi, neutral in (("presence_penalty", -2, 2, 0.0), ("frequency_penalty", -2, 2, 0.0),
+                                 ("repetition_penalty", 0, MAX_REPETITION_PENALTY, 1.0)):
+        v = float(_get(body, key, _is_num, "a number", neutral))
+        if not (lo <= v <= hi if lo < 0 else lo < v <= hi):
+            raise bad(key, f"must be in {'[' if lo < 0 else '('}{lo:g}, {hi:g}] ({neutral:g} = off), got {v}")
+        penalties[key] = v
+    return Sampling(max_tokens, temperature, top_p, max(top_k, 0), seeds, stop, stream, include_usage, logprobs, top,
+                    logit_bias=_logit_bias(body.get("logit_bias")), **penalties)
+
+
+def _logit_bias(value) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias`: an object from token id (a JSON key, so a string of digits) to a bias in
+    [-100, 100]. The ids are checked against the vocabulary by the caller (`_start`)."""
+    if value is None:
+        return ()
+    if not isinstance(value, Mapping):
+        raise bad("logit_bias", f"expected an object from token id to bias, got {type(value).__name__} {value!r:.80}")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise bad("logit_bias", f"has {len(value)} entries; at most {MAX_LOGIT_BIAS} are accepted")
+    out = []
+    for key, bias in value.items():
+        key_text = str(key).strip()
+        if not key_text.isdigit() or not key_text.isascii():
+            raise bad("logit_bias", f"keys are token ids (non-negative integers), got {key!r:.40}")
+        if not _is_num(bias) or not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:
+            raise bad("logit_bias", f"the bias of token {key_text} must be a number in [-100, 100], got {bias!r:.40}")
+        out.append((int(key_text), float(bias)))
+    return tuple(out)
 
 
 @dataclasses.dataclass
@@ -252,3 +276,64 @@ def check_images(messages, has_vision: bool):
                            "images are not supported: this checkpoint has no vision tower (or was loaded with "
                            "--language-model-only)")
                     raise bad(f"messages[{i}].content", why)
+
+
+@dataclasses.dataclass
+class ConstraintSpec:
+    """What a request constrains its reply to. kind: "json" (value: a schema), "regex", "grammar"
+    (Lark, llguidance's dialect) or "tools" (a DSML call to one of the rendered tools; `parallel`
+    False allows exactly one). `param` is the field it came from, for errors."""
+
+    kind: str
+    value: object
+    param: str
+    parallel: bool = True
+
+
+def parallel_tool_calls(body: Mapping) -> bool:
+    return _get(body, "parallel_tool_calls", lambda v: isinstance(v, bool), "true or false", True)
+
+
+def constraint_spec(body: Mapping, *, chat: bool) -> ConstraintSpec | None:
+    """The request's constraint from `response_format` (chat), `structured_outputs` (both) and a
+    forced `tool_choice` ("required" or a named function; chat); at most one of them."""
+    found = []
+    if chat:
+        fmt = body.get("response_format")
+        if fmt is not None:
+            kind = fmt.get("type") if isinstance(fmt, Mapping) else None
+            if kind == "json_object":
+                found.append(ConstraintSpec("json", {"type": "object"}, "response_format"))
+            elif kind == "json_schema":
+                spec = fmt.get("json_schema")
+                schema = spec.get("schema") if isinstance(spec, Mapping) else None
+                if not isinstance(schema, Mapping):
+                    raise bad("response_format", "json_schema needs {'json_schema': {'name': ..., 'schema': {...}, "
+                                                 f"'strict': true}}}}, got {fmt!r:.120}")
+                strict = spec.get("strict")
+                if strict is not None and not isinstance(strict, bool):
+                    raise bad("response_format.json_schema.strict", f"expected true or false, got {strict!r:.40}")
+                found.append(ConstraintSpec("json", dict(schema), "response_format.json_schema.schema"))
+            elif kind != "text":
+                raise bad("response_format", f"type must be 'text', 'json_object' or 'json_schema', got {fmt!r:.80}")
+        choice = body.get("tool_choice")
+        if choice == "required" or isinstance(choice, Mapping):
+            found.append(ConstraintSpec("tools", None, "tool_choice", parallel_tool_calls(body)))
+        else:
+            parallel_tool_calls(body)  # checked; without a forced choice false keeps the first call only
+    so = body.get("structured_outputs")
+    if so is not None:
+        keys = [k for k in ("regex", "grammar", "json") if so.get(k) is not None] if isinstance(so, Mapping) else []
+        extra = sorted(set(so) - {"regex", "grammar", "json"}) if isinstance(so, Mapping) else []
+        if len(keys) != 1 or extra:
+            raise bad("structured_outputs", "expected exactly one of {'regex': str}, {'grammar': str (Lark)} or "
+                                            f"{{'json': schema}}, got {so!r:.120}")
+        key = keys[0]
+        value = so[key]
+        if key in ("regex", "grammar") and not isinstance(value, str):
+            raise bad(f"structured_outputs.{key}", f"expected a string, got {type(value).__name__}")
+        found.append(ConstraintSpec(key, value, f"structured_outputs.{key}"))
+    if len(found) > 1:
+        raise bad(found[1].param.split(".")[0], f"one constraint per request: {found[0].param.split('.')[0]} "
+                                                f"already constrains the reply")
+    return found[0] if found else None

@@ -44,10 +44,18 @@ _SAMPLING = {
     "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": "boolean"}}},
     "n": {"type": ["integer", "null"], "minimum": 1, "maximum": P.MAX_N,
           "description": "choices; also at most the server's --max-batch"},
-    "presence_penalty": {"type": ["number", "null"], "description": "only 0 is accepted (not applied yet)"},
-    "frequency_penalty": {"type": ["number", "null"], "description": "only 0 is accepted (not applied yet)"},
-    "repetition_penalty": {"type": ["number", "null"], "description": "only 1 is accepted (not applied yet)"},
-    "logit_bias": {"type": ["object", "null"], "description": "only {} is accepted (not applied yet)"},
+    "presence_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2,
+                         "description": "over generated tokens (OpenAI)"},
+    "frequency_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2,
+                          "description": "over generated tokens (OpenAI)"},
+    "repetition_penalty": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 10,
+                           "description": "over prompt and generated tokens (HF/vLLM); 1 is off"},
+    "logit_bias": {"type": ["object", "null"], "additionalProperties": {"type": "number"},
+                   "description": "token id -> bias in [-100, 100], at most 300 entries"},
+    "structured_outputs": {"type": ["object", "null"], "description": "exactly one of regex (str), grammar (Lark, "
+                                                                      "llguidance dialect) or json (a schema)",
+                           "properties": {"regex": {"type": "string"}, "grammar": {"type": "string"},
+                                          "json": {"type": "object"}}},
     **{k: {"description": "accepted and ignored: cannot change the output"} for k in sorted(P.IGNORED_FIELDS)},
 }
 CHAT_REQUEST = {"type": "object", "required": ["messages"], "additionalProperties": False, "properties": {
@@ -62,12 +70,13 @@ CHAT_REQUEST = {"type": "object", "required": ["messages"], "additionalPropertie
                                   "type": {"const": "function"},
                                   "function": {"type": "object", "required": ["name"],
                                                "properties": {"name": {"type": "string"}}}}}]},
-    "parallel_tool_calls": {"type": ["boolean", "null"], "description": "false is refused (not enforced yet)"},
+    "parallel_tool_calls": {"type": ["boolean", "null"], "description": "false: at most one call"},
     "reasoning_effort": {"anyOf": [{"enum": ["low", "high", "max", "none"]}, {"type": "null"},
                                    {"type": "integer", "minimum": 1, "maximum": 100}]},
     "chat_template_kwargs": {"type": ["object", "null"], "properties": {
         "thinking": {"type": "boolean"}, "enable_thinking": {"type": "boolean"}}},
-    "response_format": {"type": ["object", "null"], "description": "only {'type': 'text'} is accepted yet"},
+    "response_format": {"type": ["object", "null"], "description": "text, json_object or json_schema "
+                                                                    "({'name', 'schema', 'strict'}): constrains the reply"},
 }}
 COMPLETION_REQUEST = {"type": "object", "required": ["prompt"], "additionalProperties": False, "properties": {
     **_SAMPLING,
