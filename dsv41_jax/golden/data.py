@@ -57,6 +57,12 @@ class GoldenConfig:
             model, _ = load_reference_state_dict(self.cfg, lambda n: np.asarray(f.get_tensor(n)), names)
         return model
 
+    def longest_prefill(self) -> list[int] | None:
+        """The tokens of this folder's longest text prefill case, or None (the DSpark and vision
+        folders hold none)."""
+        prefills = [c for c in self.cases if c["kind"] == "prefill"]
+        return max(prefills, key=lambda c: len(c["tokens"]))["tokens"] if prefills else None
+
     def engram_hasher(self):
         """(layout, token_map) for Engram configs, else None."""
         if not self.cfg.engram_layer_ids:
