@@ -16,23 +16,13 @@ import time
 import httpx
 import pytest
 
-from dsv41_jax.checkpoint.synthetic import synthetic_model
-from dsv41_jax.config import ModelConfig
-from dsv41_jax.serving.http.server import BackgroundServer, ServeOptions, build
-from dsv41_jax.text.tokenizer import load_tokenizer
-from dsv41_jax.train.data import ByteTokenizer
+from dsv41_jax.serving.http.server import BackgroundServer
+from test_serve_warmup import tiny_app
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("iso")
-    cfg = ModelConfig.tiny(vocab_size=ByteTokenizer().vocab_size, n_layers=1, compress_ratios=(0,),
-                           kv_source_layers=(), index_source_layers=(), candidate_source_layer=-1,
-                           engram_layer_ids=(), n_routed_experts=4, max_seq_len=512, max_batch_size=2)
-    tokenizer = load_tokenizer(ByteTokenizer().save_json(folder / "tokenizer.json"))
-    app, worker = build(synthetic_model(cfg, seed=3), tokenizer,
-                        ServeOptions(model_name="tiny", max_batch=2, max_model_len=512, prefill_chunk=16,
-                                     exact_prefill=True, test_hooks=True))
+    app, worker = tiny_app(tmp_path_factory.mktemp("iso"), 512, seed=3, test_hooks=True)
     step = worker.engine.step
 
     def slow_step():  # the real step, then a pause: the quiet request stays in flight for seconds

@@ -55,6 +55,18 @@ def count_compiles():
         _counting.remove(seen)
 
 
+def tiny_app(folder, max_len: int, seed: int = 1, **opts):
+    """(app, worker) of `build` on a one-layer tiny model (SWA, MoE, mHC) with the byte tokenizer,
+    2 slots, chunk 16, exact prefill: the cheapest model the whole serving path runs on."""
+    cfg = ModelConfig.tiny(vocab_size=ByteTokenizer().vocab_size, n_layers=1, compress_ratios=(0,),
+                           kv_source_layers=(), index_source_layers=(), candidate_source_layer=-1,
+                           engram_layer_ids=(), n_routed_experts=4, max_seq_len=max_len, max_batch_size=2)
+    tokenizer = load_tokenizer(ByteTokenizer().save_json(folder / "tokenizer.json"))
+    return build(synthetic_model(cfg, seed=seed), tokenizer,
+                 ServeOptions(model_name="tiny", max_batch=2, max_model_len=max_len, prefill_chunk=16,
+                              exact_prefill=True, **opts))
+
+
 @pytest.mark.parametrize("chunk", [1, 3, 8, 16, 100, 512])
 def test_piece_sizes_are_those_of_every_reachable_length(chunk):
     for lo, hi in [(1, 1), (1, 7), (5, 63), (129, 8191), (300, 310), (9, 8)]:
@@ -63,13 +75,7 @@ def test_piece_sizes_are_those_of_every_reachable_length(chunk):
 
 
 def test_warm_server_reports_ready_after_compiling_and_then_no_request_compiles(tmp_path):
-    cfg = ModelConfig.tiny(vocab_size=ByteTokenizer().vocab_size, n_layers=1, compress_ratios=(0,),
-                           kv_source_layers=(), index_source_layers=(), candidate_source_layer=-1,
-                           engram_layer_ids=(), n_routed_experts=4, max_seq_len=64, max_batch_size=2)
-    tokenizer = load_tokenizer(ByteTokenizer().save_json(tmp_path / "tokenizer.json"))
-    opts = ServeOptions(model_name="tiny", max_batch=2, max_model_len=64, prefill_chunk=16, exact_prefill=True,
-                        warm=True)
-    app, worker = build(synthetic_model(cfg, seed=1), tokenizer, opts)
+    app, worker = tiny_app(tmp_path, 64, warm=True)
     assert [k for k, _ in program_list(worker.engine)] == ["exact"] * 5 + ["decode"]  # pieces 1, 2, 4, 8, 16
     gate = threading.Event()
     real_warm = worker.warm
@@ -113,13 +119,7 @@ def test_warm_server_reports_ready_after_compiling_and_then_no_request_compiles(
 
 
 def test_failed_warm_up_is_reported_and_the_server_still_answers(tmp_path):
-    cfg = ModelConfig.tiny(vocab_size=ByteTokenizer().vocab_size, n_layers=1, compress_ratios=(0,),
-                           kv_source_layers=(), index_source_layers=(), candidate_source_layer=-1,
-                           engram_layer_ids=(), n_routed_experts=4, max_seq_len=64, max_batch_size=2)
-    tokenizer = load_tokenizer(ByteTokenizer().save_json(tmp_path / "tokenizer.json"))
-    app, worker = build(synthetic_model(cfg, seed=1), tokenizer,
-                        ServeOptions(model_name="tiny", max_batch=2, max_model_len=64, prefill_chunk=16,
-                                     exact_prefill=True))
+    app, worker = tiny_app(tmp_path, 64)
 
     def broken(engine, progress):
         progress(0, 3, "start", 0.0)
