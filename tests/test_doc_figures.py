@@ -97,3 +97,17 @@ def test_slice_table_every_context_and_footnotes():
     m = re.search(r"8×H200 at 1 M: (\d+) with `--prefill-chunk 64`, (\d+) with `--engram host`", README.read_text())
     assert (int(m.group(1)), int(m.group(2))) == (largest(h200["mesh"], 1048576, "H200", chunk=64),
                                                   largest(h200["mesh"], 1048576, "H200", engram="host"))
+
+
+def test_plan_knows_the_devices_users_have(capsys):
+    """`dsv41 plan --device` knows v5e (Colab and Kaggle's TPU, missing before), v5p, v6e, v7x, H100,
+    H200 and B200, with the HBM the vendors state (sharding/devices.py cites them)."""
+    from dsv41_jax.cli.main import main
+    from sharding.devices import HBM_GIB
+
+    assert HBM_GIB == {"v5e": 16, "v5p": 95, "v6e": 32, "v7x": 192, "H100": 80, "H200": 141, "B200": 180}
+    for device, hbm in HBM_GIB.items():
+        code = main(["plan", "--config", "tiny", "--mesh", "data=1", "--device", device, "--batch", "1",
+                     "--context", "64", "--no-compile"])
+        out = capsys.readouterr().out
+        assert code == 0 and f"{device}: {hbm} GiB HBM" in out, out
