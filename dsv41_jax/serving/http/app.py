@@ -628,37 +628,100 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
         _check_model(body)
         ids = await _prompt_ids(body.get("prompt"))
         sp = P.sampling_fields(body, chat=False)
+        echo = _get_bool(body, "echo", False)
         spec = P.constraint_spec(body, chat=False)
+        if sp.max_tokens == 0:  # score the prompt only (sampling_fields allows 0 with echo alone)
+            if len(ids) > cfg.max_model_len:
+                raise P.APIError(400, f"the prompt has {len(ids)} tokens but the maximum model length is "
+                                      f"{cfg.max_model_len}", param="prompt")
+            return await _echo_only(request, ids, sp, _prompt_text(body.get("prompt"), ids))
         constraints = spec and await asyncio.to_thread(_constraints, spec, None, len(sp.seeds))
+        _limits(ids, sp)  # its 400 before any compute
+        prefix = await _echo(ids, sp, _prompt_text(body.get("prompt"), ids)) if echo else None
         runs = _start(body, ids, sp, None, constraints)
-        choices = [_TextChoice(i, run, sp) for i, run in enumerate(runs)]
+        choices = [_TextChoice(i, run, sp, prefix) for i, run in enumerate(runs)]
         return await _respond(request, runs, sp, choices, runs[0].job.request.request_id, "text_completion",
                               "text_completion")
+
+    def _prompt_text(prompt, ids: list[int]) -> str:
+        """The prompt as echo returns it: the text as sent, or the decoded ids of a token prompt."""
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        return prompt if isinstance(prompt, str) else tokenizer.decode(ids)
+
+    async def _echo(ids: list[int], sp: P.Sampling, text: str) -> tuple[str, dict | None]:
+        """(the prompt's text, its legacy logprobs block or None): echo's prefix of every choice. The
+        block has one entry per prompt token (a text prompt's first is the BOS the server adds), the
+        first with null logprobs."""
+        if not sp.logprobs:
+            return text, None
+        from dsv41_jax.serving.prompt_logprobs import prompt_logprobs
+
+        lps, tops = await worker.call(lambda engine: prompt_logprobs(engine, list(ids)))
+        piece = lambda i: tokenizer.decode([i])  # noqa: E731
+        k = sp.top_logprobs
+        return text, {"tokens": [piece(t) for t in ids], "token_logprobs": lps,
+                      "top_logprobs": [None] + [{piece(i): v for i, v in top[:k]} for top in tops[1:]]}
+
+    async def _echo_only(request: HTTPRequest, ids: list[int], sp: P.Sampling, prompt_text: str):
+        """max_tokens 0: every choice is the prompt (and its logprobs); nothing is generated."""
+        text, block = await _echo(ids, sp, prompt_text)
+        cid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        choices = [{"index": i, "text": text, "logprobs": block, "finish_reason": "length"}
+                   for i in range(len(sp.seeds))]
+        usage = {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+        metrics.requests.labels(request.url.path, "200").inc()
+        if not sp.stream:
+            return {"id": cid, "object": "text_completion", "created": created, "model": cfg.model_name,
+                    "choices": choices, "usage": usage}
+        head = {"id": cid, "object": "text_completion", "created": created, "model": cfg.model_name}
+
+        async def gen():
+            for c in choices:
+                yield _sse({**head, "choices": [c]})
+            if sp.include_usage:
+                yield _sse({**head, "choices": [], "usage": usage})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
 
     class _TextChoice:
         """One completions choice: the text as it comes, with logprobs in the legacy block shape."""
 
-        def __init__(self, index: int, run: _Run, sp: P.Sampling):
+        def __init__(self, index: int, run: _Run, sp: P.Sampling, echo: tuple[str, dict | None] | None = None):
             self.index, self.run, self.sp, self.sent = index, run, sp, 0
+            # echo: the prompt's text and logprobs block, sent once, before the first piece
+            self.echo_text, self.echo_lp = echo if echo is not None else (None, None)
 
         def _lp(self):
             if not self.sp.logprobs:
                 return None
             entries, self.sent = self.run.logprobs[self.sent:], len(self.run.logprobs)
-            return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-                    "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries]}
+            block = {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+                     "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries]}
+            if self.echo_lp is not None:  # the prompt's entries first
+                block, self.echo_lp = {k: self.echo_lp[k] + block[k] for k in block}, None
+            return block
+
+        def _text(self, text: str) -> str:
+            if self.echo_text is not None:
+                text, self.echo_text = self.echo_text + text, None
+            return text
 
         def opening(self):
             return None
 
         def piece(self, text: str) -> dict:
-            return {"index": self.index, "text": text, "logprobs": self._lp(), "finish_reason": None}
+            lp = self._lp()
+            return {"index": self.index, "text": self._text(text), "logprobs": lp, "finish_reason": None}
 
         def closing(self) -> dict:
-            return {"index": self.index, "text": "", "finish_reason": self.run.finish, "logprobs": self._lp()}
+            lp = self._lp()
+            return {"index": self.index, "text": self._text(""), "finish_reason": self.run.finish, "logprobs": lp}
 
         def whole(self, texts: list[str]) -> dict:
-            return {"index": self.index, "text": "".join(texts), "finish_reason": self.run.finish,
-                    "logprobs": self._lp()}
+            lp = self._lp()
+            return {"index": self.index, "text": self._text("".join(texts)), "finish_reason": self.run.finish,
+                    "logprobs": lp}
 
     return app

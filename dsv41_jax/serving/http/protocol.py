@@ -89,7 +89,6 @@ COMPLETION_FIELDS = _SAMPLING | {"prompt", "echo", "suffix", "best_of"}
 # Fields that select behaviour this server does not have yet: refused unless they ask for the default.
 # (value is the default, which is accepted)
 _NOT_YET = {
-    "echo": (False, "echo (the prompt's own logprobs) is not served yet; leave echo out or false"),
     "suffix": ("", "suffix (fill-in-the-middle) is not supported by this model's completions; leave it out"),
     "best_of": (1, "best_of > 1 is not served; send best_of 1 or leave it out"),
 }
@@ -137,8 +136,11 @@ def sampling_fields(body: Mapping, *, chat: bool) -> Sampling:
     if chat:
         alt = _get(body, "max_completion_tokens", _is_int, "an integer")
         max_tokens = alt if alt is not None else max_tokens
-    if max_tokens is not None and not 1 <= max_tokens <= INT32_MAX:
-        raise bad("max_tokens", f"must be in [1, {INT32_MAX}], got {max_tokens}")
+    if max_tokens is not None and not (0 if not chat else 1) <= max_tokens <= INT32_MAX:
+        raise bad("max_tokens", f"must be in [{0 if not chat else 1}, {INT32_MAX}], got {max_tokens}")
+    if max_tokens == 0 and body.get("echo") is not True:  # completions only (chat refused it above)
+        raise bad("max_tokens", "0 generates nothing: it scores the prompt, with echo: true (and logprobs); "
+                                "otherwise ask for at least 1 token")
     temperature = float(_get(body, "temperature", _is_num, "a number", 1.0))
     if not 0 <= temperature <= 2:
         raise bad("temperature", f"must be in [0, 2], got {temperature}")

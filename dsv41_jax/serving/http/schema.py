@@ -84,7 +84,10 @@ COMPLETION_REQUEST = {"type": "object", "required": ["prompt"], "additionalPrope
                          {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1}},
                          {"type": "array", "minItems": 1, "items": _INT32}]},
     "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 20},
-    "echo": {"type": ["boolean", "null"], "description": "only false is accepted yet"},
+    "max_tokens": {"type": ["integer", "null"], "minimum": 0, "maximum": P.INT32_MAX,
+                   "description": "0 only with echo: score the prompt without generating"},
+    "echo": {"type": ["boolean", "null"], "description": "return the prompt (and its tokens' logprobs with "
+                                                         "logprobs) before the completion"},
     "suffix": {"type": ["string", "null"], "description": "only empty is accepted"},
     "best_of": {"type": ["integer", "null"], "description": "only 1 is accepted"},
 }}

@@ -95,6 +95,13 @@ class EngineWorker:
     def cancel(self, request_id: str):
         self.inbox.put(("cancel", request_id))
 
+    async def call(self, fn):
+        """`fn(engine)` run in the engine thread between steps (e.g. scoring a prompt); its result."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.inbox.put(("call", fn, loop, future))
+        return await future
+
     # ------------------------------------------------------------------ engine thread
     def _post(self, job: Job, event: tuple):
         job.loop.call_soon_threadsafe(job.events.put_nowait, event)
@@ -136,6 +143,19 @@ class EngineWorker:
             else:
                 self.jobs[job.request.request_id] = job
                 self.metrics.prompt_tokens.inc(len(job.request.prompt))
+        elif item[0] == "call":
+            _, fn, loop, future = item
+
+            def settle(method, value):  # the awaiting handler may have gone away (client disconnect)
+                if not future.done():
+                    method(value)
+
+            try:
+                result = fn(self.engine)
+            except Exception as e:  # noqa: BLE001 - the caller's failure, raised in the caller
+                loop.call_soon_threadsafe(settle, future.set_exception, e)
+            else:
+                loop.call_soon_threadsafe(settle, future.set_result, result)
         elif item[0] == "cancel":
             job = self.jobs.pop(item[1], None)
             if job is not None:

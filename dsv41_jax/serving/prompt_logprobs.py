@@ -1,0 +1,68 @@
+"""The logprobs of a prompt's own tokens (`/v1/completions` with `echo`), as evaluation harnesses
+ask for them (lm-eval's loglikelihood tasks: `echo: true`, `logprobs`, `max_tokens` 0 or 1).
+
+Token i's logprob is log_softmax of the logits at position i - 1, evaluated at token i; the first
+token has none. Every layer runs over every prompt token (exact prefill, model.forward's math): the
+CED split computes no logits before the prompt's last window. The prompt goes through in the
+engine's prefill pieces (`prefill_chunk` chunks plus power-of-two remainders), on a cache of its
+own (the batch's slots are untouched), so one program per piece size serves every length; the
+log-softmax, the target gather and the top entries are computed on the device, so only
+[n] + [n, TOP] numbers per piece come back. Raw logits: unlike sampled tokens, no id is banned
+(a prompt may hold the sentinels a reply never may).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsv41_jax.model.transformer import COMPILER_OPTIONS
+from dsv41_jax.serving.engine import Engine, pieces
+from dsv41_jax.serving.split_prefill import exact_prefill
+
+TOP = 20  # the most top_logprobs a request may ask for (OpenAI's bound)
+
+
+def _program(engine: Engine):
+    fn = getattr(engine, "_prompt_logprobs_step", None)
+    if fn is None:
+        gd, rt = engine.graphdef, engine.runtime
+
+        @functools.partial(jax.jit, donate_argnums=(2,), compiler_options=COMPILER_OPTIONS)
+        def fn(params, tokens, cache, ids, targets):
+            logits, cache, _ = exact_prefill(nnx.merge(gd, params), tokens, cache, runtime=rt, engram_ids=ids)
+            lp = jax.nn.log_softmax(logits[0].astype(jnp.float32), -1)  # [n, V]
+            target = jnp.take_along_axis(lp, jnp.maximum(targets, 0)[:, None], -1)[:, 0]
+            top_lp, top_ids = jax.lax.top_k(lp, min(TOP, lp.shape[-1]))
+            return target, top_lp, top_ids, cache
+
+        engine._prompt_logprobs_step = fn
+    return fn
+
+
+def prompt_logprobs(engine: Engine, prompt: list[int]) -> tuple[list[float | None], list[list[tuple[int, float]]]]:
+    """(logprob of each prompt token given the tokens before it, None for the first;
+    the TOP most likely (id, logprob) at each position, [] for the first). Call from the engine's thread."""
+    if not prompt:
+        raise ValueError("empty prompt: nothing to score")
+    step = _program(engine)
+    cache = engine.empty(1)
+    lps: list[float | None] = [None]
+    tops: list[list[tuple[int, float]]] = [[]]
+    done = 0
+    for size in pieces(len(prompt), engine.prefill_chunk):
+        chunk = prompt[done:done + size]
+        targets = prompt[done + 1:done + size + 1]
+        targets = targets + [-1] * (size - len(targets))  # the prompt's last position predicts no prompt token
+        target, top_lp, top_ids, cache = step(engine.params, jnp.asarray([chunk], jnp.int32), cache,
+                                              engine._engram_ids(prompt[:done], chunk), jnp.asarray(targets, jnp.int32))
+        target, top_lp, top_ids = np.asarray(target), np.asarray(top_lp), np.asarray(top_ids)
+        for j, t in enumerate(targets):
+            if t >= 0:
+                lps.append(float(target[j]))
+                tops.append([(int(i), float(v)) for i, v in zip(top_ids[j], top_lp[j])])
+        done += size
+    return lps, tops
