@@ -18,6 +18,9 @@ from collections.abc import Mapping, Sequence
 
 from dsv41_jax.text import dsml
 
+# llguidance JSON options: no free whitespace between JSON tokens (the separators are fixed)
+COMPACT = {"whitespace_flexible": False}
+
 
 class ConstraintError(ValueError):
     """A grammar, schema or regex that cannot be used; `param` names the request field."""
@@ -102,7 +105,9 @@ class Grammars:
         if not isinstance(schema, Mapping):
             raise ConstraintError(param, f"a JSON schema must be an object, got {type(schema).__name__} {schema!r:.80}")
         try:
-            return self.llg.LLMatcher.grammar_from_json_schema(json.dumps(schema))
+            # compact JSON: with llguidance's default flexible whitespace a weak model can spend the
+            # whole reply on spaces between tokens (the 40-step demo model wrote '{' and 159 spaces)
+            return self.llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=COMPACT)
         except ValueError as e:
             raise ConstraintError(param, f"not a usable JSON schema: {e}") from None
 
@@ -145,7 +150,8 @@ class Grammars:
                 elif raw:
                     value = "(" + " | ".join(self._literal(str(v)) for v in sub["enum"]) + f") {self._literal(p_close)}"
                 else:
-                    value = f"%json {json.dumps(sub, ensure_ascii=False)} {self._literal(p_close)}"
+                    compact = {**sub, "x-guidance": {**sub.get("x-guidance", {}), **COMPACT}}
+                    value = f"%json {json.dumps(compact, ensure_ascii=False)} {self._literal(p_close)}"
                 flag = "true" if raw else "false"
                 for form, sep in (("f", ""), ("r", "\n")):
                     head = self._literal(sep + p_open + f'"{key}" string="{flag}">')
