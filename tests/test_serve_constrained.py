@@ -65,7 +65,7 @@ def _run(served, kind: str, temperature: float, constrained: bool):
 
     def one(i):
         body = dict(model=served.model, messages=[{"role": "user", "content": PROMPTS[i]}], temperature=temperature,
-                    seed=i, max_tokens=160)
+                    seed=i, max_tokens=160 if kind == "schema" else 320)  # a DSML call is ~170 byte tokens
         if kind == "schema" and constrained:
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA,
                                                                                "strict": True}}
@@ -107,7 +107,7 @@ def test_constrained_replies_validate_where_unconstrained_do_not(served, kind):
         assert not bad, bad[:3]
         if kind != "schema":
             assert all(c.finish_reason == "tool_calls" for c in ended)
-        assert len(ended) >= len(replies) // 2, [c.finish_reason for c in replies]  # most finish within 160 tokens
+        assert len(ended) >= len(replies) // 2, [c.finish_reason for c in replies]  # most finish within max_tokens
         free = _run(served, kind, temperature, constrained=False)
         free_valid = sum(_valid(kind, c) for c in free)
         assert free_valid <= len(free) // 2, free_valid
