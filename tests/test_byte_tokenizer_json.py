@@ -17,6 +17,12 @@ def test_byte_tokenizer_json_matches_the_fallback(tmp_path):
              "".join(chr(int(c)) for c in rng.integers(1, 0x3000, 200))]
     for text in texts:
         assert tok.encode(text) == fallback.encode(text) and tok.decode(tok.encode(text)) == text
+    # special-token text: its id by default in both, characters (bytes) with split_special_tokens
+    template = st.BOS + st.USER + "hi" + st.ASSISTANT + st.THINK_START
+    assert tok.encode(template) == fallback.encode(template) == [0, 4, 8 + ord("h"), 8 + ord("i"), 5, 6]
+    split = fallback.encode(template, split_special_tokens=True)
+    assert tok.encode(template, split_special_tokens=True) == split == [8 + b for b in template.encode()]
+    assert tok.decode(split) == fallback.decode(split) == template
     for i, special in enumerate(ByteTokenizer.SPECIALS):
         assert tok.token_to_id(special) == i
     assert (tok.bos_id, tok.eos_id, tok.pad_id) == (0, 1, 2) and tok.token_to_id(st.THINK_END) == 7

@@ -731,6 +731,13 @@ def test_tokenize_and_detokenize(server, client):
     served = client.chat.completions.create(model="tiny", messages=USER, max_tokens=1, temperature=0)
     assert chat["count"] == served.usage.prompt_tokens
     assert _post(server, "/detokenize", {"tokens": r["tokens"]}).json() == {"prompt": st.BOS + "def f"}
+    # a prompt with special-token text: their ids (no second BOS), or characters with split_special_tokens
+    template = st.BOS + st.USER + "def f" + st.ASSISTANT
+    ids = [tok.bos_id, tok.token_to_id(st.USER)] + tok.encode("def f") + [tok.token_to_id(st.ASSISTANT)]
+    assert _post(server, "/tokenize", {"prompt": template}).json()["tokens"] == ids
+    split = _post(server, "/tokenize", {"prompt": template, "split_special_tokens": True}).json()["tokens"]
+    assert split == [tok.bos_id] + tok.encode(template, split_special_tokens=True) and len(split) > len(ids) + 4
+    assert _post(server, "/detokenize", {"tokens": split}).json() == {"prompt": st.BOS + template}
     for path, body, needle in (("/tokenize", {"prompt": "x", "messages": USER}, "exactly one"),
                                ("/tokenize", {"text": "x"}, "unrecognized"),
                                ("/detokenize", {"tokens": [1 << 20]}, "outside the model's vocabulary"),

@@ -47,10 +47,15 @@ def test_special_ids_are_read_not_assumed(tmp_path):
 
 
 def test_encode_decode_and_lookups(tok):
-    # encode() is for text: special-token text stays characters ([UNK] in this word vocabulary)
-    assert tok.backend_tokenizer.encode("<｜User｜>hi there<｜Assistant｜>").ids == [128803, WORD_IDS["hi"], WORD_IDS["there"], 128804]
-    ids = tok.encode("<｜User｜>hi there<｜Assistant｜>")
+    # encode() follows tokenizers' convention: the text of a special token becomes its id...
+    template = "<｜User｜>hi there<｜Assistant｜>"
+    assert tok.encode(template) == tok.backend_tokenizer.encode(template).ids == \
+        [128803, WORD_IDS["hi"], WORD_IDS["there"], 128804]
+    assert tok.encode(st.THINK_START + "hi") == [tok.token_to_id(st.THINK_START), WORD_IDS["hi"]]
+    # ...and split_special_tokens keeps it characters ([UNK] in this word vocabulary)
+    ids = tok.encode(template, split_special_tokens=True)
     assert WORD_IDS["hi"] in ids and not set(ids) & set(tok.added_tokens())
+    assert not set(tok.encode(st.THINK_START + st.IMAGE, split_special_tokens=True)) & set(tok.added_tokens())
     assert tok.encode("hi", add_special=True) == [WORD_IDS["hi"]]  # this file has no post-processor
     assert tok.token_to_id(st.THINK_END) == 128822
     assert tok.id_to_token(128799) == st.SYSTEM

@@ -38,20 +38,26 @@ class Tokenizer:
     control_ids: dict[str, int] = dataclasses.field(repr=False)
     control_pattern: re.Pattern | None = dataclasses.field(repr=False)
 
-    def encode(self, text: str, add_special: bool = False) -> list[int]:
-        """Ids for `text` as plain text: special-token text in it (e.g. `<｜User｜>` typed by a
-        user or found in a document) stays characters, so no caller can forge a control token.
-        Only the chat encoder emits control ids, through `encode_pieces`. `add_special` only
-        controls the file's post-processor (e.g. an automatic BOS), which chat prompts must not
-        use because the encoder writes BOS itself."""
+    def encode(self, text: str, add_special: bool = False, *, split_special_tokens: bool = False) -> list[int]:
+        """Ids for `text`, with the convention of `tokenizers` and vLLM: the text of a special
+        token (e.g. `<｜User｜>`) becomes its id, so a client that writes its own template gets
+        the control ids it wrote.
+
+        `split_special_tokens=True` (Hugging Face's name for the switch) keeps special-token text
+        as characters instead: chat message content and training documents are encoded that way
+        (through `encode_pieces` and dsv41_jax.train.data), so nothing a user types or a document
+        contains can forge a turn. `add_special` only controls the file's post-processor (e.g. an
+        automatic BOS), which chat prompts must not use because the encoder writes BOS itself."""
         if not isinstance(text, str):
             raise TypeError(f"encode expects str, got {type(text).__name__}")
-        return self.text_backend.encode(text, add_special_tokens=add_special).ids
+        backend = self.text_backend if split_special_tokens else self.backend_tokenizer
+        return backend.encode(text, add_special_tokens=add_special).ids
 
     def encode_pieces(self, pieces) -> list[int]:
         """Ids for a prompt built by the chat encoder (dsv41_jax.text.pieces): added tokens are
         matched only in the encoder's own pieces."""
-        return P.encode_pieces(pieces, self.control_ids, self.control_pattern, self.encode)
+        return P.encode_pieces(pieces, self.control_ids, self.control_pattern,
+                               lambda text: self.encode(text, split_special_tokens=True))
 
     def decode(self, ids, skip_special: bool = False) -> str:
         """Text for `ids`; special tokens are kept by default so prompts round-trip."""

@@ -45,14 +45,21 @@ class ByteTokenizer:
     def vocab_size(self) -> int:
         return self.n_special + 256
 
-    def encode(self, text: str, add_special: bool = False) -> list[int]:
-        """Plain text as bytes: special-token text in a document stays characters (as in
-        dsv41_jax.text.tokenizer.Tokenizer.encode); only `encode_pieces` emits control ids."""
+    def encode(self, text: str, add_special: bool = False, *, split_special_tokens: bool = False) -> list[int]:
+        """Ids for `text`, as `Tokenizer.encode` gives them: special-token text becomes its id unless
+        `split_special_tokens` (then every character is bytes, as training documents are encoded)."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects str, got {type(text).__name__}")
+        if split_special_tokens:
+            return self._bytes(text)
+        return P.encode_pieces([P.encoder(text)], self._special_ids, self._pattern, self._bytes)
+
+    def _bytes(self, text: str) -> list[int]:
         return [b + self.n_special for b in text.encode("utf-8")]
 
     def encode_pieces(self, pieces) -> list[int]:
         """A chat-encoder prompt (dsv41_jax.text.pieces): markers only where the encoder wrote them."""
-        return P.encode_pieces(pieces, self._special_ids, self._pattern, self.encode)
+        return P.encode_pieces(pieces, self._special_ids, self._pattern, self._bytes)
 
     @property
     def path(self) -> str:
@@ -140,7 +147,8 @@ class Document:
 
 
 def text_document(tokenizer, text: str) -> Document:
-    ids = [tokenizer.bos_id] + tokenizer.encode(text) + [tokenizer.eos_id]
+    # Documents keep special-token text as characters: a corpus that quotes `<｜User｜>` must not teach turns.
+    ids = [tokenizer.bos_id] + tokenizer.encode(text, split_special_tokens=True) + [tokenizer.eos_id]
     return Document(np.asarray(ids, np.int32), np.ones(len(ids), bool))
 
 

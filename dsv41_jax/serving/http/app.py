@@ -16,6 +16,7 @@ import threading
 import time
 import traceback
 import uuid
+from functools import partial
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -551,15 +552,17 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
         return {"index": c.index, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                 "function": {"name": c.name, "arguments": c.arguments}}
 
-    async def _prompt_ids(prompt, add_special: bool = True) -> list[int]:
-        """A completions prompt as ids: text (BOS first, when `add_special`), a one-text list, or token ids."""
+    async def _prompt_ids(prompt, add_special: bool = True, split_special: bool = False) -> list[int]:
+        """A completions prompt as ids: text (BOS first, when `add_special`), a one-text list, or token ids.
+        In text, the text of a special token becomes its id (the convention of `tokenizers` and vLLM, so a
+        client that writes its own chat template gets its control ids), unless `split_special` keeps it text."""
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
             if not prompt:
                 raise P.bad("prompt", "is empty")
             _precheck("prompt", prompt)
-            ids = await asyncio.to_thread(tokenizer.encode, prompt)
+            ids = await asyncio.to_thread(partial(tokenizer.encode, split_special_tokens=split_special), prompt)
             if add_special and ids[:1] != [tokenizer.bos_id]:
                 ids = [tokenizer.bos_id] + ids
             return ids
@@ -595,7 +598,7 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
             except (ValueError, TypeError) as e:
                 raise P.APIError(400, f"messages: {e}", param="messages") from None
         else:
-            ids = await _prompt_ids(body["prompt"], add_special)
+            ids = await _prompt_ids(body["prompt"], add_special, _get_bool(body, "split_special_tokens", False))
         return {"count": len(ids), "max_model_len": cfg.max_model_len, "tokens": ids}
 
     @app.post("/detokenize", openapi_extra=S.route(S.DETOKENIZE_REQUEST, S.DETOKENIZE_RESPONSE))
@@ -626,7 +629,7 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
         body = await _body(request, cfg.max_request_bytes)
         P.check_fields(body, chat=False, extra=test_fields)
         _check_model(body)
-        ids = await _prompt_ids(body.get("prompt"))
+        ids = await _prompt_ids(body.get("prompt"), split_special=_get_bool(body, "split_special_tokens", False))
         sp = P.sampling_fields(body, chat=False)
         echo = _get_bool(body, "echo", False)
         spec = P.constraint_spec(body, chat=False)

@@ -85,7 +85,8 @@ _SAMPLING = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "st
              "structured_outputs"}  # structured_outputs: our constraint field (vLLM's name), constraint_spec
 CHAT_FIELDS = _SAMPLING | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                            "parallel_tool_calls", "reasoning_effort", "chat_template_kwargs", "response_format"}
-COMPLETION_FIELDS = _SAMPLING | {"prompt", "echo", "suffix", "best_of"}
+# split_special_tokens: ours (Hugging Face's name), whether special-token text in a text prompt stays characters.
+COMPLETION_FIELDS = _SAMPLING | {"prompt", "echo", "suffix", "best_of", "split_special_tokens"}
 # Fields that select behaviour this server does not have yet: refused unless they ask for the default.
 # (value is the default, which is accepted)
 _NOT_YET = {
@@ -112,7 +113,7 @@ def check_fields(body: Mapping, *, chat: bool, extra: frozenset = frozenset()) -
         raise bad(key, f"{why} (got {v!r:.80})")
 
 
-TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "tools", "reasoning_effort",
+TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "split_special_tokens", "tools", "reasoning_effort",
                              "chat_template_kwargs", "tool_choice"})
 DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 

@@ -90,12 +90,16 @@ COMPLETION_REQUEST = {"type": "object", "required": ["prompt"], "additionalPrope
                                                          "logprobs) before the completion"},
     "suffix": {"type": ["string", "null"], "description": "only empty is accepted"},
     "best_of": {"type": ["integer", "null"], "description": "only 1 is accepted"},
+    "split_special_tokens": {"type": ["boolean", "null"], "description": (
+        "ours (Hugging Face's name): true keeps special-token text in a text prompt as characters; "
+        "default false, the text of a special token becomes its id as in tokenizers and vLLM")},
 }}
 TOKENIZE_REQUEST = {"type": "object", "additionalProperties": False, "properties": {
     "model": {"type": "string"},
     "prompt": COMPLETION_REQUEST["properties"]["prompt"],
     "messages": CHAT_REQUEST["properties"]["messages"],
     "add_special_tokens": {"type": ["boolean", "null"], "description": "prompt only: BOS first (default true)"},
+    "split_special_tokens": COMPLETION_REQUEST["properties"]["split_special_tokens"],
     **{k: CHAT_REQUEST["properties"][k] for k in ("tools", "tool_choice", "reasoning_effort", "chat_template_kwargs")},
 }, "description": "exactly one of prompt and messages"}
 TOKENIZE_RESPONSE = {"type": "object", "required": ["count", "max_model_len", "tokens"], "properties": {
