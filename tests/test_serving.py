@@ -7,6 +7,9 @@ their results are shared through module fixtures.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import numpy as np
 import pytest
 
@@ -124,6 +127,42 @@ def test_forward_runs_on_a_bucketed_engine_cache(micro):
     ref_logits, ref_cache, _ = step(params, nxt, f_cache)
     lean_logits, lean_cache, _ = _lean_step(gd, packed_index=False)(params, nxt, ex_cache)
     assert same(ref_logits, lean_logits) and same(ref_cache, lean_cache)
+
+
+@pytest.mark.slow
+def test_commit_of_pending_writes_equals_a_chunk_of_the_accepted_tokens(micro):
+    """A verify chunk with pending writes, then `commit` of n_i tokens per row, leaves the cache a
+    plain chunk of each row's n_i tokens leaves, bitwise in exact mode (the chunks are shorter than
+    8 tokens, so torch's scalar tail covers all of them in both runs: same chunking). Two rounds: a
+    13-token prompt leaves a half-full ratio-2 group (compressor state), W = 8 so the ring wraps,
+    and after round 1 the rows stand at different lengths; n = 0 leaves a row untouched."""
+    cfg, params, gd = micro["cfg"], micro["params"], micro["graphdef"]
+    rt = Runtime(mode="exact")
+    T, P = 6, 13
+    rng = np.random.default_rng(5)
+    chunks = [jnp.asarray(rng.integers(0, cfg.vocab_size, (2, T)), jnp.int32) for _ in range(2)]
+    with jax.enable_x64(True):
+        plan = sp.decode_plan(rt)
+        pending_plan = dataclasses.replace(plan, writes="pending")
+        step = jax.jit(lambda p, t, c: sp.decode_step(nnx.merge(gd, p), t, c, plan)[:2])
+        verify = jax.jit(lambda p, t, c: sp.decode_step(nnx.merge(gd, p), t, c, pending_plan))
+        commit = jax.jit(functools.partial(sp.commit, cfg))
+        _, cache, _ = sp.make_exact_prefill(gd, rt)(params, micro["tokens"][:, :P],
+                                                    buckets.empty_cache(cfg, 2, cfg.max_seq_len))
+        for chunk, n in zip(chunks, [(2, T), (0, 5)]):
+            logits, unchanged, aux = verify(params, chunk, cache)
+            assert same(unchanged, cache)
+            ref_logits, ref_all = step(params, chunk, cache)
+            assert same(logits, ref_logits)  # the verify forward is the plain forward of the chunk
+            assert same(commit(cache, aux["pending"], jnp.asarray([T, T], jnp.int32)), ref_all)
+            committed = commit(cache, aux["pending"], jnp.asarray(n, jnp.int32))
+            for i, n_i in enumerate(n):
+                want = cache if n_i == 0 else step(params, chunk[:, :n_i], cache)[1]
+                row = lambda c: jax.tree.map(lambda a: a[i], c)
+                assert same(row(committed), row(want)), (i, n_i)
+            assert [int(v) for v in committed["length"]] != [int(v) for v in cache["length"]]
+            cache = committed
+        assert [int(v) for v in cache["length"]] == [P + 2, P + T + 5]
 
 
 def test_fast_index_keys_bitwise():

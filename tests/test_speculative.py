@@ -143,3 +143,37 @@ def _greedy_case(engram):
     # its own (random) drafter: acceptance is whatever it is, the output is still plain greedy
     free = dec.generate(prompt, 12)
     assert free.tokens == want[:12] and free.drafted == free.blocks * k
+
+
+@pytest.mark.slow
+def test_engine_decode_step_returns_the_taps_forward_returns():
+    """DSpark's taps from the engine's decode step (`decode_step(..., taps=True)`, a TapProbe) equal
+    model.forward's aux["main_hidden"] bit for bit (exact mode, the same two chunks), and the
+    step's logits and cache are those it returns without taps."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dsv41_jax.checkpoint.synthetic import synthetic_model
+    from dsv41_jax.model.transformer import init_cache, make_step
+    from dsv41_jax.runtime import Runtime
+    from dsv41_jax.serving import split_prefill as sp
+
+    cfg = _tiny(False)
+    rt = Runtime(mode="exact")
+    gd, params = nnx.split(synthetic_model(cfg, seed=5))
+    tokens = jnp.asarray(np.random.default_rng(1).integers(3, cfg.vocab_size, (1, 14)), jnp.int32)
+    plan = sp.decode_plan(rt, packed=False)
+    with jax.enable_x64(True):
+        step = make_step(gd, rt)
+        _, cache, _ = step(params, tokens[:, :9], init_cache(cfg, 1))
+        ref_logits, ref_cache, ref_aux = step(params, tokens[:, 9:], cache)
+        dec = jax.jit(lambda p, t, c, taps: sp.decode_step(nnx.merge(gd, p), t, c, plan, taps=taps),
+                      static_argnums=3)
+        logits, got_cache, aux = dec(params, tokens[:, 9:], cache, True)
+        plain = dec(params, tokens[:, 9:], cache, False)
+    assert aux["main_hidden"].shape == ref_aux["main_hidden"].shape == (1, 5, len(cfg.dspark_target_layer_ids) * cfg.dim)
+    assert bool(jnp.array_equal(aux["main_hidden"], ref_aux["main_hidden"]))
+    assert "main_hidden" not in plain[2]
+    for a, b in ((logits, ref_logits), (got_cache, ref_cache), (logits, plain[0]), (got_cache, plain[1])):
+        assert all(bool(jnp.array_equal(x, y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))

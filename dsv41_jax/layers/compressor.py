@@ -28,13 +28,15 @@ class Compressor(nnx.Module):
 
         x: [B, T, dim] (attention input), start: [B] position of x[:, 0].
         Returns (latents [B, J, head_dim] bf16, group_ids [B, J] (-1 where the group is not
-        complete), new_state). Group j covers positions [g*ratio, (g+1)*ratio).
+        complete), new_state, rows). Group j covers positions [g*ratio, (g+1)*ratio). rows: the
+        chunk's per-position (kv, score) [B, T, head_dim] fp32 (None at ratio 1), from which
+        `partial_state` rebuilds the state after any prefix of the chunk (a speculative commit).
         """
         B, T, _ = x.shape
         m = self.ratio
         if m == 1:
             lat = self.norm(self.wkv(x, mode), mode)
-            return lat, start[:, None] + jnp.arange(T)[None], state
+            return lat, start[:, None] + jnp.arange(T)[None], state, None
         xf = x.astype(jnp.float32)
         kv = self.wkv(xf, mode, out_dtype=jnp.float32)
         score = self.wgate(xf, mode, out_dtype=jnp.float32)
@@ -59,12 +61,28 @@ class Compressor(nnx.Module):
         w = jax.nn.softmax(jnp.where(complete[..., None, None], scm, 0.0), axis=2)
         pooled = jnp.sum(kvm * w, axis=2)  # fp32, as the reference pools
         lat = self.norm(pooled.astype(jnp.bfloat16), mode)
-        # the new partial group: the one holding position `end`
-        jn = (end // m - g0)[:, None, None, None]
-        present = (pos < end[:, None, None])[..., None]
-        new_kv = jnp.take_along_axis(jnp.where(present, kvm, 0.0), jn, axis=1)[:, 0]
-        new_sc = jnp.take_along_axis(jnp.where(present, scm, -jnp.inf), jn, axis=1)[:, 0]
-        return lat, jnp.where(complete, gid, -1), {"kv": new_kv, "score": new_sc}
+        return lat, jnp.where(complete, gid, -1), partial_state(kv, score, start, state, end, m), (kv, score)
+
+
+def partial_state(kv: jax.Array, score: jax.Array, start: jax.Array, state: dict, end: jax.Array, m: int) -> dict:
+    """The compressor state after the chunk's positions [start, end) (end <= start + T): the partial
+    group holding position `end`, its slots from the old state (positions < start), the chunk's rows
+    kv/score [B, T, D] (positions < end), else empty (0, -inf). Only selects, so any `end` gives the
+    bits a chunk ending there computes."""
+    T = kv.shape[1]
+    pos = (end // m)[:, None] * m + jnp.arange(m)[None]  # [B, m] the group's positions
+    rel = pos - start[:, None]
+    from_chunk = ((rel >= 0) & (pos < end[:, None]))[..., None]
+    from_state = (rel < 0)[..., None]  # the old state holds this group's earlier slots (same group as start)
+    ci = jnp.clip(rel, 0, T - 1)[..., None]
+    slot = (pos % m)[..., None]
+
+    def pick(rows, old, empty):
+        chunk = jnp.take_along_axis(rows, ci, axis=1)
+        prior = jnp.take_along_axis(old, slot, axis=1)
+        return jnp.where(from_chunk, chunk, jnp.where(from_state, prior, empty))
+
+    return {"kv": pick(kv, state["kv"], 0.0), "score": pick(score, state["score"], -jnp.inf)}
 
 
 def empty_state(batch: int, ratio: int, head_dim: int) -> dict:

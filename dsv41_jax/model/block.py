@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsv41_jax.layers import compressor
 from dsv41_jax.layers.basic import matmul
 from dsv41_jax.layers.indexer import candidate_pool, index_key_container, select_topk
 from dsv41_jax.layers.mhc_site import collapse, expand
@@ -38,8 +39,10 @@ from pallas_kernels.sparse_attention.dense_reference import sparse_attention
 class Plan:
     """How a driver runs the body (static).
 
-    writes: "all" (KV sources write compressed entries, index keys, compressor state) or "window"
-      (only the window rings: Graph B of the split prefill and the replay read the globals).
+    writes: "all" (KV sources write compressed entries, index keys, compressor state), "window"
+      (only the window rings: Graph B of the split prefill and the replay read the globals) or
+      "pending" (a speculative verify: the chunk reads its own writes as with "all", and the store
+      also returns them, `QuantStore.pending`, so that `commit` applies only an accepted prefix).
     pool_scoring: in-pool Reindex layers score only the pool's index keys, and the compressed rows
       the attention reads are gathered when that is smaller (decode; intended index keys only).
     packed_scoring: with pool_scoring in fast mode, score the packed keys with
@@ -51,13 +54,13 @@ class Plan:
     interpret: bool = False
     index_keys: Literal["intended", "quirk"] = "intended"
     check_finite: bool = False
-    writes: Literal["all", "window"] = "all"
+    writes: Literal["all", "window", "pending"] = "all"
     pool_scoring: bool = False
     packed_scoring: bool = False
 
     def __post_init__(self):
-        if self.writes not in ("all", "window"):
-            raise ValueError(f"Plan.writes must be 'all' or 'window', got {self.writes!r}")
+        if self.writes not in ("all", "window", "pending"):
+            raise ValueError(f"Plan.writes must be 'all', 'window' or 'pending', got {self.writes!r}")
 
     @classmethod
     def resolve(cls, runtime: Runtime, **kw) -> "Plan":
@@ -101,16 +104,29 @@ class Carry(NamedTuple):
 
 
 class QuantStore:
-    """The serving cache (docs/REFERENCE.md §5) as the body sees it: packed FP8/FP4 rows."""
+    """The serving cache (docs/REFERENCE.md §5) as the body sees it: packed FP8/FP4 rows.
 
-    def __init__(self, cfg, cache: dict):
+    pending: None, or (a "pending" plan's store, `QuantStore.pending_for`) the chunk's writes as
+    they are made: {"start": [B], "window": {layer: new rows [B,T]}, "sources": {layer: {"gids",
+    "entries", "index_keys", "rows", "state"}}}, which `commit` applies to the cache the chunk
+    started from, for an accepted prefix of each row.
+    """
+
+    def __init__(self, cfg, cache: dict, pending: dict | None = None):
         self.cfg = cfg
         self.cache = {"length": cache["length"], "window": list(cache["window"]),
                       "compressed": dict(cache["compressed"]), "index_keys": dict(cache["index_keys"]),
                       "compressor": dict(cache["compressor"]), "published": cache["published"]}
+        self.pending = None if pending is None else {"start": pending["start"], "window": dict(pending["window"]),
+                                                     "sources": dict(pending["sources"])}
+
+    @classmethod
+    def pending_for(cls, cfg, cache: dict, start: jax.Array) -> "QuantStore":
+        """A store that records the writes of a chunk starting at `start` (Plan.writes == "pending")."""
+        return cls(cfg, cache, {"start": start, "window": {}, "sources": {}})
 
     def copy(self) -> "QuantStore":
-        return QuantStore(self.cfg, self.cache)
+        return QuantStore(self.cfg, self.cache, self.pending)
 
     def window(self, l: int, raw: jax.Array, span: Span):
         """This chunk's window rows [B, T, D] in (stored FP8): (rows [B, W+T, D] dequantized, idx [B, T, W],
@@ -124,6 +140,8 @@ class QuantStore:
             p = span.positions[..., None] - (W - 1) + jnp.arange(W)
             idx = jnp.where(p >= span.floor[:, None, None], idx, -1)
         self.cache["window"][l] = write_ring(ring, new, span.start, W)
+        if self.pending is not None:
+            self.pending["window"][l] = new
         return rows, idx, kv_layout.concat_rows(ring, new)
 
     def visible(self, span: Span, m: int) -> jax.Array:
@@ -168,19 +186,54 @@ class QuantStore:
     def compressor_state(self, src: int):
         return self.cache["compressor"].get(f"layer{src}")
 
-    def write_source(self, src: int, state, gids, entries, index_keys) -> None:
+    def write_source(self, src: int, state, gids, entries, index_keys, rows=None) -> None:
         """A KV source's global writes: compressor state, FP4 index keys (and who published last),
-        FP8 compressed entries, at group ids `gids` (-1 = none)."""
+        FP8 compressed entries, at group ids `gids` (-1 = none). rows: the compressor's per-position
+        (kv, score) of the chunk (a pending store keeps them to rebuild the state of a prefix)."""
+        key = f"layer{src}"
+        old_state = self.cache["compressor"].get(key)
+        entries = kv_layout.quantize_compressed(entries)
+        k_new = None if index_keys is None else kv_layout.quantize_index_keys(index_keys)
+        if self.pending is not None:
+            self.pending["sources"][src] = {"gids": gids, "entries": entries, "index_keys": k_new, "rows": rows,
+                                            "state": old_state}
+        self._write_source(src, state, gids, entries, k_new)
+
+    def _write_source(self, src: int, state, gids, entries, k_new) -> None:
         key = f"layer{src}"
         if state is not None:
             self.cache["compressor"][key] = state
-        if index_keys is not None:
-            k_new = kv_layout.quantize_index_keys(index_keys)
+        if k_new is not None:
             self.cache["index_keys"][key] = scatter_container(self.cache["index_keys"][key], k_new, gids)
             produced = jnp.any(gids >= 0, axis=1)
             self.cache["published"] = jnp.where(produced, src, self.cache["published"])
-        self.cache["compressed"][key] = scatter_container(self.cache["compressed"][key],
-                                                          kv_layout.quantize_compressed(entries), gids)
+        self.cache["compressed"][key] = scatter_container(self.cache["compressed"][key], entries, gids)
+
+    def commit(self, pending: dict, n: jax.Array) -> "QuantStore":
+        """The store with the first n [B] positions of a pending chunk's writes applied (this store
+        must hold the cache the chunk started from): exactly what a chunk of those n tokens writes
+        (window slots, the compressor groups complete by start + n, their entries and index keys,
+        who published last, the partial group after them), and length = start + n."""
+        cfg, out = self.cfg, QuantStore(self.cfg, self.cache)
+        start = pending["start"]
+        end = start + n
+        W = cfg.window_size
+        for l, new in pending["window"].items():
+            j = jnp.arange(new.values.shape[1])[None]
+            keep = (j < n[:, None]) & (j >= n[:, None] - W)  # a chunk of n keeps its last min(n, W) rows
+            out.cache["window"][l] = scatter_container(out.cache["window"][l], new,
+                                                       jnp.where(keep, (start[:, None] + j) % W, -1))
+        for src in sorted(pending["sources"]):  # in layer order: the last producer publishes
+            p = pending["sources"][src]
+            m = cfg.compress_ratios[src]
+            gids = jnp.where((p["gids"] >= 0) & ((p["gids"] + 1) * m <= end[:, None]), p["gids"], -1)
+            state = None
+            if p["state"] is not None:
+                state = compressor.partial_state(*p["rows"], start, p["state"], end, m)
+                state = jax.tree.map(lambda new, old: jnp.where((n > 0)[:, None, None], new, old), state, p["state"])
+            out._write_source(src, state, gids, p["entries"], p["index_keys"])
+        out.cache["length"] = end
+        return out
 
     def topk_width(self, src: int) -> int:
         """min(index_topk, rows the cache holds): the one width formula (cfg.topk_width at full capacity)."""
@@ -234,11 +287,11 @@ def write_source(block, x, span: Span, store: QuantStore, plan: Plan, probe: Pro
     cfg, attn, l = store.cfg, block.attn, block.layer
     m = block.role.ratio
     freqs = layer_rope(cfg, m)
-    lat, gids, state = attn.compressor.groups(x, span.start, store.compressor_state(l), plan.numerics)
+    lat, gids, state, rows = attn.compressor.groups(x, span.start, store.compressor_state(l), plan.numerics)
     lat, gpos, gids = store.groups(l, m, lat, gids, span)
     gcos, gsin = cos_sin(gpos, freqs)
     keys = attn.indexer.keys(store.key_source(lat), gcos, gsin, plan.numerics) if attn.indexer is not None else None
-    store.write_source(l, state, gids, apply_rope(lat, gcos, gsin, cfg.rope_head_dim), keys)
+    store.write_source(l, state, gids, apply_rope(lat, gcos, gsin, cfg.rope_head_dim), keys, rows)
     key = f"layer{l}"
 
     def trace():
@@ -359,7 +412,7 @@ def block_step(block, h, pre, store: QuantStore, carry: Carry, span: Span, plan:
     if role.ratio:
         src = role.kv_source
         visible = store.visible(span, role.ratio)
-        if role.is_kv_source and plan.writes == "all":
+        if role.is_kv_source and plan.writes != "window":
             rec = _merge(rec, write_source(block, x, span, store, plan, probe))
         if role.is_index_source:
             _, carry, r = select(block, x, qr, cos, sin, visible, store, carry, plan, probe, pin)

@@ -126,6 +126,13 @@ class TapProbe(Probe):
     def enter(self, l, h, pre, pin):
         return h, pre, ({"tap": tap(h)} if l in self.layers else {})
 
+    @staticmethod
+    def hidden(records: dict):
+        """The taps of `run_layers` records concatenated in layer order ("main_hidden" [B, T, n * d]),
+        or None when none were taken."""
+        taps = records.get("tap")
+        return None if not taps else jnp.concatenate([taps[l] for l in sorted(taps)], -1)
+
 
 class Probes(Probe):
     """Probes composed in order: each hook chains (enter, decide, forced_experts: the first that

@@ -122,7 +122,7 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
     aux = {k: rec.get(k, {}) for k in ("topk", "experts", "topk_agree", "experts_agree", "topk_own", "experts_own")}
     aux["trace"] = {**rec.get("trace", {}), **final.get("trace", {})}
     if "tap" in rec:  # DSpark: the stream entering each target layer, after its Engram
-        aux["main_hidden"] = jnp.concatenate([rec["tap"][l] for l in sorted(rec["tap"])], -1)
+        aux["main_hidden"] = TapProbe.hidden(rec)
     return logits, new_cache, aux
 
 

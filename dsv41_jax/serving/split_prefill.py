@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv41_jax.model import block as body
+from dsv41_jax.model.probe import NO_PROBE, Probe, TapProbe
 from dsv41_jax.model.transformer import COMPILER_OPTIONS
 from dsv41_jax.runtime import Runtime
 
@@ -49,12 +50,23 @@ def _vl(spans):
     return None if spans is None else spans[1] >= 0
 
 
-def _layers(model, h, pre, cache: dict, span: body.Span, plan: body.Plan, layers, collect_topk: bool = False):
+def _layers(model, h, pre, cache: dict, span: body.Span, plan: body.Plan, layers, collect_topk: bool = False,
+            probe: Probe = NO_PROBE):
     """The body over `layers` on `cache`: (h, pre, cache, aux) with aux = {"topk": {layer: [B,T,K]} (when
-    collected), "pool": the candidate pool mask or None}."""
-    h, pre, store, carry, records = body.run_layers(model, h, pre, body.QuantStore(model.cfg, cache), span, plan,
-                                                    layers)
-    return h, pre, store.cache, {"topk": records.get("topk", {}) if collect_topk else {}, "pool": carry.pool}
+    collected), "pool": the candidate pool mask or None} and, with a `TapProbe`, "main_hidden" (DSpark's
+    taps). A "pending" plan returns `cache` as it came and the chunk's writes in aux["pending"] (apply
+    a prefix with `commit`)."""
+    pending = plan.writes == "pending"
+    store = (body.QuantStore.pending_for if pending else body.QuantStore)(model.cfg, cache, *([span.start] if pending
+                                                                                             else []))
+    h, pre, store, carry, records = body.run_layers(model, h, pre, store, span, plan, layers, probe)
+    aux = {"topk": records.get("topk", {}) if collect_topk else {}, "pool": carry.pool}
+    if "tap" in records:
+        aux["main_hidden"] = TapProbe.hidden(records)
+    if pending:
+        aux["pending"] = store.pending
+        return h, pre, cache, aux
+    return h, pre, store.cache, aux
 
 
 def project_ced(model, h: jax.Array, pre: jax.Array, span: body.Span, cache: dict, plan: body.Plan) -> dict:
@@ -168,18 +180,29 @@ def decode_plan(runtime: Runtime = Runtime(), packed: bool = True) -> body.Plan:
 
 
 def decode_step(model, tokens: jax.Array, cache: dict, plan: body.Plan, *, engram_ids=None, layers=None,
-                active=None, collect_topk: bool = False):
+                active=None, collect_topk: bool = False, taps: bool = False):
     """The engine's decode step over a chunk continuing from cache["length"] (a `decode_plan`):
     (logits [B,T,V], cache, aux) as `exact_prefill`'s. layers: a slice of the layers (cost accounting;
-    default all); active [B]: rows whose length advances by T (default all)."""
+    default all); active [B]: rows whose length advances by T (default all). With a "pending" plan
+    (speculative verify) the cache comes back unchanged and aux["pending"] holds the chunk's writes:
+    `commit(cfg, cache, aux["pending"], n)` keeps each row's first n. taps: also return DSpark's taps of
+    the chunk in aux["main_hidden"] [B, T, n_targets * d] (a model with a drafter)."""
     cfg = model.cfg
     start, T = cache["length"], tokens.shape[1]
     h, pre = body.embed(model, tokens)
     span = body.Span.at(start, T, engram_ids=engram_ids)
+    probe = TapProbe(cfg.dspark_target_layer_ids) if taps else NO_PROBE
     h, pre, cache, aux = _layers(model, h, pre, cache, span, plan, range(cfg.n_layers) if layers is None else layers,
-                                 collect_topk)
-    cache["length"] = start + T if active is None else jnp.where(active, start + T, start)
+                                 collect_topk, probe)
+    if plan.writes != "pending":
+        cache["length"] = start + T if active is None else jnp.where(active, start + T, start)
     return body.head(model, h, pre, plan.numerics)[0], cache, aux
+
+
+def commit(cfg, cache: dict, pending: dict, n: jax.Array) -> dict:
+    """`cache` (the one a "pending" chunk started from) with each row's first n [B] positions of the
+    chunk's writes applied and length = start + n: the cache a plain chunk of those n tokens leaves."""
+    return body.QuantStore(cfg, cache).commit(pending, n).cache
 
 
 def drop_window(cache: dict) -> dict:

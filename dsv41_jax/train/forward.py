@@ -164,7 +164,7 @@ class FakeQuantStore:
     def key_source(self, lat):
         return sg(lat)
 
-    def write_source(self, src: int, state, gids, entries, index_keys) -> None:
+    def write_source(self, src: int, state, gids, entries, index_keys, rows=None) -> None:
         m = self.cfg.compress_ratios[src]
         self.comp[src] = self._q(quant.fake_fp4_kv, entries, 16)
         self.legal[src] = _legal_groups(self.positions, self.seg_start, m)
