@@ -1,7 +1,8 @@
 """Expert-parallel MoE: routed experts split over a mesh axis, tokens sent to them and back.
 
-The gate, the slot order and the final sum are the unsharded `MoE`'s own (dsv41_jax/layers/moe.py),
-run under GSPMD; only the routed-expert step runs inside `shard_map`:
+The gate (`MoE.route`), the slot order and the final sum (`MoE.slots`, `MoE.combine`) are the
+unsharded `MoE`'s own (dsv41_jax/layers/moe.py), run under GSPMD; only the routed-expert step
+(`MoE.apply`'s expert math) runs inside `shard_map`:
 
 1. token rows are split over *every* mesh axis (no device repeats another's expert work);
 2. each (row, slot) pair goes to the device that owns its expert (`expert // experts_per_device`
@@ -46,39 +47,31 @@ def _check_split(n_experts: int, mesh: Mesh, expert_axis: str, dispatch: str) ->
                          f"{n_ep}; pick an expert axis size that divides {n_experts}")
 
 
-def route(moe: MoE, flat: jax.Array, mode: str, forced=None, **route_kwargs):
-    """The unsharded gate and slot order: (scores, weights, experts, e_sorted, w_sorted).
-
-    route_kwargs pass through to `Gate.route` (e.g. `impose`, the traced switch for forced ids).
-    """
-    scores = moe.gate.scores(flat, mode)
-    weights, experts = moe.gate.route(scores, forced, mode=mode, **route_kwargs)
-    # slots in ascending expert order: the order in which MoE (and the reference) sums them
-    slot_order = jnp.argsort(experts, axis=-1)
-    return (scores, weights, experts, jnp.take_along_axis(experts, slot_order, -1),
-            jnp.take_along_axis(weights, slot_order, -1))
-
-
-def expert_parallel_moe(moe: MoE, x: jax.Array, mesh: Mesh, *, mode: str = "fast", forced=None,
-                        expert_axis: str = "expert", dispatch: str = "auto", **route_kwargs):
-    """Drop-in for `moe(x, mode, forced)`: (y [B,T,d] in x.dtype, info) with experts split over `expert_axis`."""
+def expert_parallel_apply(moe: MoE, x: jax.Array, scores: jax.Array, experts: jax.Array, mesh: Mesh, *,
+                          mode: str = "fast", expert_axis: str = "expert", dispatch: str = "auto"):
+    """`MoE.apply` with the routed experts split over `expert_axis`: the same slots (weights, ascending
+    expert order), the same fp32 sum and shared expert; only the expert math runs in `routed_outputs`.
+    x [B,T,d], scores [B,T,E] (route's), experts [B,T,k] (the decided ones) -> (y [B,T,d], info)."""
     _check_split(moe.experts.w1.shape[0], mesh, expert_axis, dispatch)
     B, T, d = x.shape
-    flat = x.reshape(B * T, d)
-    forced = None if forced is None else forced.reshape(B * T, -1)
-    scores, weights, experts, e_sorted, w_sorted = route(moe, flat, mode, forced, **route_kwargs)
-    k = moe.topk
+    k = experts.shape[-1]
+    weights, e_sorted, w_sorted = moe.slots(scores, experts, mode)
     # the unsharded MoE's choice, so both compute the same numerics; a device's receive buffer
     # (expert-axis size x its rows x min(k, local experts)) never holds more than the B*T*k rows here
     per_row = mode == "exact" or B * T * k <= moe.grouped_threshold
-    out = routed_outputs(moe.experts, flat, e_sorted, w_sorted, mesh, mode=mode, expert_axis=expert_axis,
-                         dispatch=dispatch, per_row=per_row).astype(jnp.float32)
-    y = jnp.zeros((B * T, d), jnp.float32)
-    for j in range(k):  # the unsharded MoE's fp32 summation order
-        y = y + out[:, j]
-    y = y + moe.shared_experts(flat, mode).astype(jnp.float32)
-    info = {"scores": scores.reshape(B, T, -1), "experts": experts.reshape(B, T, k), "weights": weights.reshape(B, T, k)}
-    return y.astype(x.dtype).reshape(B, T, d), info
+    out = routed_outputs(moe.experts, x.reshape(B * T, d), e_sorted, w_sorted, mesh, mode=mode,
+                         expert_axis=expert_axis, dispatch=dispatch, per_row=per_row)
+    return moe.combine(x, out, scores, experts, weights, mode)
+
+
+def expert_parallel_moe(moe: MoE, x: jax.Array, mesh: Mesh, *, mode: str = "fast", forced=None,
+                        expert_axis: str = "expert", dispatch: str = "auto"):
+    """Drop-in for `moe(x, mode)`: the unsharded gate (`MoE.route`), then `expert_parallel_apply`.
+    forced: optional expert ids [B,T,k] run instead of the gate's choice (as a probe's decision would)."""
+    _check_split(moe.experts.w1.shape[0], mesh, expert_axis, dispatch)
+    scores, _, experts = moe.route(x, mode)
+    experts = experts if forced is None else forced.astype(experts.dtype)
+    return expert_parallel_apply(moe, x, scores, experts, mesh, mode=mode, expert_axis=expert_axis, dispatch=dispatch)
 
 
 def routed_outputs(experts_module, rows: jax.Array, expert_ids: jax.Array, weights: jax.Array, mesh: Mesh, *,
@@ -210,8 +203,9 @@ def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outp
 
 
 # ------------------------------------------------------------------------------- model wiring
-class ExpertParallelMoE(nnx.Module):
-    """The same parameters as a `MoE` (gate, experts, shared_experts), run expert-parallel.
+class ExpertParallelMoE(MoE):
+    """The same parameters as a `MoE` (gate, experts, shared_experts), run expert-parallel: `route`
+    (and `__call__`) are the MoE's own, `apply` is `expert_parallel_apply`.
 
     Parameter paths are unchanged, so a model using it shares its params pytree and
     shardings with the plain model.
@@ -222,10 +216,10 @@ class ExpertParallelMoE(nnx.Module):
         self.topk, self.grouped_threshold = moe.topk, moe.grouped_threshold
         self.mesh, self.expert_axis, self.dispatch = mesh, expert_axis, dispatch
 
-    def __call__(self, x, mode, forced=None, impl="xla", interpret=False, **route_kwargs):
+    def apply(self, x, scores, experts, mode, impl="xla", interpret=False):
         del impl, interpret  # the Pallas expert kernel is single-device; EP runs the experts' XLA math per device
-        return expert_parallel_moe(self, x, self.mesh, mode=mode, forced=forced, expert_axis=self.expert_axis,
-                                   dispatch=self.dispatch, **route_kwargs)
+        return expert_parallel_apply(self, x, scores, experts, self.mesh, mode=mode, expert_axis=self.expert_axis,
+                                     dispatch=self.dispatch)
 
 
 def with_expert_parallel(model, mesh: Mesh, *, expert_axis: str = "expert", dispatch: str = "auto"):

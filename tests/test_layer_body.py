@@ -26,7 +26,7 @@ OPS = {
     "top-k": r"(^|\.)(select_topk|_pool_select|_lean_select|_select|topk_indices)$",
     "attention": r"(^|\.)(sparse_attention|attend_pallas)$",
     "mHC mixes": r"hc_(attn|ffn)\.mixes$",
-    "MoE": r"(^|\.)ffn$",
+    "MoE": r"(^|\.)ffn(\.route|\.apply)?$",  # route and apply, with the probe's decision between them
 }
 # Not layer bodies: the cost model times each scoring variant on its own (serving/cost.py) and the
 # golden number-format vectors exercise the attention op directly (golden/vectors.py).

@@ -45,20 +45,20 @@ class Gate(nnx.Module):
             return sigmoid(s, mode)
         return sqrt(softplus(s, mode), mode)
 
-    def route(self, scores, forced=None, impose=True, mode: str = "fast", vl_mask=None):
-        """(weights [..., k], experts [..., k]) — experts ordered by descending biased score.
+    def select(self, scores, vl_mask=None):
+        """(biased scores, experts [..., k]): the selection, experts ordered by descending biased score.
 
-        forced: optional expert ids that replace the choice where `impose` (a traced bool) holds.
-        vl_mask: optional bool [...], True for image-span tokens (they select with `bias_vl`).
-        """
-        _, experts = jax.lax.top_k(scores + self.selection_bias(vl_mask), self.cfg_topk)
-        if forced is not None:
-            experts = jnp.where(impose, forced.astype(experts.dtype), experts)
+        vl_mask: optional bool [...], True for image-span tokens (they select with `bias_vl`)."""
+        biased = scores + self.selection_bias(vl_mask)
+        return biased, jax.lax.top_k(biased, self.cfg_topk)[1]
+
+    def weights(self, scores, experts, mode: str = "fast"):
+        """The chosen experts' weights [..., k], from the unbiased scores (normalised, then scaled)."""
         w = jnp.take_along_axis(scores, experts, axis=-1)
         if self.norm_topk_prob and self.cfg_topk > 1:
             total = torch_sum_last(w, keepdims=True) if mode == "exact" else jnp.sum(w, axis=-1, keepdims=True)
             w = true_divide(w, total + jnp.float32(1e-20))
-        return w * jnp.float32(self.route_scale), experts
+        return w * jnp.float32(self.route_scale)
 
 
 class Experts(nnx.Module):
@@ -141,7 +141,8 @@ class SharedExpert(nnx.Module):
 
 
 class MoE(nnx.Module):
-    """Gate + routed experts + shared expert; returns the output and the routing decision."""
+    """Gate + routed experts + shared expert, in two steps: `route` (the gate's choice) and `apply`
+    (the chosen experts and the shared one); the layer body's probe decides between them."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         self.gate = Gate(cfg, rngs=rngs)
@@ -150,24 +151,53 @@ class MoE(nnx.Module):
         self.topk = cfg.n_activated_experts
         self.grouped_threshold = 256  # rows above which the sorted ragged path is cheaper
 
-    def __call__(self, x, mode, forced=None, impl="xla", impose=True, vl_mask=None, interpret=False):
-        """x [B, T, d] bf16 -> (y bf16, info) with info = {scores, biased, experts}.
+    def route(self, x, mode, vl_mask=None):
+        """x [B, T, d] -> (scores [B,T,E] fp32, biased [B,T,E], experts [B,T,k]): the gate's own choice.
+
+        The layer body hands (experts, biased) to its probe's `decide("experts", ...)`, which may
+        replace them (golden-check's forced runs), then calls `apply` with the experts to run.
+        vl_mask: optional bool [B, T], True at image-span positions (routed with `gate.bias_vl`)."""
+        B, T, d = x.shape
+        scores = self.gate.scores(x.reshape(B * T, d), mode)
+        biased, experts = self.gate.select(scores, None if vl_mask is None else vl_mask.reshape(B * T))
+        E = scores.shape[-1]
+        return scores.reshape(B, T, E), biased.reshape(B, T, E), experts.reshape(B, T, -1)
+
+    def slots(self, scores, experts, mode):
+        """Flat per-token slots in the order the reference sums them: (weights [N,k], experts [N,k]
+        in ascending expert order, their weights [N,k]) for scores [B,T,E] and experts [B,T,k]."""
+        E, k = scores.shape[-1], experts.shape[-1]
+        weights = self.gate.weights(scores.reshape(-1, E), experts.reshape(-1, k), mode)
+        # the reference adds expert outputs in ascending expert order in fp32; sort slots to match
+        slot_order = jnp.argsort(experts.reshape(-1, k), axis=-1)
+        return (weights, jnp.take_along_axis(experts.reshape(-1, k), slot_order, -1),
+                jnp.take_along_axis(weights, slot_order, -1))
+
+    def combine(self, x, out, scores, experts, weights, mode):
+        """The routed outputs out [N, k, d] summed in slot order in fp32, plus the shared expert:
+        (y [B,T,d] in x.dtype, info = {scores, experts, weights})."""
+        B, T, d = x.shape
+        k = out.shape[1]
+        flat = x.reshape(B * T, d)
+        out = out.astype(jnp.float32)
+        y = jnp.zeros((B * T, d), jnp.float32)
+        for j in range(k):
+            y = y + out[:, j]
+        y = y + self.shared_experts(flat, mode).astype(jnp.float32)
+        info = {"scores": scores, "experts": experts, "weights": weights.reshape(B, T, k)}
+        return y.astype(x.dtype).reshape(B, T, d), info
+
+    def apply(self, x, scores, experts, mode, impl="xla", interpret=False):
+        """The chosen experts [B,T,k] on x [B,T,d] bf16, weighted from `scores` (route's), plus the
+        shared expert: (y bf16, info = {scores, experts, weights}).
 
         impl, interpret: resolved (`dsv41_jax.model.block.Plan.resolve`, never "auto" or None here);
         impl "pallas" runs the grouped FP4 expert kernel in fast mode. Exact mode always runs the
-        per-row math: the kernel has no exact mode (it would not match the oracle's rounding).
-        vl_mask: optional bool [B, T], True at image-span positions (routed with `gate.bias_vl`)."""
+        per-row math: the kernel has no exact mode (it would not match the oracle's rounding)."""
         B, T, d = x.shape
-        flat = x.reshape(B * T, d)
-        scores = self.gate.scores(flat, mode)
-        weights, experts = self.gate.route(scores, None if forced is None else forced.reshape(B * T, -1), impose, mode,
-                                           None if vl_mask is None else vl_mask.reshape(B * T))
-        k = self.topk
-        # the reference adds expert outputs in ascending expert order in fp32; sort slots to match
-        slot_order = jnp.argsort(experts, axis=-1)
-        e_sorted = jnp.take_along_axis(experts, slot_order, -1)
-        w_sorted = jnp.take_along_axis(weights, slot_order, -1)
-        rows = jnp.repeat(flat, k, axis=0)
+        k = experts.shape[-1]
+        weights, e_sorted, w_sorted = self.slots(scores, experts, mode)
+        rows = jnp.repeat(x.reshape(B * T, d), k, axis=0)
         n = B * T * k
         if mode != "exact" and impl == "pallas" and self.experts.kind == "fp4":
             from pallas_kernels import expert_gemm_moe  # noqa: WPS433 (optional dependency on the kernels)
@@ -176,10 +206,9 @@ class MoE(nnx.Module):
             out = self.experts.per_row(rows, e_sorted.reshape(-1), w_sorted.reshape(-1), mode)
         else:
             out = self.experts.grouped(rows, e_sorted.reshape(-1), w_sorted.reshape(-1), mode)
-        out = out.reshape(B * T, k, d).astype(jnp.float32)
-        y = jnp.zeros((B * T, d), jnp.float32)
-        for j in range(k):
-            y = y + out[:, j]
-        y = y + self.shared_experts(flat, mode).astype(jnp.float32)
-        info = {"scores": scores.reshape(B, T, -1), "experts": experts.reshape(B, T, k), "weights": weights.reshape(B, T, k)}
-        return y.astype(x.dtype).reshape(B, T, d), info
+        return self.combine(x, out.reshape(B * T, k, d), scores, experts, weights, mode)
+
+    def __call__(self, x, mode, impl="xla", interpret=False, vl_mask=None):
+        """`apply` on the gate's own choice (no probe): (y, info)."""
+        scores, _, experts = self.route(x, mode, vl_mask)
+        return self.apply(x, scores, experts, mode, impl, interpret)

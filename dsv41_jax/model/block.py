@@ -383,21 +383,27 @@ def attn_out(attn, o, cos, sin, h, mixes, plan: Plan):
     return a_out, expand(a_out, h, *mixes)
 
 
-def ffn_site(block, h, a_pre, plan: Plan, forced=None, impose=True, vl=None):
-    """The FFN site: (h, its pre-mix, (x, y, post, comb, MoE info)). forced/impose: expert ids the MoE
-    imposes (a probe's); vl: image-span mask (the MoE selects with `bias_vl` there)."""
+def ffn_site(block, h, a_pre, plan: Plan, probe: Probe = NO_PROBE, pin=None, l=None, vl=None):
+    """The FFN site: (h, its pre-mix, (x, y, post, comb, MoE info), records). The MoE routes, the probe
+    decides ("experts": golden-check imposes stored choices), the MoE applies the decided experts.
+    l: the layer (or DSpark stage) the probe sees; vl: image-span mask (selection with `bias_vl`).
+    records: {"experts": the experts run [B,T,k], "gate_scores": [B,T,E]} and the probe's."""
     mode = plan.numerics
     f_pre, f_post, f_comb = block.hc_ffn.mixes(h, mode)
     x = block.ffn_norm(collapse(h, a_pre), mode)
-    y, info = block.ffn(x, mode, forced=forced, impl=plan.impl, impose=impose, vl_mask=vl, interpret=plan.interpret)
-    return expand(y, h, f_post, f_comb), f_pre, (x, y, f_post, f_comb, info)
+    scores, biased, own = block.ffn.route(x, mode, vl)
+    experts, rec = probe.decide("experts", l, own, biased, pin)
+    y, info = block.ffn.apply(x, scores, experts, mode, plan.impl, plan.interpret)
+    rec = _merge(rec, {"experts": experts, "gate_scores": scores})
+    return expand(y, h, f_post, f_comb), f_pre, (x, y, f_post, f_comb, info), rec
 
 
 def block_step(block, h, pre, store: QuantStore, carry: Carry, span: Span, plan: Plan, probe: Probe = NO_PROBE,
                pin=None):
     """One layer over a chunk: (h, pre, store, carry, records).
 
-    records: {"topk": sel (compressed layers), "experts": [B,T,k]} and whatever the probe records.
+    records: {"topk": sel (compressed layers), "experts": [B,T,k], "gate_scores": [B,T,E]} and whatever the
+    probe records.
     """
     cfg, l, role, attn = store.cfg, block.layer, block.role, block.attn
     store = store.copy()
@@ -435,10 +441,8 @@ def block_step(block, h, pre, store: QuantStore, carry: Carry, span: Span, plan:
         f"layer{l}.sparse_attn_out": o, f"layer{l}.hc_attn_pre": a_pre, f"layer{l}.hc_attn_post": a_post,
         f"layer{l}.hc_attn_comb": a_comb}))
 
-    forced_e, impose = probe.forced_experts(l, pin)
-    h, f_pre, (x, y, f_post, f_comb, info) = ffn_site(block, h, a_pre, plan, forced_e, impose, span.vl)
-    rec["experts"] = info["experts"]
-    rec = _merge(rec, probe.experts_chosen(l, block.ffn, info, forced_e, span.vl, pin))
+    h, f_pre, (x, y, f_post, f_comb, info), r = ffn_site(block, h, a_pre, plan, probe, pin, l, span.vl)
+    rec = _merge(rec, r)
     rec = _merge(rec, probe.see(l, lambda: {
         f"layer{l}.ffn_input": x, f"layer{l}.ffn_output": y, f"layer{l}.hc_ffn_pre": f_pre,
         f"layer{l}.hc_ffn_post": f_post, f"layer{l}.hc_ffn_comb": f_comb, f"layer{l}.gate_scores": info["scores"],

@@ -30,7 +30,7 @@ from dsv41_jax.layers.moe import MoE
 from dsv41_jax.layers.rope import cos_sin, layer_rope
 from dsv41_jax.model import block as body
 from dsv41_jax.model.cache import scatter_container
-from dsv41_jax.model.probe import tap, tie_aware_equal
+from dsv41_jax.model.probe import NO_PROBE, GoldenProbe, tap
 from dsv41_jax.numerics import kv_layout
 from dsv41_jax.runtime import Runtime
 
@@ -160,9 +160,10 @@ def _block_indices(newest: jax.Array, W: int, bs: int) -> jax.Array:
     return jnp.broadcast_to(idx[:, None, :], (newest.shape[0], bs, W + bs)).astype(jnp.int32)
 
 
-def _stage_forward(stage: DSparkStage, h, pre, ring, newest, cfg, mode, forced_experts, impose, trace, impl):
+def _stage_forward(stage: DSparkStage, h, pre, ring, newest, cfg, mode, probe, pin, trace, impl):
     """One stage over the block stream h [B, bs, hc, d]: the layer body's stage functions (a window-only
-    layer) over the read-only ring plus the block, every block token seeing the whole block."""
+    layer) over the read-only ring plus the block, every block token seeing the whole block.
+    probe/pin: the FFN site's (golden-check imposes stored stage experts); returns (h, pre, info, records)."""
     bs = h.shape[1]
     plan = body.Plan.resolve(Runtime(mode=mode, impl=impl))  # impl and interpret decided in one place
     positions = newest[:, None] + 1 + jnp.arange(bs)[None]
@@ -172,7 +173,7 @@ def _stage_forward(stage: DSparkStage, h, pre, ring, newest, cfg, mode, forced_e
     idx = _block_indices(newest, cfg.window_size, bs)
     o = body.attend(stage.attn, q, keys, idx, cfg, plan)
     a_out, h_attn = body.attn_out(stage.attn, o, cos, sin, h, (a_post, a_comb), plan)
-    out, f_pre, (xf, y, f_post, f_comb, info) = body.ffn_site(stage, h_attn, a_pre, plan, forced_experts, impose)
+    out, f_pre, (xf, y, f_post, f_comb, info), rec = body.ffn_site(stage, h_attn, a_pre, plan, probe, pin, stage.stage)
     if trace is not None:
         p = f"stage{stage.stage}."
         trace.update({p + "block_input": h, p + "pre_mix_in": pre, p + "hc_attn_pre": a_pre, p + "hc_attn_post": a_post,
@@ -180,7 +181,7 @@ def _stage_forward(stage: DSparkStage, h, pre, ring, newest, cfg, mode, forced_e
                       p + "attn_kv": keys, p + "attn_output": a_out, p + "ffn_input": xf, p + "hc_ffn_pre": f_pre,
                       p + "hc_ffn_post": f_post, p + "hc_ffn_comb": f_comb, p + "gate_scores": info["scores"],
                       p + "gate_weights": info["weights"], p + "gate_indices": info["experts"], p + "ffn_output": y})
-    return out, f_pre, info
+    return out, f_pre, info, rec
 
 
 def draft(model, state: dict, anchor: jax.Array, newest: jax.Array, *, mode: str = "exact", choose=None,
@@ -198,6 +199,7 @@ def draft(model, state: dict, anchor: jax.Array, newest: jax.Array, *, mode: str
     bs = cfg.dspark_block_size
     B = anchor.shape[0]
     impose = True if forced is None else forced.get("impose", True)
+    probe = NO_PROBE if forced is None else GoldenProbe()  # compares and imposes forced["experts"][stage]
     aux = {"experts": {}, "experts_agree": {}, "trace": {}}
     trace = aux["trace"] if collect else None
     block = jnp.full((B, bs), cfg.dspark_noise_token_id, jnp.int32).at[:, 0].set(anchor.astype(jnp.int32))
@@ -205,13 +207,10 @@ def draft(model, state: dict, anchor: jax.Array, newest: jax.Array, *, mode: str
     h = jnp.broadcast_to(e[:, :, None, :], (B, bs, cfg.hc_mult, cfg.dim))
     pre = jnp.zeros((B, bs, cfg.hc_mult), jnp.float32).at[..., 0].set(1.0)
     for stage, ring in zip(model.mtp, state["rings"]):
-        fe = None if forced is None else forced.get("experts", {}).get(stage.stage)
-        h, pre, info = _stage_forward(stage, h, pre, ring, newest, cfg, mode, fe, impose, trace, impl)
-        aux["experts"][stage.stage] = info["experts"]
-        if fe is not None:
-            biased = info["scores"] + stage.ffn.gate.bias[...]
-            own = jax.lax.top_k(biased, stage.ffn.topk)[1]
-            aux["experts_agree"][stage.stage] = tie_aware_equal(biased, own, fe.astype(own.dtype))
+        h, pre, _, rec = _stage_forward(stage, h, pre, ring, newest, cfg, mode, probe, forced, trace, impl)
+        aux["experts"][stage.stage] = rec["experts"]
+        if "experts_agree" in rec:
+            aux["experts_agree"][stage.stage] = rec["experts_agree"]
     last = model.mtp[-1]
     x = collapse(h, pre)
     normed = last.norm(x, mode)

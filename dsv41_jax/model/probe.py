@@ -42,11 +42,11 @@ class Probe:
 
     Hooks, in body order:
     - enter(l, h, pre, pin) -> (h, pre, records): the layer's input, after its Engram;
-    - decide("topk", l, own, scores, pin) -> (chosen, records): an index source's top-k;
+    - decide(kind, l, own, scores, pin) -> (chosen, records): a decision the body takes, with the
+      scores it was taken on: "topk" (an index source's top-k) and "experts" (the MoE's routed
+      experts, with the biased gate scores); the body runs what the probe returns;
     - scored(l, ctx, pin) -> records: after an index source selected; `ctx()` gives the store, the
       attention's query and window rows, the pool and a scoring function (training's indexer KL);
-    - forced_experts(l, pin) -> (forced [B,T,k] | None, impose): expert ids the MoE imposes;
-    - experts_chosen(l, moe, info, forced, vl, pin) -> records: after the MoE routed;
     - see(l, thunk) -> records: `thunk()` builds named intermediates; only recording probes call it.
     """
 
@@ -57,12 +57,6 @@ class Probe:
         return own, {}
 
     def scored(self, l, ctx, pin) -> dict:
-        return {}
-
-    def forced_experts(self, l, pin):
-        return None, True
-
-    def experts_chosen(self, l, moe, info, forced, vl, pin) -> dict:
         return {}
 
     def see(self, l, thunk) -> dict:
@@ -80,9 +74,10 @@ NO_PROBE = Probe()
 
 class GoldenProbe(Probe):
     """golden-check's observer. pin = {"topk": {l: [B,T,K]}, "experts": {l: [B,T,k]}, "impose": bool,
-    "replay": {l: (h, pre)}} (any part may be missing). Stored decisions are compared with the
-    model's own (tie-aware) and imposed where the traced `impose` holds, so free and forced runs
-    share one compilation; `replay` substitutes a layer's input; `collect` records the traces."""
+    "replay": {l: (h, pre)}} (any part may be missing). Stored decisions (pin[kind][l]) are compared
+    with the model's own (tie-aware, records `{kind}_own`, `{kind}_agree`) and imposed where the traced
+    `impose` holds, so free and forced runs share one compilation; `replay` substitutes a layer's
+    input; `collect` records the traces."""
 
     def __init__(self, collect: bool = False):
         self.collect = bool(collect)
@@ -94,24 +89,15 @@ class GoldenProbe(Probe):
         return h, pre, self.see(l, lambda: {f"layer{l}.block_input": h, f"layer{l}.pre_mix_in": pre})
 
     def decide(self, kind, l, own, scores, pin):
-        rec = {"topk_own": own}
-        forced = ((pin or {}).get("topk") or {}).get(l)
+        rec = {f"{kind}_own": own}
+        forced = ((pin or {}).get(kind) or {}).get(l)
         if forced is None:
             return own, rec
-        ref = jnp.pad(forced, [(0, 0), (0, 0), (0, own.shape[-1] - forced.shape[-1])], constant_values=-1)
-        rec["topk_agree"] = tie_aware_equal(scores, own, ref)
-        return jnp.where(pin.get("impose", True), ref.astype(jnp.int32), own), rec
-
-    def forced_experts(self, l, pin):
-        pin = pin or {}
-        return (pin.get("experts") or {}).get(l), pin.get("impose", True)
-
-    def experts_chosen(self, l, moe, info, forced, vl, pin) -> dict:
-        if forced is None:
-            return {"experts_own": info["experts"]}
-        biased = info["scores"] + moe.gate.selection_bias(vl)
-        own = jax.lax.top_k(biased, moe.topk)[1]
-        return {"experts_own": own, "experts_agree": tie_aware_equal(biased, own, forced.astype(own.dtype))}
+        # stored top-k rows may be narrower than the model's (-1 padding); stored experts are not
+        ref = jnp.pad(forced.astype(own.dtype), [(0, 0)] * (own.ndim - 1) + [(0, own.shape[-1] - forced.shape[-1])],
+                      constant_values=-1)
+        rec[f"{kind}_agree"] = tie_aware_equal(scores, own, ref)
+        return jnp.where(pin.get("impose", True), ref, own), rec
 
     def see(self, l, thunk) -> dict:
         return {"trace": thunk()} if self.collect else {}
@@ -135,8 +121,8 @@ class TapProbe(Probe):
 
 
 class Probes(Probe):
-    """Probes composed in order: each hook chains (enter, decide, forced_experts: the first that
-    forces wins) and their records merge."""
+    """Probes composed in order: each hook chains (enter, decide: each sees the previous one's
+    choice) and their records merge."""
 
     def __init__(self, *probes: Probe):
         self.probes = tuple(probes)
@@ -159,19 +145,6 @@ class Probes(Probe):
         rec = {}
         for p in self.probes:
             rec = _merge(rec, p.scored(l, ctx, pin))
-        return rec
-
-    def forced_experts(self, l, pin):
-        for p in self.probes:
-            forced, impose = p.forced_experts(l, pin)
-            if forced is not None:
-                return forced, impose
-        return None, True
-
-    def experts_chosen(self, l, moe, info, forced, vl, pin) -> dict:
-        rec = {}
-        for p in self.probes:
-            rec = _merge(rec, p.experts_chosen(l, moe, info, forced, vl, pin))
         return rec
 
     def see(self, l, thunk) -> dict:

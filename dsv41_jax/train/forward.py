@@ -201,8 +201,9 @@ class FakeQuantStore:
 
 
 class TrainProbe(body_probe.Probe):
-    """Training's observer of the layer body: every layer's gate scores (the balance loss) and, with
-    `kl`, the indexer KL at the sampled query positions pin["kl_pos"] [B, P] (docs/REFERENCE.md §7)."""
+    """Training's observer of the layer body: with `kl`, the indexer KL at the sampled query positions
+    pin["kl_pos"] [B, P] (docs/REFERENCE.md §7). The balance loss's gate scores are the body's own
+    record (`ffn_site`'s "gate_scores")."""
 
     def __init__(self, kl: bool = False):
         self.kl = bool(kl)
@@ -218,9 +219,6 @@ class TrainProbe(body_probe.Probe):
         target = sg(_attention_target(sg(pick(c["q"])), sg(c["win"]), pick(c["win_idx"]), sg(store.comp[src]),
                                       allowed_s, sg(attn.attn_sink[...]), store.cfg.head_dim ** -0.5))
         return {"indexer_kl": _kl(target, c["score"](pick, store.ikeys[src]), allowed_s)}
-
-    def experts_chosen(self, l, moe, info, forced, vl, pin) -> dict:
-        return {"gate_scores": info["scores"]}
 
 
 def train_forward(model, batch: dict, opts: ForwardOptions = ForwardOptions(), *, replay_start=None, kl_pos=None):
