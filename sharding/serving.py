@@ -46,9 +46,13 @@ class MeshPlacement:
             return self.cache(tree)
         return jax.device_put(tree, NamedSharding(self.mesh, PartitionSpec()))
 
-    def constrain(self, cache: dict) -> dict:
-        """Inside a jitted step: the returned cache keeps the preset's layout."""
-        return jax.lax.with_sharding_constraint(cache, cache_shardings(cache, self.mesh, self.preset))
+    def constrain(self, tree):
+        """Inside a jitted step: a returned cache keeps the preset's layout; any other tree the
+        engine's steps return (the per-slot sampling history the slot insert also writes) stays
+        replicated, as `place` put it (the cache rules name cache entries only)."""
+        if isinstance(tree, dict) and "length" in tree:
+            return jax.lax.with_sharding_constraint(tree, cache_shardings(tree, self.mesh, self.preset))
+        return jax.lax.with_sharding_constraint(tree, NamedSharding(self.mesh, PartitionSpec()))
 
     def unpadded(self, params, cfg):
         """The params with Engram tables cut back to their stored rows (the model's fingerprint is
