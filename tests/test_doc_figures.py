@@ -4,7 +4,8 @@ had made it 15.68).
 
 Checked: the "Slices by chip count" table of sharding/README.md (weights + Engram per chip, the
 largest batch that fits at each context), the `dsv41 plan` output blocks under it (every memory
-line and the largest batch at 64K), and the same table in docs/PERFORMANCE.md. The plans are
+line and the largest batch at 64K), the same table in docs/PERFORMANCE.md, and docs/SERVING.md's
+plans for one host's devices. The plans are
 `sharding.plan.build_plan` / `max_batch` with the commands' `--prefill-chunk 256`; the one-layer
 compile lines are measurements, not recomputed. About 15 s: the first plan traces the full
 model's shapes, the rest reuse them.
@@ -111,3 +112,27 @@ def test_plan_knows_the_devices_users_have(capsys):
                      "--context", "64", "--no-compile"])
         out = capsys.readouterr().out
         assert code == 0 and f"{device}: {hbm} GiB HBM" in out, out
+
+
+SERVING = REPO / "docs" / "SERVING.md"
+
+
+def test_serving_doc_plans_for_one_host():
+    """docs/SERVING.md's `dsv41 plan` outputs for one host's devices (GPU host, TPU VM, Colab /
+    Kaggle): every per-device line, the verdict and the largest batch, recomputed from the command
+    printed above each block."""
+    from sharding.plan import build_plan, max_batch
+
+    blocks = re.findall(r"^\$ dsv41 plan --config v41-flash (.*?)\n(.*?)\n```", SERVING.read_text(), re.S | re.M)
+    assert len(blocks) == 4, "the four `dsv41 plan` blocks of docs/SERVING.md changed shape"
+    for cmd, out in blocks:
+        a = dict(re.findall(r"--([\w-]+) (?!-)(\S+)", cmd))
+        kw = dict(batch=int(a["batch"]), context=int(a["context"]), device=a["device"], engram=a.get("engram", "hbm"))
+        d = build_plan(_cfg(), a["mesh"], **kw)
+        for name, key in [("weights", "weights"), ("engram", "engram"), ("caches", "cache"),
+                          ("activations", "activations"), ("total", "total")]:
+            shown = float(re.search(rf"^  {name}\s+([\d.]+) GiB", out, re.M).group(1))
+            assert shown == round(d["per_device_bytes"][key] / GiB, 2), (cmd, name, shown)
+        assert ("-> fits" in out) == d["fits"], cmd
+        biggest = int(re.search(r"^largest batch that fits \w+ at context \d+: (\d+)", out, re.M).group(1))
+        assert biggest == max_batch(_cfg(), a["mesh"], context=kw["context"], device=a["device"], engram=kw["engram"]), cmd
