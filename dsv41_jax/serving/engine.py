@@ -370,7 +370,9 @@ class Engine:
             lp = None
             if req.want_logprobs:
                 z = jnp.where(self.banned, -jnp.inf, logits[row].astype(jnp.float32))
-                lp = np.asarray(jax.nn.log_softmax(z))
+                # the row read back first: on a mesh the vocabulary is split, and a log-softmax of
+                # the split row sums over the shards in another order than one device does
+                lp = np.asarray(jax.nn.log_softmax(jax.device_get(z)))
             req.on_token(token, lp)
         return token
 

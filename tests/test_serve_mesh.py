@@ -1,0 +1,110 @@
+"""`dsv41 serve --mesh expert=4,tensor=2` as a real process on 8 fake CPU devices (the root
+conftest's XLA_FLAGS reach the subprocess), warmed up, answering the real `openai` client: chat,
+streaming and a resumed conversation (issue 24).
+
+Oracle: the same `dsv41 serve` on one device, started from the same checkpoint with the same
+flags, in exact numerics (float64 dots rounded once, so sums split across devices round to the
+same value): every reply, its logprobs and its usage (cached tokens included) are equal, field by
+field. The replies come from a random model; a logit bias on the letters keeps them plain ASCII so
+that the assistant message sent back in the next turn re-encodes to the tokens generated, which is
+what lets the stored conversation be found (the model still picks which letter).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from dsv41_jax.checkpoint.hf_writer import save_hf_checkpoint  # noqa: E402
+from dsv41_jax.checkpoint.synthetic import synthetic_model  # noqa: E402
+from dsv41_jax.serving.http.server import free_port  # noqa: E402
+from dsv41_jax.train.data import ByteTokenizer  # noqa: E402
+from test_serve_http import tiny_config  # noqa: E402
+
+MESH = "expert=4,tensor=2"  # the tiny config's 4 experts one per expert shard, its 4 heads 2 per tensor shard
+# the byte tokenizer's id of byte b is 8 + b: +100 on 'a'..'z' keeps greedy replies to lowercase letters
+LETTERS = {str(ByteTokenizer().encode(c)[0]): 100 for c in "abcdefghijklmnopqrstuvwxyz"}
+
+
+def _start(folder, port, cache_dir, mesh, log):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    cmd = [sys.executable, "-m", "dsv41_jax.cli", "serve", "--checkpoint", str(folder), "--port", str(port),
+           "--numerics", "exact", "--exact-prefill", "--max-batch", "2", "--prefill-chunk", "4",
+           "--max-model-len", "128", "--prefix-cache-dir", str(cache_dir), "--quiet"]
+    # stderr to a file: XLA and uvicorn keep writing there, and an undrained pipe would block the server
+    return subprocess.Popen(cmd + (["--mesh", mesh] if mesh else []), env=env, stderr=open(log, "w"))
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """{"mesh": url, "one": url}: both servers warmed up (GET /ready answered 200)."""
+    root = tmp_path_factory.mktemp("serve_mesh")
+    tok = ByteTokenizer().save_json(root / "tokenizer.json")
+    save_hf_checkpoint(synthetic_model(tiny_config(), seed=3), root / "ckpt", tokenizer=tok)
+    procs, urls = {}, {}
+    try:
+        for name, mesh in (("mesh", MESH), ("one", None)):
+            port = free_port()
+            procs[name] = _start(root / "ckpt", port, root / f"conv-{name}", mesh, root / f"{name}.log")
+            urls[name] = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 900
+        for name, url in urls.items():
+            while True:
+                try:
+                    r = httpx.get(url + "/ready")
+                    if r.status_code == 200:
+                        break
+                    assert r.json()["status"] == "warming", f"dsv41 serve ({name}): {r.json()}"
+                except httpx.HTTPError:
+                    pass
+                if procs[name].poll() is not None or time.monotonic() > deadline:
+                    procs[name].kill()
+                    pytest.fail(f"dsv41 serve ({name}) did not come up: exit code {procs[name].poll()}\n"
+                                + (root / f"{name}.log").read_text()[-4000:])
+                time.sleep(0.5)
+        yield urls
+    finally:
+        for p in procs.values():
+            p.terminate()
+        for p in procs.values():
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _conversation(url):
+    """What the client sees over one chat, its streamed copy, its resumed second turn and a completion."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+    kw = dict(model="ckpt", temperature=0, logit_bias=LETTERS)
+    q1 = [{"role": "user", "content": "what is the weather in paris"}]
+    r1 = client.chat.completions.create(messages=q1, max_tokens=8, logprobs=True, **kw)
+    streamed = [c.choices[0].delta.content or "" for c in
+                client.chat.completions.create(messages=q1, max_tokens=8, stream=True, **kw) if c.choices]
+    q2 = q1 + [{"role": "assistant", "content": r1.choices[0].message.content},
+               {"role": "user", "content": "and tomorrow"}]
+    r2 = client.chat.completions.create(messages=q2, max_tokens=6, logprobs=True, **kw)
+    c = client.completions.create(model="ckpt", prompt="def f", max_tokens=6, temperature=0, logprobs=2)
+    lp = lambda r: [(e.token, e.logprob) for e in r.choices[0].logprobs.content]  # noqa: E731
+    return {"r1": (r1.choices[0].message.content, lp(r1), r1.choices[0].finish_reason, r1.usage.model_dump()),
+            "streamed": "".join(streamed),
+            "r2": (r2.choices[0].message.content, lp(r2), r2.usage.model_dump()),
+            "completion": (c.choices[0].text, c.choices[0].logprobs.model_dump())}
+
+
+def test_server_on_a_mesh_answers_as_on_one_device(servers):
+    ready = httpx.get(servers["mesh"] + "/ready").json()
+    assert ready["status"] == "ready", ready  # the warm-up compiled every program on the mesh
+    mesh, one = _conversation(servers["mesh"]), _conversation(servers["one"])
+    text, _, finish, usage = mesh["r1"]
+    assert finish == "length" and len(text) == 8 and text.isalpha() and text.islower()
+    assert mesh["streamed"] == text
+    # the second turn resumed the stored first one: its prompt and the reply but the last token
+    assert mesh["r2"][2]["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] + 8 - 1
+    assert mesh == one
