@@ -452,24 +452,26 @@ def test_attention_guard_tells_masked_rows_from_nan_rows(mode):
 @pytest.mark.slow
 def test_all_nan_fp8_weight_gives_finite_logits_unless_guarded(params_a):
     """The probe end to end: an all-NaN FP8 `wkv` (loaded with the value check off) still gives
-    finite logits; `Runtime(check_finite=True)` lets the NaN reach them, and Generator's check
-    raises naming the position."""
+    finite logits; `Runtime(check_finite=True)` lets the NaN reach them, and the engine's guard
+    (what `dsv41 generate --check-finite` runs on) raises naming the position."""
     import jax.numpy as jnp
     from flax import nnx
 
     from dsv41_jax.model.transformer import init_cache, make_step
     from dsv41_jax.runtime import Runtime
-    from dsv41_jax.serving.generate import _check_finite_logits
+    from dsv41_jax.serving.generate import generate, one_slot_engine
 
     cfg = micro_config(32, engram_layer_ids=())
     params = random_params(cfg, seed=1)
     path = next(p for p in params if p[-2:] == ("wkv", "weight") and p[1] == 0)
     params[path] = np.full_like(params[path], np.nan)
-    graphdef, state = nnx.split(model_from_params(cfg, params))
+    model = model_from_params(cfg, params)
+    graphdef, state = nnx.split(model)
     tokens = jnp.asarray([[1, 2, 3, 4]], jnp.int32)
     plain = np.asarray(make_step(graphdef, Runtime())(state, tokens, init_cache(cfg, 1))[0], np.float32)
     guarded = np.asarray(make_step(graphdef, Runtime(check_finite=True))(state, tokens, init_cache(cfg, 1))[0], np.float32)
     assert np.all(np.isfinite(plain))
     assert not np.all(np.isfinite(guarded))
     with pytest.raises(FloatingPointError, match="non-finite logits for position 4"):
-        _check_finite_logits(guarded[0, -1], 4)
+        generate(one_slot_engine(model, runtime=Runtime(check_finite=True)), [1, 2, 3, 4], max_new_tokens=2)
+    assert generate(one_slot_engine(model), [1, 2, 3, 4], max_new_tokens=2).tokens  # unguarded: it generates

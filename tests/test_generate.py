@@ -1,4 +1,6 @@
-"""`dsv41 generate` and its sampler, on a tiny synthetic checkpoint with a tokenizer built here."""
+"""`dsv41 generate` on a tiny synthetic checkpoint with a tokenizer built here. It samples through the
+serving engine (the one sampler, tested in tests/test_serving.py); here its greedy reply is checked
+against a greedy loop over the model's own forward step."""
 import json
 import shutil
 from argparse import Namespace
@@ -12,7 +14,7 @@ from dsv41_jax.checkpoint.hf_writer import save_hf_checkpoint
 from dsv41_jax.checkpoint.synthetic import fake_extra_entries, synthetic_model
 from dsv41_jax.cli.main import main
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.serving.generate import Sampling, TextStream, allowed_ids, sample
+from dsv41_jax.serving.generate import TextStream, allowed_ids
 from dsv41_jax.text.tokenizer import load_tokenizer
 
 # A contiguous tokenizer (ids 0..44) so the Engram token map covers every id.
@@ -62,40 +64,6 @@ def test_allowed_ids_mask_sentinels_and_unknown_ids(big_tokenizer):
     assert not allowed[500]  # no token has this id
     with pytest.raises(ValueError, match="ids up to 129279 but the model's vocab_size is 512"):
         allowed_ids(512, big_tokenizer)
-
-
-def test_sampler_never_picks_a_masked_id_and_is_seeded():
-    V = 50
-    allowed = np.ones(V, bool)
-    allowed[7] = False
-    logits = np.zeros(V)
-    logits[7] = 100.0  # the favourite is a sentinel
-    logits[3] = 8.0  # p(3) = e^8 / (e^8 + 48) ~ 0.984 among the allowed ids
-    rng = np.random.default_rng(0)
-    assert sample(logits, allowed, Sampling(temperature=0), rng) == 3
-    draws = [sample(logits, allowed, Sampling(temperature=1.0, top_p=1.0), rng) for _ in range(200)]
-    assert 7 not in draws and draws.count(3) > 180 and len(set(draws)) > 1
-
-    def draws_with(seed):
-        r = np.random.default_rng(seed)
-        return [sample(np.arange(V) / 10, allowed, Sampling(1.0, 0.9), r) for _ in range(20)]
-
-    assert draws_with(5) == draws_with(5) != draws_with(6)
-
-
-def test_top_p_keeps_the_smallest_set_reaching_the_mass():
-    p = np.array([0.5, 0.3, 0.15, 0.05])
-    logits = np.log(p)
-    allowed = np.ones(4, bool)
-    rng = np.random.default_rng(1)
-    seen = {sample(logits, allowed, Sampling(1.0, 0.75), rng) for _ in range(300)}
-    assert seen == {0, 1}  # 0.5 < 0.75 <= 0.8
-    seen = {sample(logits, allowed, Sampling(1.0, 0.5), rng) for _ in range(50)}
-    assert seen == {0}
-    with pytest.raises(ValueError, match="top_p must be in"):
-        Sampling(1.0, 0.0)
-    with pytest.raises(ValueError, match="temperature must be"):
-        Sampling(-0.5)
 
 
 def test_text_stream_emits_new_text_and_skips_eos(ckpt):
@@ -198,6 +166,49 @@ def test_generate_streams_tokens_on_one_device(greedy_on_one_device):
     assert code == 0, err
     assert out.endswith("\n") and out.strip()  # streamed text, then a newline
     assert "skipped 6 tensors not modelled" in err and "dequantized 1 FP8 wo_a" in err
+
+
+def _greedy_over_forward(ckpt, prompt: list[int], n: int) -> list[int]:
+    """The oracle: `model.forward`'s jitted step (prefill, then one token a step), argmax over the
+    ids the tokenizer has, stopping after EOS; no engine, no device sampler."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dsv41_jax.checkpoint import load
+    from dsv41_jax.engram.hashing import hash_ids, next_history
+    from dsv41_jax.model.transformer import init_cache, make_step
+    from dsv41_jax.serving.generate import _engram_tables
+
+    tok = load_tokenizer(ckpt)
+    cfg, model, _ = load(ckpt, progress=False, config_overrides={"max_batch_size": 1, "max_seq_len": 64})
+    allowed = allowed_ids(cfg.vocab_size, tok)
+    layout, token_map = _engram_tables(cfg, tok)
+    graphdef, params = nnx.split(model)
+    step = make_step(graphdef)
+    cache, history, feed, out = init_cache(cfg, 1), None, np.asarray([prompt], np.int64), []
+    while len(out) < n:
+        ids = jnp.asarray(hash_ids(layout, token_map, feed, history).astype(np.int32))
+        history = next_history(layout, feed, history)
+        logits, cache, _ = step(params, jnp.asarray(feed, jnp.int32), cache, ids)
+        out.append(int(np.argmax(np.where(allowed, np.asarray(logits[0, -1], np.float32), -np.inf))))
+        if out[-1] == tok.eos_id:
+            break
+        feed = np.asarray([[out[-1]]], np.int64)
+    return out
+
+
+def test_generate_greedy_equals_a_greedy_loop_over_the_forward_step(ckpt, greedy_on_one_device):
+    """generate runs on the serving engine (exact prefill, decode step, device sampler); at
+    temperature 0 its reply is the argmax of the model's own forward, token by token."""
+    from dsv41_jax.cli.generate import _prompt_ids
+
+    tok = load_tokenizer(ckpt)
+    prompt = _prompt_ids(Namespace(messages=None, prompt=PROMPT, thinking=False, effort=None), tok)
+    want = _greedy_over_forward(ckpt, prompt, 6)
+    assert len(want) >= 1
+    code, out, err = greedy_on_one_device
+    assert code == 0, err
+    assert out.rstrip("\n") == tok.decode([t for t in want if t != tok.eos_id])
 
 
 @pytest.mark.slow

@@ -128,17 +128,18 @@ def _run(args) -> int:
     from dsv41_jax.checkpoint import checkpoint_format
     from dsv41_jax.checkpoint.hf_loader import read_config
     from dsv41_jax.runtime import Runtime
-    from dsv41_jax.serving.generate import Generator, Sampling, TextStream
+    from dsv41_jax.serving.generate import Generator, TextStream
+    from dsv41_jax.serving.sampling import SamplingParams
 
     checkpoint_format(folder)
     overrides = {"max_batch_size": 1}
     if args.max_seq_len is not None:
         overrides["max_seq_len"] = args.max_seq_len
     cfg = read_config(folder, overrides)
-    sampling = Sampling(args.temperature, args.top_p, args.seed)
-    if len(prompt) > cfg.max_seq_len:
-        raise InputError(f"the prompt is {len(prompt)} tokens but the cache holds max_seq_len={cfg.max_seq_len}; "
-                         "shorten the prompt or pass a larger --max-seq-len")
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    if len(prompt) >= cfg.max_seq_len:
+        raise InputError(f"the prompt is {len(prompt)} tokens but the cache holds max_seq_len={cfg.max_seq_len}, "
+                         "which leaves no room for a reply; shorten the prompt or pass a larger --max-seq-len")
     mesh = mesh_of(args)
     cfg, model, report = load_on(folder, mesh, args.preset, progress=not args.quiet,
                                  config_overrides=overrides, check_values=not args.no_value_check,
@@ -157,7 +158,7 @@ def _run(args) -> int:
     if args.speculative == "dspark":
         result, spec = _speculate(args, cfg, model, tokenizer, prompt, runtime, show)
     else:
-        gen = Generator(cfg, model, tokenizer, runtime=runtime)
+        gen = Generator(cfg, model, tokenizer, runtime=runtime, mesh=mesh, preset=args.preset)
         result = gen.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, on_token=show)
     if args.json:
         text = tokenizer.decode([t for t in result.tokens if t != tokenizer.eos_id])

@@ -29,8 +29,8 @@ from dsv41_jax.model.transformer import COMPILER_OPTIONS
 from dsv41_jax.runtime import Runtime
 from dsv41_jax.serving import prefix_cache
 from dsv41_jax.serving.buckets import capacity_for, capacity_of, empty_cache, resize_cache
-from dsv41_jax.serving.sampling import (SamplingParams, banned_mask, empty_history, history_row, mask_words, sample,
-                                        slot_arrays)
+from dsv41_jax.serving.sampling import (SamplingParams, banned_mask, check_finite_logits, empty_history, history_row,
+                                        mask_words, sample, slot_arrays)
 from dsv41_jax.serving.split_prefill import (check_splittable, decode_plan, decode_step, decoder_pass,
                                              encoder_pass, exact_prefill, replay_window)
 
@@ -75,6 +75,7 @@ class Result:
     cached_tokens: int  # tokens restored from a prefix cache
     timing: dict
     error: str | None = None  # why this request failed alone (finish_reason "error")
+    exception: BaseException | None = None  # and the exception that said so (its type tells a caller what failed)
 
 
 @dataclass
@@ -341,6 +342,7 @@ class Engine:
                 zero = jnp.zeros((1,), jnp.int32)
                 first, hist = sample(logits, slot_arrays([req.sampling]), zero, history_row(self.cfg.vocab_size, tokens),
                                      zero, jnp.zeros((1,), bool), self.banned, self._masks([req]))
+                self._guard(logits, 0, len(tokens))
                 first = self._emit(req, 0, int(first[0]), logits, 0)
             except Exception as e:  # noqa: BLE001 - reported in the request's Result
                 self._fail(req, [], e)
@@ -358,7 +360,13 @@ class Engine:
         belong to one request (its prefill, its stored conversation, its token callback); a failed
         batch step still raises (its donated cache is gone: `reset`)."""
         self.done[req.request_id] = Result(req.request_id, list(generated), "error", len(req.prompt), 0, {},
-                                           error=f"{type(exc).__name__}: {exc}")
+                                           error=f"{type(exc).__name__}: {exc}", exception=exc)
+
+    def _guard(self, logits, row: int, position: int):
+        """With the runtime's `check_finite`: non-finite logits in `row` (the token after `position`
+        tokens) raise, which fails that request alone (the caller's try)."""
+        if self.runtime.check_finite:
+            check_finite_logits(np.asarray(logits[row]), position)
 
     def _emit(self, req: Request, drawn: int, token: int, logits, row: int) -> int:
         """The token to keep (a forced one in tests), reported to `req.on_token`."""
@@ -439,7 +447,8 @@ class Engine:
             for i, st in enumerate(self.table):
                 if st is None:
                     continue
-                try:  # the host side of one request (its token callback) fails it alone
+                try:  # the host side of one request (its logits guard, its token callback) fails it alone
+                    self._guard(logits, i, len(st.tokens))
                     tok = self._emit(st.request, len(st.generated), int(nxt[i]), logits, i)
                 except Exception as e:  # noqa: BLE001 - reported in the request's Result
                     self.table[i] = None

@@ -1,39 +1,24 @@
-"""A small sampler for `dsv41 generate`: prefill the prompt, then decode one token per step.
+"""`dsv41 generate`'s driver: the serving engine with one slot, so generate prefills, decodes and
+samples exactly as the server does (one sampler: `dsv41_jax.serving.sampling`, on device).
 
-It is deliberately minimal (batch 1, host-side sampling) until the serving engine owns
-sampling. Greedy at temperature 0, otherwise temperature + top-p with a seeded numpy
-generator. The input-only sentinel ids (docs/REFERENCE.md §9) and ids the tokenizer does not have are
-never sampled. Engram ids are hashed on the host from the token history (docs/REFERENCE.md §3).
+Prefill is exact (`Engine(exact_prefill=True)`, the whole prompt through the layer body as
+`model.forward` runs it). The input-only sentinel ids (docs/REFERENCE.md §9) and ids the tokenizer
+does not have are banned. Engram ids are hashed on the host from the token history
+(docs/REFERENCE.md §3). The demo (`dsv41_jax.train.demo`) samples through `generate` too.
 """
 from __future__ import annotations
 
-import math
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.model.transformer import check_inputs, init_cache, make_step
 from dsv41_jax.runtime import Runtime
+from dsv41_jax.serving.engine import Engine, Request
+from dsv41_jax.serving.sampling import SamplingParams
 from dsv41_jax.text.tokenizer import Tokenizer, sentinel_ids
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """temperature 0 = greedy; top_p in (0, 1] keeps the smallest set of tokens reaching that mass."""
-
-    temperature: float = 1.0
-    top_p: float = 0.95
-    seed: int = 0
-
-    def __post_init__(self):
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
 @dataclass
@@ -55,89 +40,56 @@ def allowed_ids(vocab_size: int, tokenizer: Tokenizer) -> np.ndarray:
     return mask
 
 
-def sample(logits: np.ndarray, allowed: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> int:
-    """One token id from a logits row [V] (host float)."""
-    z = np.where(allowed, np.asarray(logits, np.float64), -np.inf)
-    if not np.any(np.isfinite(z)):
-        raise FloatingPointError("every allowed logit is -inf or NaN; the model produced no usable distribution")
-    if sampling.temperature == 0:
-        return int(np.argmax(np.where(np.isnan(z), -np.inf, z)))
-    z = z / sampling.temperature
-    p = np.exp(z - np.max(z[np.isfinite(z)]))
-    p = np.where(np.isfinite(p), p, 0.0)
-    order = np.argsort(-p, kind="stable")
-    mass = np.cumsum(p[order]) / p.sum()
-    keep = order[: int(np.searchsorted(mass, sampling.top_p)) + 1]  # the smallest prefix reaching top_p
-    q = p[keep] / p[keep].sum()
-    return int(keep[rng.choice(len(keep), p=q)])
+def one_slot_engine(model, *, runtime: Runtime = Runtime(), banned_ids=(), engram=None, mesh=None,
+                    preset: str = "inference", prefill_chunk: int = 512) -> Engine:
+    """The engine `generate` runs on: one slot, exact prefill, the config's max_seq_len.
+    engram: (layout, token map) for models with Engram layers; prefill_chunk 1 compiles a single
+    prefill shape (the demo's short prompt: compile time dominates on CPU)."""
+    cfg = model.cfg
+    return Engine(model, slots=1, max_seq_len=cfg.max_seq_len, min_capacity=min(256, cfg.max_seq_len),
+                  prefill_chunk=prefill_chunk, exact_prefill=True, runtime=runtime, banned_ids=banned_ids,
+                  engram=engram, mesh=mesh, preset=preset)
 
 
-def _check_finite_logits(row: np.ndarray, position: int) -> None:
-    """The runtime guard's host half (`Runtime.check_finite`): one logits row, already on the host."""
-    nan, inf = int(np.isnan(row).sum()), int(np.isinf(row).sum())
-    if nan or inf:
-        raise FloatingPointError(f"non-finite logits for position {position} ({nan} NaN, {inf} inf of {row.size}): "
-                                 "the weights or activations hold NaN/inf; load with the value check on (the default) "
-                                 "to find the tensor")
+def generate(engine: Engine, prompt_ids, *, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
+             stop_tokens=(), on_token: Callable[[int], None] | None = None) -> Generation:
+    """Continue one prompt on `engine` (the server's prefill, decode step and sampler). sampling's
+    max_tokens and stop_tokens are replaced by max_new_tokens (cut to the room left in the cache:
+    finish "cache_full" when that cut ends the reply) and stop_tokens (finish "eos")."""
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    room = engine.max_seq_len - len(prompt)
+    if room < 1:
+        raise ValueError(f"the prompt is {len(prompt)} tokens and leaves no room for a reply in the cache "
+                         f"(max_seq_len={engine.max_seq_len}); shorten the prompt or pass a larger --max-seq-len")
+    sp = dataclasses.replace(sampling, max_tokens=min(max_new_tokens, room), stop_tokens=tuple(stop_tokens))
+    rid = engine.submit(Request(prompt, sp, on_token=None if on_token is None else (lambda tok, _lp: on_token(tok))))
+    while not engine.idle():
+        engine.step()
+    r = engine.done.pop(rid)
+    if r.finish_reason == "error":
+        raise r.exception if r.exception is not None else RuntimeError(r.error)
+    reason = ("eos" if r.finish_reason == "stop" else "length" if len(r.tokens) >= max_new_tokens else "cache_full")
+    return Generation(prompt_tokens=len(prompt), tokens=list(r.tokens), finish_reason=reason)
 
 
 class Generator:
-    """Holds the split model, its jitted step and the host-side tables for one checkpoint."""
+    """One checkpoint's one-slot engine, with the tokenizer's banned ids and Engram tables."""
 
-    def __init__(self, cfg: ModelConfig, model: nnx.Module, tokenizer: Tokenizer, *, runtime: Runtime = Runtime()):
+    def __init__(self, cfg: ModelConfig, model, tokenizer: Tokenizer, *, runtime: Runtime = Runtime(), mesh=None,
+                 preset: str = "inference"):
         self.cfg, self.tokenizer = cfg, tokenizer
-        graphdef, self.params = nnx.split(model)
-        self.step = make_step(graphdef, runtime)
-        self.check_finite = runtime.check_finite
-        self.allowed = allowed_ids(cfg.vocab_size, tokenizer)
-        self.engram = _engram_tables(cfg, tokenizer) if cfg.engram_layer_ids else None
+        banned = np.flatnonzero(~allowed_ids(cfg.vocab_size, tokenizer))
+        self.engine = one_slot_engine(model, runtime=runtime, banned_ids=[int(i) for i in banned], mesh=mesh,
+                                      preset=preset, engram=_engram_tables(cfg, tokenizer) if cfg.engram_layer_ids else None)
 
-    def _engram_ids(self, tokens: np.ndarray, history):
-        if self.engram is None:
-            return None, None
-        from dsv41_jax.engram.hashing import hash_ids, next_history
-
-        layout, token_map = self.engram
-        ids = hash_ids(layout, token_map, tokens, history)
-        return jnp.asarray(ids.astype(np.int32)), next_history(layout, tokens, history)
-
-    def generate(self, prompt_ids, *, max_new_tokens: int, sampling: Sampling = Sampling(),
+    def generate(self, prompt_ids, *, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                  on_token: Callable[[int], None] | None = None) -> Generation:
-        cfg = self.cfg
-        tokens = np.asarray([list(prompt_ids)], np.int32)
-        if tokens.shape[1] == 0:
-            raise ValueError("the prompt is empty")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        check_inputs(cfg, tokens, np.zeros(1, np.int32))
-        out = Generation(prompt_tokens=tokens.shape[1])
-        rng = np.random.default_rng(sampling.seed)
-        cache = init_cache(cfg, 1)
-        engram_ids, history = self._engram_ids(tokens, None)
-        logits, cache, _ = self.step(self.params, jnp.asarray(tokens), cache, engram_ids)
-        position = tokens.shape[1]
-        while True:
-            row = np.asarray(logits[0, -1])
-            if self.check_finite:
-                _check_finite_logits(row, position)
-            tok = sample(row, self.allowed, sampling, rng)
-            out.tokens.append(tok)
-            if on_token is not None:
-                on_token(tok)
-            if tok == self.tokenizer.eos_id:
-                out.finish_reason = "eos"
-                break
-            if len(out.tokens) >= max_new_tokens:
-                out.finish_reason = "length"
-                break
-            if position >= cfg.max_seq_len:
-                out.finish_reason = "cache_full"
-                break
-            step_tokens = np.asarray([[tok]], np.int32)
-            engram_ids, history = self._engram_ids(step_tokens, history)
-            logits, cache, _ = self.step(self.params, jnp.asarray(step_tokens), cache, engram_ids)
-            position += 1
-        return out
+        return generate(self.engine, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
+                        stop_tokens=(self.tokenizer.eos_id,), on_token=on_token)
 
 
 def _engram_tables(cfg: ModelConfig, tokenizer: Tokenizer):

@@ -16,6 +16,7 @@ frequency and presence penalties over the generated tokens (OpenAI: logit - coun
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import jax
@@ -47,8 +48,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -79,6 +80,16 @@ class SamplingParams:
         """Whether any penalty or bias changes the logits (False: the slot samples its raw logits)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
                     or any(b for _, b in self.logit_bias))
+
+
+def check_finite_logits(row: np.ndarray, position: int) -> None:
+    """The runtime guard's host half (`Runtime.check_finite`): one logits row [V], on the host,
+    for the token after `position` tokens went through the model."""
+    nan, inf = int(np.isnan(row).sum()), int(np.isinf(row).sum())
+    if nan or inf:
+        raise FloatingPointError(f"non-finite logits for position {position} ({nan} NaN, {inf} inf of {row.size}): "
+                                 "the weights or activations hold NaN/inf; load with the value check on (the default) "
+                                 "to find the tensor")
 
 
 def banned_mask(vocab_size: int, banned_ids) -> np.ndarray:

@@ -14,7 +14,7 @@ Modules, in data-flow order:
   checkpoint    orbax CheckpointManager: async, keep N, exact resume, restore onto any mesh
   loop          a run: prepare (fresh / restored), train with progress and metrics
   export        trained masters -> served FP8/FP4 checkpoint folder, and back
-  sample        a small sampler over the served model
   throughput    tokens/s and the MFU estimate
-  demo          `dsv41 demo`
+  demo          `dsv41 demo` (samples its exported model through the serving engine,
+                `dsv41_jax.serving.generate`)
 """

@@ -100,7 +100,8 @@ def run_demo(out_dir=None, *, steps: int = 50, batch_size: int = 8, seq_len: int
     from dsv41_jax.train.checkpoint import Checkpointer
     from dsv41_jax.train.export import export_checkpoint, load_exported
     from dsv41_jax.train.loop import format_metrics, prepare, train
-    from dsv41_jax.train.sample import generate
+    from dsv41_jax.serving.generate import generate, one_slot_engine
+    from dsv41_jax.serving.sampling import SamplingParams
 
     t0 = time.perf_counter()
     out = pathlib.Path(out_dir) if out_dir else pathlib.Path(tempfile.mkdtemp(prefix="dsv41-demo-"))
@@ -148,8 +149,9 @@ def run_demo(out_dir=None, *, steps: int = 50, batch_size: int = 8, seq_len: int
     gen_cfg, model = load_exported(served_dir, cfg.replace(max_seq_len=2 * seq_len, max_batch_size=1))
     print_fn(f"exported FP8/FP4 checkpoint to {served_dir}; sampling from it:")
     prompt = "def "
-    ids = generate(model, [tok.bos_id] + tok.encode(prompt), sample_tokens, temperature=0.7, seed=seed,
-                   engram=engram, stop_ids=(tok.eos_id,))
+    ids = generate(one_slot_engine(model, engram=engram, prefill_chunk=1), [tok.bos_id] + tok.encode(prompt),
+                   max_new_tokens=sample_tokens, sampling=SamplingParams(temperature=0.7, seed=seed),
+                   stop_tokens=(tok.eos_id,)).tokens
     text = prompt + tok.decode(ids, skip_special=True)
     print_fn("-" * 60 + "\n" + text + "\n" + "-" * 60)
     print_fn("cache memory and prefill savings (dsv41_jax.model.info.model_info):")
