@@ -444,8 +444,9 @@ def calling(call):
         ([user("a"), {"role": "assistant"}], r"messages\[1\]: assistant message has neither"),
         ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "only text parts.*'image_url'"),
         ([{"role": "user", "content": 5}], "content must be a str"),
-        ([user("a"), calling({"function": {"name": "f", "arguments": "{bad"}})], "not valid JSON"),
-        ([user("a"), calling({"function": {"name": "f", "arguments": "[1]"}})], "must be a JSON object"),
+        ([user("a"), {"role": "developer", "content": ""}], r"messages\[1\]: a developer message needs non-empty"),
+        ([{"role": "user", "content": "a", "task": "summarize"}], r"task 'summarize' is not one of"),
+        ([{"role": "latest_reminder"}], r"missing 'content'"),
         ([user("a"), calling({"name": "f"})], "each tool call needs"),
         ([user("a"), {"role": "assistant", "content": "x", "reasoning": "p", "reasoning_content": "q"}], "disagree"),
         ([], "non-empty list"),
@@ -582,3 +583,88 @@ def test_byte_tokenizer_training_chat_keeps_forgeries_as_text():
     doc = chat_document(tok, [user(f"x{EOS}{A}"), {"role": "assistant", "content": f"y{EOS}"}])
     assert doc.ids.tolist().count(tok.eos_id) == 1  # only the EOS that closes the reply
     assert tok.decode(doc.ids[doc.target_mask]) == f"y{EOS}{EOS}"
+
+
+# ---- reminders, task markers, developer turns, pass-through arguments ----------------------------
+# Expected strings worked out by hand from the reference encoder's rules, as vendored by vLLM
+# (vllm/tokenizers/deepseek_v41_encoding.py) and SGLang (encoding_dsv41.py): render_message's
+# transition rule, merge_tool_messages, _drop_thinking_messages, encode_arguments_to_dsml.
+REM = "<｜latest_reminder｜>"
+
+
+def test_latest_reminder_before_the_user_turn():
+    # SGLang test_serving_chat: "<｜latest_reminder｜>Be terse." comes before "<｜User｜>Hello"
+    messages = [{"role": "system", "content": "S"}, {"role": "latest_reminder", "content": "Be terse."}, user("Hello")]
+    assert encode_chat(messages, thinking=False) == BOS + SYS + "S" + REM + "Be terse." + U + "Hello" + A + "</think>"
+
+
+def test_a_reminder_after_the_user_turn_keeps_the_header_before_it():
+    messages = [user("q"), {"role": "latest_reminder", "content": "r"}]
+    assert encode_chat(messages, thinking=False) == BOS + U + "q" + A + "</think>" + REM + "r"
+    assert encode_chat(messages, thinking=True) == BOS + SYS + effort(75) + U + "q" + A + "<think>" + REM + "r"
+
+
+def test_developer_is_a_turn_of_its_own_and_dropped_with_earlier_reasoning():
+    dev = {"role": "developer", "content": "d"}
+    assert encode_chat([dev, user("u")], thinking=False) == BOS + U + "d" + U + "u" + A + "</think>"
+    assert encode_chat([user("u"), dev], thinking=False) == BOS + U + "u" + U + "d" + A + "</think>"
+    history = [user("a"), {"role": "assistant", "content": "b", "reasoning_content": "p"}, dev, user("u")]
+    assert encode_chat(history, thinking=True) == (
+        BOS + SYS + effort(75) + U + "a" + A + "</think>" + "b" + EOS + U + "u" + A + "<think>")
+    assert encode_chat(history, thinking=True, drop_thinking=False) == (
+        BOS + SYS + effort(75) + U + "a" + A + "<think>" + "p</think>b" + EOS + U + "d" + U + "u" + A + "<think>")
+
+
+def test_task_markers_replace_the_header():
+    def asked(task, *rest):
+        return [{"role": "user", "content": "q", "task": task}, *rest]
+    assert encode_chat(asked("query"), thinking=False) == BOS + U + "q" + "<｜query｜>"
+    assert encode_chat(asked("read_url"), thinking=True) == BOS + SYS + effort(75) + U + "q" + "<｜read_url｜>"
+    assert encode_chat(asked("action"), thinking=False) == BOS + U + "q" + A + "</think>" + "<｜action｜>"
+    assert encode_chat(asked("action"), thinking=True) == BOS + SYS + effort(75) + U + "q" + A + "<think>" + "<｜action｜>"
+    # the answer to a task has no reasoning part, even in thinking mode
+    answered = asked("title", {"role": "assistant", "content": "T", "reasoning_content": "ignored"})
+    assert encode_chat(answered, thinking=True) == BOS + SYS + effort(75) + U + "q" + "<｜title｜>" + "T" + EOS
+
+
+def test_user_messages_do_not_merge_into_a_task_turn():
+    tasked = {"role": "user", "content": "a", "task": "query"}
+    # followed by a user turn, the task turn gets no marker (the reference's transition rule)
+    assert encode_chat([tasked, user("b")], thinking=False) == BOS + U + "a" + U + "b" + A + "</think>"
+    # a later user message with a task merges into an untasked turn, which keeps no task
+    assert encode_chat([user("b"), tasked], thinking=False) == BOS + U + "b\n\na" + A + "</think>"
+
+
+def _one_call(arguments):
+    return [user("a"), calling({"function": {"name": "f", "arguments": arguments}})]
+
+
+@pytest.mark.parametrize(("arguments", "value", "is_str"), [
+    ("{bad", "{bad", "true"), ("", "", "true"), ("[1]", "[1]", "true"), ("5", "5", "true"), ([1, 2], "[1, 2]", "false"),
+])
+def test_tool_arguments_that_are_not_a_json_object_pass_through(arguments, value, is_str):
+    assert encode_chat(_one_call(arguments), thinking=False) == (
+        BOS + U + "a" + A + "</think>" + "\n\n<｜DSML｜ calls>\n" + '<｜DSML｜ invoke name="f">\n'
+        + f'<｜DSML｜ parameter name="arguments" string="{is_str}">{value}</｜DSML｜ parameter>\n'
+        + "</｜DSML｜ invoke>\n</｜DSML｜ calls>" + EOS)
+
+
+def test_tool_arguments_as_json_text_once_or_twice():
+    import json
+    one = encode_chat(_one_call({"x": 1}), thinking=False)
+    assert encode_chat(_one_call('{"x": 1}'), thinking=False) == one
+    assert encode_chat(_one_call(json.dumps('{"x": 1}')), thinking=False) == one
+    assert '<｜DSML｜ parameter name="x" string="false">1</｜DSML｜ parameter>' in one
+
+
+def test_reminder_and_task_ids_need_those_added_tokens(tmp_path, byte_tok):
+    specials = {**SPECIAL_IDS, REM: 128830, "<｜query｜>": 128831}
+    tok = load_tokenizer(build_tokenizer_json(tmp_path, specials=specials))
+    messages = [{"role": "latest_reminder", "content": "hi"}, {"role": "user", "content": "there", "task": "query"}]
+    ids = encode_chat_ids(tok, messages, thinking=False)
+    assert ids == [0, 128830, W["hi"], 128803, W["there"], 128831]
+    with pytest.raises(ValueError, match="lacks the special tokens.*latest_reminder"):
+        encode_chat_ids(byte_tok, messages, thinking=False)
+    # the marker typed by a caller stays text
+    typed = encode_chat_ids(tok, [user(REM + "hi")], thinking=False)
+    assert 128830 not in typed

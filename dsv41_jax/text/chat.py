@@ -16,6 +16,18 @@ DeepSeek ships no Jinja template; the rules below follow its reference encoder
   `reasoning</think>content[DSML calls]<｜end▁of▁sentence｜>`.
 - In thinking mode reasoning before the last user turn is dropped (and that turn's header
   is `</think>`) unless tools are offered, since tool loops need the earlier reasoning.
+- A `developer` message is a user turn of its own (`<｜User｜>text`, never merged with a
+  neighbour); in thinking mode with reasoning dropped, developer messages before the last
+  user-like turn are dropped too.
+- `latest_reminder` messages are `<｜latest_reminder｜>text`; a user-like turn followed by one
+  still gets the assistant header.
+- A message's `task` (action, query, authority, domain, title, read_url) replaces the header
+  after it: `<｜query｜>` etc. directly, or for `action` `<｜Assistant｜>`, `</think>` (chat) or
+  `<think>` (thinking), `<｜action｜>`; the assistant turn that answers a task has no reasoning
+  part. A user message does not merge into a user turn that carries a task.
+- Tool-call arguments: a JSON object, its JSON text (encoded once or twice); any other value
+  (text that is not JSON, the empty string, JSON that is not an object) is passed through as a
+  single parameter named `arguments`, as the reference encoder does.
 - A literal `<｜deepseek_image｜>` in caller text is rewritten to `<|deepseek_image|>` (ASCII
   pipes, the spelling SGLang PR #40758 uses) so it can never become the image id.
 """
@@ -37,7 +49,8 @@ DEFAULT_EFFORT_TABLE: Mapping[str, int] = types.MappingProxyType({"low": 50, "hi
 DEFAULT_EFFORT_NAME = "high"  # reference DEFAULT_REASONING_EFFORT, used when effort is None
 EFFORT_MIN, EFFORT_MAX = 1, 100
 IMAGE_ESCAPED = "<|deepseek_image|>"
-ROLES = ("system", "developer", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool", "latest_reminder")
+USER_LIKE = ("user", "developer")  # roles whose turn asks for a reply (a system turn after the first does too)
 
 
 def escape_image_placeholder(text: str) -> str:
@@ -102,6 +115,7 @@ class _Turn:
     reasoning: str = ""
     calls: tuple[tuple[str | None, str, dict], ...] = ()  # (id, name, arguments)
     functions: tuple[Mapping, ...] = ()  # tool definitions hosted by this system turn
+    task: str | None = None  # a quick-instruction task marker after this turn (st.TASKS)
 
 
 def _text_of(value, where: str) -> str:
@@ -129,16 +143,17 @@ def _tool_call(call, where: str) -> tuple[str | None, str, dict]:
     function = call.get("function") if isinstance(call, Mapping) else None
     if not isinstance(function, Mapping) or not isinstance(function.get("name"), str) or not function["name"]:
         raise ValueError(f"{where}: each tool call needs {{'function': {{'name': str, 'arguments': ...}}}}, got {call!r}")
-    arguments = function.get("arguments", {})
+    raw = function.get("arguments", {})
+    arguments = raw
     for _ in range(2):  # a JSON object, its JSON text, or that text encoded once more (clients do send it)
         if not isinstance(arguments, str):
             break
         try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{where}: arguments of {function['name']!r} are not valid JSON: {err}") from err
-    if not isinstance(arguments, Mapping):
-        raise ValueError(f"{where}: arguments of {function['name']!r} must be a JSON object, got {arguments!r}")
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            break
+    if not isinstance(arguments, Mapping):  # reference: anything else is passed through as one parameter
+        arguments = {"arguments": raw}
     return call.get("id", function.get("id")), function["name"], dict(arguments)
 
 
@@ -156,6 +171,13 @@ def _assistant(msg: Mapping, where: str) -> _Turn:
     return _Turn("assistant", content=content, reasoning=escape_image_placeholder(reasoning or ""), calls=calls)
 
 
+def _task(msg: Mapping, where: str) -> str | None:
+    task = msg.get("task")
+    if task is not None and task not in st.TASKS:
+        raise ValueError(f"{where}: task {task!r} is not one of {sorted(st.TASKS)}")
+    return task
+
+
 def _validated(messages) -> list[_Turn]:
     """Check every message and convert it; tool messages become one-block user turns."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
@@ -166,23 +188,34 @@ def _validated(messages) -> list[_Turn]:
         role = msg.get("role") if isinstance(msg, Mapping) else None
         if role not in ROLES:
             raise ValueError(f"{where}: unknown role {role!r}; accepted roles are {ROLES}")
-        if role == "system":
-            turns.append(_Turn("system", content=_required_text(msg, where)))
-        elif role in ("user", "developer"):  # developer: a user turn, as SGLang and vLLM render it
-            turns.append(_Turn("user", blocks=(_Block(_required_text(msg, where)),)))
+        task = _task(msg, where)
+        if role in ("system", "latest_reminder"):
+            turns.append(_Turn(role, content=_required_text(msg, where), task=task))
+        elif role == "developer":  # rendered `<｜User｜>text` but its own turn (reference: content required)
+            text = _required_text(msg, where)
+            if not text:
+                raise ValueError(f"{where}: a developer message needs non-empty content")
+            turns.append(_Turn("developer", blocks=(_Block(text),), task=task))
+        elif role == "user":
+            turns.append(_Turn("user", blocks=(_Block(_required_text(msg, where)),), task=task))
         elif role == "tool":
             call_id = msg.get("tool_call_id") or ""
             turns.append(_Turn("user", blocks=(_Block(_required_text(msg, where), str(call_id)),)))
         else:
-            turns.append(_assistant(msg, where))
+            turns.append(dataclasses.replace(_assistant(msg, where), task=task))
     return turns
 
 
 def _merge_user_turns(turns: list[_Turn]) -> list[_Turn]:
-    """Consecutive user and tool messages form one user turn (V4.1 has no tool role)."""
+    """Consecutive user and tool messages form one user turn (V4.1 has no tool role).
+
+    As in the reference: a tool result always joins the user turn before it; a user message
+    joins it only if that turn carries no task, and the joined turn keeps the first one's task."""
     merged: list[_Turn] = []
     for turn in turns:
-        if turn.role == "user" and merged and merged[-1].role == "user":
+        from_tool = bool(turn.blocks) and turn.blocks[0].tool_call_id is not None
+        if (turn.role == "user" and merged and merged[-1].role == "user"
+                and (from_tool or merged[-1].task is None)):
             merged[-1] = dataclasses.replace(merged[-1], blocks=merged[-1].blocks + turn.blocks)
         else:
             merged.append(turn)
@@ -229,11 +262,24 @@ def _attach_tools(turns: list[_Turn], functions: tuple[Mapping, ...]) -> list[_T
     return [_Turn("system", functions=functions)] + turns
 
 
+def _last_user(turns: list[_Turn]) -> int:
+    user_like = [i for i, t in enumerate(turns) if t.role in USER_LIKE or (t.role == "system" and i > 0)]
+    return user_like[-1] if user_like else -1
+
+
+def _drop_before_last_user(turns: list[_Turn]) -> list[_Turn]:
+    """Thinking mode with reasoning dropped: turns before the last user-like one other than user,
+    system, reminder and assistant turns (that is, developer turns) are dropped (reference)."""
+    last_user = _last_user(turns)
+    return [t for i, t in enumerate(turns) if i >= last_user or t.role != "developer"]
+
+
 def _render(turns: list[_Turn], *, thinking: bool, budget: int, keep_reasoning: bool, add_bos: bool) -> list[P.Piece]:
     """The prompt as pieces: the encoder's markers and instructions, and the callers' text."""
-    user_like = [i for i, t in enumerate(turns) if t.role == "user" or (t.role == "system" and i > 0)]
-    last_user = user_like[-1] if user_like else -1
     drop = thinking and not keep_reasoning
+    if drop:
+        turns = _drop_before_last_user(turns)
+    last_user = _last_user(turns)
     out = [P.encoder(st.BOS)] if add_bos else []
     for i, turn in enumerate(turns):
         if i == 0 and (thinking or turn.role == "system"):
@@ -245,20 +291,28 @@ def _render(turns: list[_Turn], *, thinking: bool, budget: int, keep_reasoning: 
             if turn.functions:
                 out.append(P.encoder("\n\n"))
                 out += chat_dsml.render_tool_definitions(turn.functions, escape_image_placeholder)
-        elif turn.role == "user":
+        elif turn.role in USER_LIKE:
             out.append(P.encoder(st.USER))
             for j, block in enumerate(turn.blocks):
                 out += ([P.encoder("\n\n")] if j else []) + block.render()
+        elif turn.role == "latest_reminder":
+            out += [P.encoder(st.LATEST_REMINDER), P.caller(turn.content)]
         else:
-            if thinking and (not drop or i > last_user):
+            answers_task = i > 0 and turns[i - 1].task is not None
+            if thinking and not answers_task and (not drop or i > last_user):
                 out += [P.caller(turn.reasoning), P.encoder(st.THINK_END)]
             out.append(P.caller(turn.content))
             if turn.calls:
                 calls = [(name, args) for _, name, args in turn.calls]
                 out += chat_dsml.render_tool_calls(calls, escape_image_placeholder)
             out.append(P.encoder(st.EOS))
-        next_is_reply = i + 1 == len(turns) or turns[i + 1].role == "assistant"
-        if next_is_reply and (turn.role == "user" or (turn.role == "system" and i > 0)):
+        if i + 1 < len(turns) and turns[i + 1].role not in ("assistant", "latest_reminder"):
+            continue
+        if turn.task == "action":
+            out.append(P.encoder(st.ASSISTANT + (st.THINK_START if thinking else st.THINK_END) + st.TASKS["action"]))
+        elif turn.task is not None:
+            out.append(P.encoder(st.TASKS[turn.task]))
+        elif turn.role in USER_LIKE or (turn.role == "system" and i > 0):
             opens_thinking = thinking and (not drop or i >= last_user)
             out.append(P.encoder(st.ASSISTANT + (st.THINK_START if opens_thinking else st.THINK_END)))
     return out
@@ -312,7 +366,9 @@ def encode_chat_ids(tokenizer, messages, **kwargs) -> list[int]:
     """
     pieces = encode_chat_pieces(messages, **kwargs)
     added = set(tokenizer.added_tokens().values())
-    missing = [m for m in st.STRUCTURAL if m not in added]
+    written = "".join(p.text for p in pieces if p.from_encoder)
+    used = [m for m in (st.LATEST_REMINDER, *st.TASKS.values()) if m in written]
+    missing = [m for m in (*st.STRUCTURAL, *used) if m not in added]
     if missing:
         raise ValueError(
             f"{tokenizer.path} lacks the special tokens {missing} as added tokens; "

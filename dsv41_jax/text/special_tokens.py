@@ -17,6 +17,11 @@ ASSISTANT = "<\uff5cAssistant\uff5c>"
 THINK_START = "<think>"
 THINK_END = "</think>"
 IMAGE = "<\uff5cdeepseek_image\uff5c>"
+# A reminder message (role "latest_reminder") and the quick-instruction task markers (a message's
+# "task"), as the reference encoder writes them (vLLM vllm/tokenizers/deepseek_v41_encoding.py,
+# SGLang python/sglang/srt/entrypoints/openai/encoding_dsv41.py: LATEST_REMINDER_SP_TOKEN, DS_TASK_SP_TOKENS).
+LATEST_REMINDER = "<\uff5clatest_reminder\uff5c>"
+TASKS = {name: f"<\uff5c{name}\uff5c>" for name in ("action", "query", "authority", "domain", "title", "read_url")}
 DSML = "\uff5cDSML\uff5c"
 
 # The role and reasoning markers the chat encoder writes; each must be one added token.

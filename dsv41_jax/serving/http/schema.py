@@ -21,7 +21,9 @@ _TOOL_CALL = {"type": "object", "required": ["function"], "properties": {
     "function": {"type": "object", "required": ["name"], "properties": {
         "name": {"type": "string"}, "arguments": {"anyOf": [{"type": "string"}, {"type": "object"}]}}}}}
 MESSAGE = {"type": "object", "required": ["role"], "properties": {
-    "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+    "role": {"enum": ["system", "developer", "user", "assistant", "tool", "latest_reminder"]},
+    "task": {"enum": ["action", "query", "authority", "domain", "title", "read_url", None],
+             "description": "V4.1 quick-instruction task marker after this message"},
     "content": _CONTENT, "name": {"type": "string"},
     "reasoning_content": {"type": ["string", "null"]}, "reasoning": {"type": ["string", "null"]},
     "tool_calls": {"type": "array", "items": _TOOL_CALL}, "tool_call_id": {"type": "string"}}}
