@@ -90,6 +90,25 @@ def test_sincos_transcription_equals_the_c_library():
     np.testing.assert_array_equal(libm_sincos.sinf(y), sin)
 
 
+def test_released_dims_take_sleef_powf_on_the_vector_body():
+    """rope_head_dim >= 64: torch's `base ** exps` runs SLEEF powf_u10 on the first multiple of 32 exponents
+    (numerics/sleef_powf.py, checked against torch there); below 64 every element is glibc's (golden tables)."""
+    from dsv41_jax.numerics import libm_powf, sleef_powf
+
+    for dim, base in ((64, 1e4), (64, 1.6e5), (128, 5e5), (32, 1e4), (48, 2e4)):
+        exps = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
+        got = rope.rope_frequencies(dim, base)
+        np.testing.assert_array_equal(got, (np.float32(1) / sleef_powf.rope_pow(base, exps)).astype(np.float32))
+        glibc = (np.float32(1) / libm_powf.powf(np.float32(base), exps)).astype(np.float32)
+        if dim < 64:
+            np.testing.assert_array_equal(got, glibc)
+    # the switch matters somewhere in the released range (else this test could not tell the two apart)
+    differs = [(d, b) for d in (64, 128) for b in (1e4, 1.6e5, 5e5, 1e6)
+               if not np.array_equal(sleef_powf.rope_pow(b, np.arange(0, d, 2, dtype=np.float32) / np.float32(d)),
+                                     libm_powf.powf(np.float32(b), np.arange(0, d, 2, dtype=np.float32) / np.float32(d)))]
+    assert differs
+
+
 # ------------------------------------------------------------------------------------- slow: torch
 def _torch_precompute_freqs_cis(torch, dim, seqlen, original_seq_len, base, factor, beta_fast, beta_slow):
     """The reference's `precompute_freqs_cis`, statement by statement. One adaptation: the oracle's

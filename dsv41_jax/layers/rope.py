@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv41_jax.numerics import libm_powf, libm_sincos
+from dsv41_jax.numerics import libm_sincos, sleef_powf
 
 
 
@@ -20,10 +20,11 @@ def rope_frequencies(dim: int, base: float, original_seq_len: int = 0, factor: f
     (÷factor) and original frequencies across the beta_fast..beta_slow band."""
     f32 = np.float32
     exps = np.arange(0, dim, 2, dtype=f32) / f32(dim)  # true fp32 division
-    # torch's pow(Scalar, Tensor): glibc powf on its scalar path, which is every element when
-    # dim/2 < 32. Beyond that the oracle's vector body would use SLEEF's powf (1 ulp apart on ~2 %
-    # of inputs), not emulated yet: docs/NUMERICS.md lists it as the one open difference.
-    powers = libm_powf.powf(f32(base), exps)  # not np.power: its AVX-512 path is not glibc's
+    # torch's pow(Scalar, Tensor) on the oracle's CPU: SLEEF's powf_u10 on its AVX-512 body (the first
+    # 32 * floor(n / 32) elements), glibc powf on the scalar rest, so every element is glibc's when
+    # dim/2 < 32 (every shared golden table) and SLEEF's for the released rope_head_dim 64
+    # (numerics/sleef_powf.py; both transcribed, so the table does not depend on this host's numpy).
+    powers = sleef_powf.rope_pow(base, exps)
     freqs = (f32(1.0) / powers).astype(f32)  # torch: reciprocal, then * 1.0 (exact)
     if original_seq_len > 0:
         def corrected_dim(rotations: float) -> float:  # Python float64, as the reference
