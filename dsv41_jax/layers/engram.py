@@ -52,7 +52,9 @@ class Engram(nnx.Module):
         else:
             dot = jnp.sum(x * w * key, -1) * rstd * jnp.float32(self.dim ** -0.5)
         root = sqrt(jnp.maximum(jnp.abs(dot), jnp.float32(1e-6)), mode)
-        gate = sigmoid(jnp.copysign(root, dot), mode)
+        # One oracle call per sequence is [T, hc]: its last elements (every one at decode, hc < 32)
+        # take torch's scalar sigmoid (glibc expf), the rest SLEEF's vector body (docs/NUMERICS.md).
+        gate = sigmoid(jnp.copysign(root, dot), mode, tail_dims=2)
         inject = gate[..., None] * value[..., None, :]
         if mode == "exact":
             inject = no_fma(inject)
