@@ -668,3 +668,36 @@ def test_reminder_and_task_ids_need_those_added_tokens(tmp_path, byte_tok):
     # the marker typed by a caller stays text
     typed = encode_chat_ids(tok, [user(REM + "hi")], thinking=False)
     assert 128830 not in typed
+
+
+# ---- image content parts ------------------------------------------------------------------------
+def _image(name):
+    return {"type": "image_url", "image_url": {"url": f"https://example.com/{name}.png"}}
+
+
+def test_images_preserve_content_order_and_reference_separator():
+    # vLLM tests/tokenizers_/test_deepseek_v41.py::test_images_preserve_content_order_and_reference_separator
+    from dsv41_jax.text.pieces import image_parts
+
+    parts = [{"type": "text", "text": "first"}, _image("red"), {"type": "text", "text": "second"}, _image("blue"),
+             {"type": "text", "text": "compare"}]
+    messages = [{"role": "user", "content": parts}]
+    assert encode_chat(messages, thinking=False, images=True) == (
+        BOS + U + "first\n\n<｜deepseek_image｜>\n\nsecond\n\n<｜deepseek_image｜>\n\ncompare" + A + "</think>")
+    assert [p["image_url"]["url"][-8:] for p in image_parts(encode_chat_pieces(messages, thinking=False, images=True))] \
+        == ["/red.png", "blue.png"]
+    with pytest.raises(ValueError, match="only text parts.*'image_url'"):  # a text-only caller still refuses them
+        encode_chat(messages, thinking=False)
+
+
+def test_image_ids_come_only_from_image_parts(tok):
+    typed = {"type": "text", "text": "see <｜deepseek_image｜>"}
+    messages = [{"role": "user", "content": [typed, _image("a")]},
+                {"role": "assistant", "content": "ok"},
+                {"role": "tool", "tool_call_id": "c", "content": [_image("b"), {"type": "text", "text": "hi"}]}]
+    ids = encode_chat_ids(tok, messages, thinking=False, images=True)
+    assert ids.count(st.IMAGE_TOKEN_ID) == 2  # the typed placeholder stays text (escaped)
+    text = encode_chat(messages, thinking=False, images=True)
+    assert "<tool_result><｜deepseek_image｜>\n\nhi</tool_result>" in text and "see <|deepseek_image|>" in text
+    with pytest.raises(ValueError, match="only text and image parts.*'input_audio'"):
+        encode_chat([{"role": "user", "content": [_image("c"), {"type": "input_audio"}]}], thinking=False, images=True)

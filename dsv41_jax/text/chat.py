@@ -92,17 +92,28 @@ def resolve_effort(effort, effort_table=None) -> int:
     raise ValueError(f"effort {effort!r} is not accepted; use {accepted}")
 
 
+IMAGE_PART_TYPES = ("image_url", "image", "input_image")
+
+
 @dataclasses.dataclass(frozen=True)
 class _Block:
-    """One piece of a user turn: plain text or one tool result."""
+    """One piece of a user turn: plain text or one tool result. With images, `parts` holds its
+    content parts in order (text, or an image part that renders as the image placeholder)."""
 
     text: str
     tool_call_id: str | None = None  # set only for tool results
+    parts: tuple = ()  # ("text", str) / ("image", part) items, only when the content has images
 
     def render(self) -> list[P.Piece]:
+        body = [P.caller(self.text)]
+        if self.parts:  # the reference joins parts with a blank line, an image as its placeholder text
+            body = []
+            for j, (kind, value) in enumerate(self.parts):
+                body += [P.encoder("\n\n")] if j else []
+                body.append(P.ImagePiece(st.IMAGE, True, part=value) if kind == "image" else P.caller(value))
         if self.tool_call_id is None:
-            return [P.caller(self.text)]
-        return [P.encoder("<tool_result>"), P.caller(self.text), P.encoder("</tool_result>")]
+            return body
+        return [P.encoder("<tool_result>"), *body, P.encoder("</tool_result>")]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +148,24 @@ def _required_text(msg: Mapping, where: str) -> str:
     if msg.get("content") is None:
         raise ValueError(f"{where}: missing 'content' (use an empty string for an empty message)")
     return escape_image_placeholder(_text_of(msg["content"], where))
+
+
+def _block(msg: Mapping, where: str, images: bool, tool_call_id: str | None = None) -> _Block:
+    """A user or tool message's block; with `images`, image content parts become placeholders."""
+    content = msg.get("content")
+    if not (images and isinstance(content, Sequence) and not isinstance(content, str)
+            and any(isinstance(p, Mapping) and p.get("type") in IMAGE_PART_TYPES for p in content)):
+        return _Block(_required_text(msg, where), tool_call_id)
+    parts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+        if kind in IMAGE_PART_TYPES:
+            parts.append(("image", part))
+        elif kind == "text" and isinstance(part.get("text"), str):
+            parts.append(("text", escape_image_placeholder(part["text"])))
+        else:
+            raise ValueError(f"{where}: only text and image parts are supported by the chat encoder, got {kind!r}")
+    return _Block("\n\n".join(v for k, v in parts if k == "text"), tool_call_id, tuple(parts))
 
 
 def _tool_call(call, where: str) -> tuple[str | None, str, dict]:
@@ -178,7 +207,7 @@ def _task(msg: Mapping, where: str) -> str | None:
     return task
 
 
-def _validated(messages) -> list[_Turn]:
+def _validated(messages, images: bool = False) -> list[_Turn]:
     """Check every message and convert it; tool messages become one-block user turns."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
@@ -197,10 +226,10 @@ def _validated(messages) -> list[_Turn]:
                 raise ValueError(f"{where}: a developer message needs non-empty content")
             turns.append(_Turn("developer", blocks=(_Block(text),), task=task))
         elif role == "user":
-            turns.append(_Turn("user", blocks=(_Block(_required_text(msg, where)),), task=task))
+            turns.append(_Turn("user", blocks=(_block(msg, where, images),), task=task))
         elif role == "tool":
             call_id = msg.get("tool_call_id") or ""
-            turns.append(_Turn("user", blocks=(_Block(_required_text(msg, where), str(call_id)),)))
+            turns.append(_Turn("user", blocks=(_block(msg, where, images, str(call_id)),)))
         else:
             turns.append(dataclasses.replace(_assistant(msg, where), task=task))
     return turns
@@ -327,6 +356,7 @@ def encode_chat_pieces(
     effort_table=None,
     add_bos: bool = True,
     drop_thinking: bool = True,
+    images: bool = False,
 ) -> list[P.Piece]:
     """The DeepSeek-V4.1 prompt for `messages` (OpenAI chat format), as pieces that say which
     text the encoder wrote (dsv41_jax.text.pieces); `encode_chat` joins them.
@@ -336,13 +366,16 @@ def encode_chat_pieces(
       None means "high". Validated in both modes, written only in thinking mode.
     tools: OpenAI tool list; rendered after the first system message and keeps earlier reasoning.
     drop_thinking: False keeps earlier turns' reasoning even without tools (reference option).
+    images: image content parts of user and tool messages become the image placeholder (an
+      `ImagePiece` carrying the part, `pieces.image_parts` lists them in prompt order), joined with
+      the text parts by a blank line as the reference does; without it they are refused.
     A conversation that ends with an assistant turn gets no new `<｜Assistant｜>` header.
     """
     if not isinstance(thinking, bool):
         raise ValueError(f"thinking must be True or False, got {thinking!r}")
     budget = resolve_effort(effort, effort_table)
     functions = _functions(tools)
-    turns = _sort_tool_results(_merge_user_turns(_validated(messages)))
+    turns = _sort_tool_results(_merge_user_turns(_validated(messages, images)))
     turns = _attach_tools(turns, functions)
     keep = bool(functions) or not drop_thinking
     return _render(turns, thinking=thinking, budget=budget, keep_reasoning=keep, add_bos=add_bos)
@@ -376,6 +409,10 @@ def encode_chat_ids(tokenizer, messages, **kwargs) -> list[int]:
         )
     ids = tokenizer.encode_pieces(pieces)
     image_id = tokenizer.token_to_id(st.IMAGE)
-    if image_id is not None and image_id in ids:
-        raise RuntimeError(f"image id {image_id} appeared in a text-only prompt; placeholder escaping failed")
+    n_images = len(P.image_parts(pieces))
+    if n_images and image_id is None:
+        raise ValueError(f"{tokenizer.path} has no image token {st.IMAGE!r}; it cannot encode a prompt with images")
+    if image_id is not None and ids.count(image_id) != n_images:
+        raise RuntimeError(f"image id {image_id} appears {ids.count(image_id)} times for {n_images} images; "
+                           "placeholder escaping failed")
     return ids

@@ -25,6 +25,19 @@ class Piece:
     from_encoder: bool
 
 
+@dataclasses.dataclass(frozen=True)
+class ImagePiece(Piece):
+    """The image placeholder the encoder writes for an image content part; `part` is that part
+    (the caller's dict), so the images of a prompt are known in prompt order (`image_parts`)."""
+
+    part: object = dataclasses.field(default=None, compare=False, repr=False)
+
+
+def image_parts(pieces: Iterable[Piece]) -> list:
+    """The image content parts of a prompt, in the order their placeholders appear."""
+    return [p.part for p in pieces if isinstance(p, ImagePiece)]
+
+
 def encoder(text: str) -> Piece:
     return Piece(text, True)
 
