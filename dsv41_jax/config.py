@@ -183,9 +183,11 @@ class ModelConfig:
 
     @classmethod
     def tiny_vision(cls, **overrides) -> "ModelConfig":
-        """`tiny` with a 2-layer vision tower (patch 4, grids up to 64 span tokens)."""
+        """`tiny` with a 2-layer vision tower (patch 4, grids up to 64 span tokens). Its image token is 264,
+        the id of the byte-level tokenizer's image placeholder (`ByteTokenizer.save_json(image_token=True)`),
+        so the pair serves images."""
         base = dict(vision_n_layers=2, vision_dim=32, vision_n_heads=2, vision_inter_dim=48, vision_patch_size=4,
-                    vision_max_n_token=64, vision_min_pixels=256, image_token_id=511)
+                    vision_max_n_token=64, vision_min_pixels=256, image_token_id=264)
         base.update(overrides)
         return cls.tiny(**base)
 

@@ -41,6 +41,7 @@ def load_server(args):
     from dsv41_jax.checkpoint import checkpoint_format
     from dsv41_jax.runtime import Runtime
     from dsv41_jax.serving import warmup
+    from dsv41_jax.serving.http.images import image_options
     from dsv41_jax.serving.http.server import ServeOptions, build
     from dsv41_jax.text.tokenizer import load_tokenizer
 
@@ -73,7 +74,7 @@ def load_server(args):
                         cache_dir=args.prefix_cache_dir, cache_bytes=args.prefix_cache_bytes,
                         runtime=Runtime(mode=args.numerics, impl=args.impl),
                         max_request_bytes=args.max_request_bytes, warm=not args.no_warm, mesh=mesh,
-                        preset=args.preset)
+                        preset=args.preset, images=image_options(args))
     app, worker = build(model, tokenizer, opts)
     if not args.quiet:
         worker.warm_progress = _print_warm_progress
@@ -134,6 +135,9 @@ def register(subparsers) -> None:
     s.add_argument("--compile-cache", metavar="DIR|off", default=None,
                    help="persistent compilation cache folder, so a restart loads programs instead of compiling "
                         "(default: $DSV41_COMPILE_CACHE, $JAX_COMPILATION_CACHE_DIR or ~/.cache/dsv41-jax/xla; 'off' disables it)")
+    from dsv41_jax.serving.http.images import add_image_args
+
+    add_image_args(s)
     s.add_argument("--json", action="store_true", help="print the start-up line as JSON")
     s.add_argument("--quiet", action="store_true", help="no progress bar or load summary on stderr")
     s.set_defaults(func=_cmd_serve)

@@ -34,6 +34,7 @@ class ByteTokenizer:
     """
 
     SPECIALS = (st.BOS, st.EOS, st.PAD, st.SYSTEM, st.USER, st.ASSISTANT, st.THINK_START, st.THINK_END)
+    IMAGE_ID = len(SPECIALS) + 256  # the image placeholder's id in `save_json(image_token=True)`
 
     def __init__(self):
         self.bos_id, self.eos_id, self.pad_id = 0, 1, 2
@@ -85,10 +86,12 @@ class ByteTokenizer:
         out.append(buf.decode("utf-8", errors="replace"))
         return "".join(out)
 
-    def save_json(self, path) -> pathlib.Path:
+    def save_json(self, path, *, image_token: bool = False) -> pathlib.Path:
         """Write this tokenizer as a tokenizer.json the `tokenizers` library loads, with the same
         ids: a byte-level BPE with no merges (GPT-2's byte-to-character alphabet) and the specials
-        as added tokens. Exported checkpoints carry it, so `dsv41 serve` needs no other step."""
+        as added tokens. Exported checkpoints carry it, so `dsv41 serve` needs no other step.
+        `image_token` adds the image placeholder as id `IMAGE_ID` (after the bytes), the id
+        `ModelConfig.tiny_vision` uses, so a small vision checkpoint and this tokenizer agree."""
         from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
         vocab = dict(self._special_ids)
@@ -97,6 +100,10 @@ class ByteTokenizer:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         tok.decoder = decoders.ByteLevel()
         tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in self.SPECIALS])
+        if image_token:
+            tok.add_special_tokens([AddedToken(st.IMAGE, special=True, normalized=False)])
+            if tok.token_to_id(st.IMAGE) != self.IMAGE_ID:
+                raise RuntimeError(f"the image token got id {tok.token_to_id(st.IMAGE)}, not {self.IMAGE_ID}")
         path = pathlib.Path(path)
         path = path / "tokenizer.json" if path.is_dir() else path
         tok.save(str(path))

@@ -25,6 +25,7 @@ from dsv41_jax.serving.engine import Request
 from dsv41_jax.serving.generate import TextStream
 from dsv41_jax.serving.http import protocol as P
 from dsv41_jax.serving.http import schema as S
+from dsv41_jax.serving.http.images import has_images
 from dsv41_jax.serving.http.worker import EngineWorker, Job, QueueFull
 from dsv41_jax.serving.sampling import SamplingParams
 from dsv41_jax.text import special_tokens as st
@@ -45,6 +46,7 @@ class ServerConfig:
     max_request_bytes: int = 32 << 20  # request bodies beyond this get a 413 before they are read whole
     test_hooks: bool = False  # accept the `dsv41_test` request field (forced tokens, faults); tests only
     conversations: object = None  # a ConversationStore, or None for no conversation caches
+    images: object = None  # an images.ImagePrompter when the checkpoint has a vision tower, else None
 
 
 class _Stops:
@@ -280,7 +282,7 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
             raise P.bad(e.param, str(e).split(": ", 1)[1]) from None
 
     def _start(body: dict, prompt: list[int], sp: P.Sampling, mode: P.ChatMode | None,
-               constraints: list | None = None) -> list[_Run]:
+               constraints: list | None = None, spans: tuple | None = None) -> list[_Run]:
         """Submit one engine request per choice (`n`); each holds a slot, so n is at most the batch."""
         max_tokens = _limits(prompt, sp)
         if len(sp.seeds) > worker.engine.slots:
@@ -300,9 +302,10 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
                                     logit_bias=sp.logit_bias)
             req = Request(list(prompt), params, request_id=f"cmpl-{uuid.uuid4().hex[:24]}",
                           want_logprobs=sp.logprobs, forced_tokens=forced,
-                          constraint=constraints[i] if constraints else None)
+                          constraint=constraints[i] if constraints else None, spans=spans)
             job = Job(req, loop, asyncio.Queue(), fail_in_engine=fail)
-            if cfg.conversations is not None:
+            # image prompts skip the conversation caches: they key on ids, and every image position has the same id
+            if cfg.conversations is not None and spans is None:
                 cfg.conversations.attach(job, thinking=bool(mode and mode.thinking), chat=mode is not None)
             runs.append(_Run(len(prompt), job))
         try:
@@ -475,18 +478,26 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
         P.check_fields(body, chat=True, extra=test_fields)
         _check_model(body)
         messages = body.get("messages")
-        P.check_images(messages, cfg.has_vision)
+        with_images = has_images(messages)
+        if with_images and cfg.images is None:
+            P.check_images(messages, cfg.has_vision)
         mode = P.chat_mode(body)
         sp = P.sampling_fields(body, chat=True)
         spec = P.constraint_spec(body, chat=True)
         _precheck("messages", messages)
+        spans = None
         try:  # off the event loop: a long conversation must not stall the other clients
-            prompt = await asyncio.to_thread(encode_chat_ids, tokenizer, messages, thinking=mode.thinking,
-                                             effort=mode.effort, tools=mode.tools)
+            if with_images:  # reads, decodes and encodes the images (vision tower), then the prompt's spans
+                made = await asyncio.to_thread(cfg.images.build, tokenizer, messages, thinking=mode.thinking,
+                                               effort=mode.effort, tools=mode.tools)
+                prompt, spans = made.tokens, made.spans
+            else:
+                prompt = await asyncio.to_thread(encode_chat_ids, tokenizer, messages, thinking=mode.thinking,
+                                                 effort=mode.effort, tools=mode.tools)
         except (ValueError, TypeError) as e:
             raise P.APIError(400, f"messages: {e}", param="messages") from None
         constraints = spec and await asyncio.to_thread(_constraints, spec, mode, len(sp.seeds))
-        runs = _start(body, prompt, sp, mode, constraints)
+        runs = _start(body, prompt, sp, mode, constraints, spans)
         cid = runs[0].job.request.request_id.replace("cmpl-", "chatcmpl-")
         one_call = not P.parallel_tool_calls(body)
         choices = [_ChatChoice(i, run, mode, sp, one_call) for i, run in enumerate(runs)]

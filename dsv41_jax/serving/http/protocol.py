@@ -265,8 +265,8 @@ def chat_mode(body: Mapping) -> ChatMode:
 
 
 def check_images(messages, has_vision: bool):
-    """Image content blocks are refused: the serving engine does not pass images yet (docs/VISION.md).
-    The message says which of the two reasons holds, so a user with a vision checkpoint is not told it has none."""
+    """Image content blocks are refused by a server without an image prompter (dsv41_jax.serving.http.images):
+    the checkpoint has no vision tower, or its app was built without one. The message says which."""
     if not isinstance(messages, list):
         return
     for i, msg in enumerate(messages):
@@ -274,8 +274,8 @@ def check_images(messages, has_vision: bool):
         if isinstance(content, list):
             for part in content:
                 if isinstance(part, Mapping) and part.get("type") in ("image_url", "image", "input_image"):
-                    why = ("this server does not pass images to the model yet: the checkpoint has a vision tower, but "
-                           "the serving engine runs text only (docs/VISION.md); send text only" if has_vision else
+                    why = ("this server was started without image support although the checkpoint has a vision "
+                           "tower; send text only" if has_vision else
                            "images are not supported: this checkpoint has no vision tower (or was loaded with "
                            "--language-model-only)")
                     raise bad(f"messages[{i}].content", why)

@@ -37,15 +37,20 @@ class ServeOptions:
     mesh: object = None  # a jax.sharding.Mesh to serve on (Engine(mesh=...)); None = one device
     preset: str = "inference"  # its sharding preset (the vocabulary of `dsv41 plan`)
     test_hooks: bool = False  # tests build the app with this; no `dsv41 serve` flag sets it
+    images: object = None  # images.ImageOptions (limits); None = the defaults
 
 
 def banned_ids(cfg, tokenizer) -> list[int]:
-    """Ids never to sample: the input-only sentinels and ids the tokenizer does not have."""
+    """Ids never to sample: the input-only sentinels, ids the tokenizer does not have, and the image token
+    (input-only; the released tokenizer lists it among the sentinels, a small test tokenizer may not)."""
     import numpy as np
 
     from dsv41_jax.serving.generate import allowed_ids
 
-    return [int(i) for i in np.flatnonzero(~allowed_ids(cfg.vocab_size, tokenizer))]
+    allowed = allowed_ids(cfg.vocab_size, tokenizer)
+    if getattr(cfg, "vision_enabled", False) and 0 <= cfg.image_token_id < cfg.vocab_size:
+        allowed[cfg.image_token_id] = False
+    return [int(i) for i in np.flatnonzero(~allowed)]
 
 
 def build(model, tokenizer, opts: ServeOptions):
@@ -73,8 +78,14 @@ def build(model, tokenizer, opts: ServeOptions):
         def warm(engine, progress):
             return warmup.warm(engine, replay=replay, progress=progress)
     worker = EngineWorker(engine, metrics, max_queue=opts.max_queue, warm=warm)
+    has_vision = bool(getattr(cfg, "vision_enabled", False))
+    images = None
+    if has_vision:
+        from dsv41_jax.serving.http.images import ImageOptions, ImagePrompter
+
+        images = ImagePrompter(engine, opts.images or ImageOptions())
     scfg = ServerConfig(opts.model_name, max_len, api_key=opts.api_key, test_hooks=opts.test_hooks,
-                        conversations=conversations, has_vision=bool(getattr(cfg, "vision_enabled", False)),
+                        conversations=conversations, has_vision=has_vision, images=images,
                         max_request_bytes=opts.max_request_bytes)
     app = build_app(worker, tokenizer, scfg)
     app.state.conversations = conversations

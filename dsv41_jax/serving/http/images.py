@@ -1,0 +1,128 @@
+"""Images in chat requests: OpenAI `image_url` parts -> the prompt's image spans, which the engine prefills.
+
+A chat request's image parts become image placeholders in the V4.1 prompt (the chat encoder,
+`images=True`), each placeholder becomes its span (`vision/processor.expand_prompt`: START, rows
+of IMAGE + NEWLINE, END), the tower and aligner run once per image, and `vision/merge.span_rows`
+fills the span rows. The engine takes `Request.spans` and routes every span position with
+`gate.bias_vl` in exact, chunked and split prefill alike; decode is unchanged.
+
+The flags (`add_image_args`) and limits live here; `dsv41 serve` adds them and passes
+`ImageOptions` to the server. Requests with images skip the conversation caches: those key on
+token ids, and every image position has the same id, so the same text with another image would
+resume the wrong cache (keying on the processed pixels is the next step, docs/VISION.md).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import threading
+import types
+
+import numpy as np
+
+from dsv41_jax.text.chat import IMAGE_PART_TYPES
+from dsv41_jax.vision.sources import ImageLimits
+
+DEFAULT_MAX_IMAGE_TOKENS = 16384
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageOptions:
+    """What `dsv41 serve` accepts in image requests (each a flag, each breach a 400 naming it)."""
+
+    limits: ImageLimits = ImageLimits()
+    max_image_tokens: int = DEFAULT_MAX_IMAGE_TOKENS  # span positions per request (--max-image-tokens)
+
+
+def has_images(messages) -> bool:
+    return isinstance(messages, list) and any(
+        isinstance(m, dict) and isinstance(m.get("content"), list)
+        and any(isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES for p in m["content"])
+        for m in messages)
+
+
+@dataclasses.dataclass
+class ImagePrompt:
+    tokens: list[int]
+    spans: tuple  # (rows [L, dim] bf16, token_types [L]) for Request.spans
+    digest: str  # sha256 of the processed pixels of every image, in order
+    n_images: int
+
+
+class ImagePrompter:
+    """Turns a chat request with images into its prompt ids and spans, for one loaded engine."""
+
+    def __init__(self, engine, opts: ImageOptions):
+        from flax import nnx
+
+        from dsv41_jax.vision.merge import make_image_encoder
+
+        self.engine, self.opts, self.cfg = engine, opts, engine.cfg
+        model = nnx.merge(engine.graphdef, engine.params)
+        if getattr(model, "vision", None) is None:
+            raise ValueError("this checkpoint has no vision tower (or was loaded with --language-model-only)")
+        # span_rows reads the config and the three learned delimiter vectors; keep only those
+        self.delims = types.SimpleNamespace(cfg=self.cfg, image_start=model.image_start, image_end=model.image_end,
+                                            image_newline=model.image_newline)
+        self.encode = make_image_encoder(engine.graphdef, engine.runtime)
+        self.lock = threading.Lock()  # one image encode at a time (each compiles per grid shape on first use)
+
+    def build(self, tokenizer, messages, **chat) -> ImagePrompt:
+        """ids and spans; raises ImageError (bad image, a limit) or ValueError (bad messages)."""
+        from dsv41_jax.text.chat import encode_chat_ids, encode_chat_pieces
+        from dsv41_jax.text.pieces import image_parts
+        from dsv41_jax.vision.merge import span_rows
+        from dsv41_jax.vision.processor import ImageError, expand_prompt
+        from dsv41_jax.vision.sources import load_images
+
+        parts = image_parts(encode_chat_pieces(messages, images=True, **chat))
+        ids = encode_chat_ids(tokenizer, messages, images=True, **chat)
+        images = load_images(parts, self.opts.limits)
+        tokens, token_types, inputs = expand_prompt(ids, images, self.cfg)
+        n_span = int(np.sum(np.asarray(token_types) >= 0))
+        if n_span > self.opts.max_image_tokens:
+            raise ImageError(f"the images take {n_span} prompt positions, over the limit of "
+                             f"{self.opts.max_image_tokens} per request (--max-image-tokens); send fewer or smaller "
+                             "images")
+        digest = hashlib.sha256()
+        embeds = []
+        with self.lock:
+            for img in inputs:
+                digest.update(np.ascontiguousarray(img.patches).tobytes())
+                _, emb = self.encode(self.engine.params, img.patches, img.n_vit_h, img.n_vit_w)
+                embeds.append(np.asarray(emb))
+        rows = span_rows(self.delims, np.asarray(token_types), inputs, embeds)
+        return ImagePrompt(tokens, (rows, np.asarray(token_types, np.int64)), digest.hexdigest(), len(inputs))
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def add_image_args(parser) -> None:
+    """The image flags of `dsv41 serve`."""
+    g = parser.add_argument_group("images (checkpoints with a vision tower)")
+    d = ImageLimits()
+    g.add_argument("--max-images-per-request", type=_positive, default=d.max_images,
+                   help=f"images per chat request (default {d.max_images})")
+    g.add_argument("--max-image-bytes", type=_positive, default=d.max_bytes,
+                   help=f"encoded bytes per image (default {d.max_bytes})")
+    g.add_argument("--max-image-pixels", type=_positive, default=d.max_pixels,
+                   help=f"decoded pixels per image, refused before decoding (default {d.max_pixels})")
+    g.add_argument("--max-image-tokens", type=_positive, default=DEFAULT_MAX_IMAGE_TOKENS,
+                   help=f"image span positions per request (default {DEFAULT_MAX_IMAGE_TOKENS})")
+    g.add_argument("--allow-image-urls", action="store_true",
+                   help="fetch http(s) image URLs (off: only data URLs and --allowed-media-dir files)")
+    g.add_argument("--allowed-media-dir", metavar="DIR", default=None,
+                   help="serve image parts that name local files under DIR (off by default)")
+
+
+def image_options(args) -> ImageOptions:
+    limits = ImageLimits(max_images=args.max_images_per_request, max_bytes=args.max_image_bytes,
+                         max_pixels=args.max_image_pixels, allow_urls=args.allow_image_urls,
+                         media_dir=args.allowed_media_dir)
+    return ImageOptions(limits=limits, max_image_tokens=args.max_image_tokens)

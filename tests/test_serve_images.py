@@ -1,0 +1,146 @@
+"""Images through `dsv41 serve`: the real uvicorn server and engine on a tiny vision checkpoint whose tokenizer
+(the byte-level one with the image placeholder) agrees with its config, spoken to with the real `openai` client.
+
+- a chat request with two images is prefilled with their spans: its first-token logprobs equal the log-softmax of
+  `model.forward` on the same prompt and spans (computed here from the images with the vision modules, not the
+  server's code), and the images change the answer (text alone, or another image, gives other logits);
+- hostile inputs (non-image bytes, too many images, URLs and files the server may not read) are 400s naming the
+  problem, and the server keeps answering;
+- the same text with another image never resumes the first request's conversation cache.
+"""
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+from PIL import Image  # noqa: E402
+
+from dsv41_jax.checkpoint.synthetic import synthetic_model  # noqa: E402
+from dsv41_jax.config import ModelConfig  # noqa: E402
+from dsv41_jax.serving.http.images import ImageOptions  # noqa: E402
+from dsv41_jax.serving.http.server import BackgroundServer, ServeOptions, build  # noqa: E402
+from dsv41_jax.text.tokenizer import load_tokenizer  # noqa: E402
+from dsv41_jax.train.data import ByteTokenizer  # noqa: E402
+from dsv41_jax.vision.sources import ImageLimits  # noqa: E402
+
+MAX_LEN = 512
+
+
+def vision_config() -> ModelConfig:
+    return ModelConfig.tiny_vision(n_layers=1, compress_ratios=(0,), kv_source_layers=(), index_source_layers=(),
+                                   candidate_source_layer=-1, engram_layer_ids=(), n_routed_experts=4,
+                                   max_seq_len=MAX_LEN, max_batch_size=2)
+
+
+def png(color, size=(12, 9)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, color).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def image_part(data: bytes, mime="image/png") -> dict:
+    return {"type": "image_url", "image_url": {"url": f"data:{mime};base64," + base64.b64encode(data).decode()}}
+
+
+RED, BLUE = png((220, 20, 20)), png((20, 20, 220), size=(9, 14))
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("serve_images")
+    tokenizer = load_tokenizer(ByteTokenizer().save_json(folder / "tokenizer.json", image_token=True))
+    cfg = vision_config()
+    assert tokenizer.token_to_id("<\uff5cdeepseek_image\uff5c>") == cfg.image_token_id
+    model = synthetic_model(cfg, seed=3)
+    opts = ServeOptions(model_name="tiny-vl", max_batch=2, max_model_len=MAX_LEN, min_capacity=MAX_LEN,
+                        prefill_chunk=64, exact_prefill=True, cache_dir=str(folder / "conv"), cache_bytes=1 << 22,
+                        images=ImageOptions(ImageLimits(max_images=2)))
+    app, worker = build(model, tokenizer, opts)
+    srv = BackgroundServer(app, worker).start()
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=600)
+    yield srv, client, model, tokenizer
+    srv.close()
+
+
+def ask(client, content, **kw):
+    return client.chat.completions.create(model="tiny-vl", messages=[{"role": "user", "content": content}],
+                                          max_tokens=1, temperature=0, logprobs=True, top_logprobs=5, **kw)
+
+
+def forward_first_logprobs(model, tokenizer, content) -> np.ndarray:
+    """The oracle: the prompt and spans built from the images with the vision modules, then model.forward."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dsv41_jax.model.transformer import make_step
+    from dsv41_jax.serving import buckets
+    from dsv41_jax.text.chat import encode_chat_ids
+    from dsv41_jax.vision.merge import make_image_encoder, span_rows
+    from dsv41_jax.vision.processor import decode_image, expand_prompt
+
+    messages = [{"role": "user", "content": content}]
+    ids = encode_chat_ids(tokenizer, messages, thinking=False, images=True)
+    pictures = [decode_image(base64.b64decode(p["image_url"]["url"].split(",", 1)[1]))
+                for p in content if p["type"] == "image_url"]
+    tokens, types, inputs = expand_prompt(ids, pictures, model.cfg)
+    gd, params = nnx.split(model)
+    encode = make_image_encoder(gd)
+    embeds = [np.asarray(encode(params, im.patches, im.n_vit_h, im.n_vit_w)[1]) for im in inputs]
+    rows = span_rows(model, np.asarray(types), inputs, embeds)
+    spans = (jnp.asarray(rows[None]), jnp.asarray(np.asarray(types)[None], jnp.int32))
+    cache = buckets.empty_cache(model.cfg, 1, MAX_LEN)
+    logits, _, _ = make_step(gd)(params, jnp.asarray([tokens], jnp.int32), cache, None, None, None, spans)
+    return np.asarray(jax.nn.log_softmax(logits[0, -1].astype(jnp.float32)))
+
+
+def top(choice) -> dict[str, float]:
+    return {t.token: t.logprob for t in choice.logprobs.content[0].top_logprobs}
+
+
+def test_two_images_are_prefilled_with_their_spans(served):
+    srv, client, model, tokenizer = served
+    content = [{"type": "text", "text": "compare"}, image_part(RED), {"type": "text", "text": "with"},
+               image_part(BLUE)]
+    r = ask(client, content)
+    want = forward_first_logprobs(model, tokenizer, content)
+    got = top(r.choices[0])
+    best = [int(i) for i in np.argsort(-want)[:5]]
+    assert tokenizer.decode([best[0]]) == r.choices[0].logprobs.content[0].token
+    for i in best[:3]:
+        assert abs(got[tokenizer.decode([i])] - want[i]) < 2e-3, (i, got, want[best])
+    text_only = top(ask(client, "compare with").choices[0])
+    other = top(ask(client, [content[0], image_part(BLUE), content[2], image_part(RED)]).choices[0])
+    assert got != text_only and got != other  # the images, and their order, reach the model
+
+
+@pytest.mark.parametrize(("content", "needle"), [
+    ([image_part(b"not an image at all")], "cannot be decoded"),
+    ([image_part(RED)] * 3, "--max-images-per-request"),
+    ([{"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/x.png"}}], "--allow-image-urls"),
+    ([{"type": "image_url", "image_url": {"url": "/etc/hostname"}}], "--allowed-media-dir"),
+    ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", "detail": "huge"}}], "detail"),
+])
+def test_hostile_images_are_400_and_the_server_keeps_serving(served, content, needle):
+    _, client, _, _ = served
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(client, content)
+    assert needle in str(e.value)
+    assert ask(client, [image_part(RED), {"type": "text", "text": "ok"}]).choices[0].finish_reason == "length"
+
+
+def test_another_image_never_resumes_a_conversation_cache(served):
+    srv, client, model, tokenizer = served
+    first = [image_part(RED), {"type": "text", "text": "describe"}]
+    second = [image_part(BLUE), {"type": "text", "text": "describe"}]
+    a = ask(client, first, max_tokens=3)
+    b = ask(client, second)
+    assert b.usage.prompt_tokens_details is None or not b.usage.prompt_tokens_details.cached_tokens
+    assert top(b.choices[0]) == pytest.approx(
+        {tokenizer.decode([i]): v for i, v in enumerate(forward_first_logprobs(model, tokenizer, second))
+         if tokenizer.decode([i]) in top(b.choices[0])}, abs=2e-3)
+    assert a.choices[0].logprobs.content[0].token is not None
