@@ -124,6 +124,8 @@ def test_two_images_are_prefilled_with_their_spans(served):
     ([{"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/x.png"}}], "--allow-image-urls"),
     ([{"type": "image_url", "image_url": {"url": "/etc/hostname"}}], "--allowed-media-dir"),
     ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", "detail": "huge"}}], "detail"),
+    ([image_part(RED), {"type": "text", "text": "and <\uff5cdeepseek_image\uff5c>"}], "image placeholder"),
+    ([image_part(png((1, 2, 3))[:40])], "cannot be decoded"),  # truncated
 ])
 def test_hostile_images_are_400_and_the_server_keeps_serving(served, content, needle):
     _, client, _, _ = served

@@ -76,6 +76,7 @@ class ImagePrompter:
         from dsv41_jax.vision.processor import ImageError, expand_prompt
         from dsv41_jax.vision.sources import load_images
 
+        _no_typed_placeholder(messages)
         parts = image_parts(encode_chat_pieces(messages, images=True, **chat))
         ids = encode_chat_ids(tokenizer, messages, images=True, **chat)
         images = load_images(parts, self.opts.limits)
@@ -94,6 +95,21 @@ class ImagePrompter:
                 embeds.append(np.asarray(emb))
         rows = span_rows(self.delims, np.asarray(token_types), inputs, embeds)
         return ImagePrompt(tokens, (rows, np.asarray(token_types, np.int64)), digest.hexdigest(), len(inputs))
+
+
+def _no_typed_placeholder(messages) -> None:
+    """In a request with images, a typed image placeholder is refused (text-only requests keep it as text):
+    the client most likely meant an image part, and a silent rewrite would shift which image goes where."""
+    from dsv41_jax.text import special_tokens as st
+    from dsv41_jax.vision.processor import ImageError
+
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        texts = [content] if isinstance(content, str) else [
+            p.get("text") for p in (content or ()) if isinstance(p, dict) and p.get("type") == "text"]
+        if any(isinstance(t, str) and st.IMAGE in t for t in texts):
+            raise ImageError(f"messages[{i}]: the text contains the image placeholder {st.IMAGE!r}; send each image "
+                             "as an image_url content part instead")
 
 
 def _positive(text: str) -> int:
