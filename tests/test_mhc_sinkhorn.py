@@ -106,3 +106,25 @@ def test_sigmoid_scalar_tail_matches_dspark_traces(golden_root):
                     np.testing.assert_array_equal(bits(got), bits(ref), err_msg=f"stage {k} {part}")
                     checked += ref.size
     assert checked == 3 * 2 * 20 * 5 * 4
+
+
+@pytest.mark.parametrize("exp_impl", ["xla", "sleef"])
+def test_loop_equals_the_unrolled_rounds(exp_impl):
+    """The (row, column) rounds run in a fori_loop (one body per program); they equal the unrolled chain bit for bit."""
+    from dsv41_jax.numerics.exact_ops import sum_in_order, true_divide
+
+    rng = np.random.default_rng(1)
+    mixes = jnp.asarray(rng.standard_normal((3, 5, 24)) * 3, jnp.float32)
+    scale, base = jnp.asarray([0.7, 1.3, 2.0], jnp.float32), jnp.asarray(rng.standard_normal(24), jnp.float32)
+    eps = jnp.float32(1e-6)
+    for iters in (1, 2, 20):
+        _, _, comb = jax.jit(lambda m: sinkhorn_split(m, scale, base, 4, iters, 1e-6, exp_impl=exp_impl))(mixes)
+        _, _, first = sinkhorn_split(mixes, scale, base, 4, 1, 1e-6, exp_impl=exp_impl)
+
+        @jax.jit
+        def unrolled(c):
+            for _ in range(iters - 1):
+                c = true_divide(c, sum_in_order(c, -1) + eps)
+                c = true_divide(c, sum_in_order(c, -2) + eps)
+            return c
+        np.testing.assert_array_equal(bits(comb), bits(unrolled(first)))

@@ -24,8 +24,11 @@ def test_byte_tokenizer_round_trips_text_and_specials():
     from dsv41_jax.text.pieces import caller, encoder
 
     text = f"{st.USER}héllo\n{st.ASSISTANT}{st.THINK_END}wörld{st.EOS}"
-    ids = TOKENIZER.encode(text)  # text: the marker spellings stay bytes
+    ids = TOKENIZER.encode(text, split_special_tokens=True)  # documents: the marker spellings stay bytes
     assert TOKENIZER.decode(ids) == text and min(ids) >= TOKENIZER.n_special
+    assert TOKENIZER.encode(text) == [TOKENIZER.SPECIALS.index(st.USER), *TOKENIZER.encode("héllo\n"),
+                                      TOKENIZER.SPECIALS.index(st.ASSISTANT), TOKENIZER.SPECIALS.index(st.THINK_END),
+                                      *TOKENIZER.encode("wörld"), TOKENIZER.SPECIALS.index(st.EOS)]
     ids = TOKENIZER.encode_pieces([encoder(st.USER), caller("héllo\n"), encoder(st.ASSISTANT + st.THINK_END),
                                    caller(f"wörld{st.EOS}"), encoder(st.EOS)])
     assert TOKENIZER.decode(ids) == text + st.EOS
