@@ -113,6 +113,10 @@ def test_two_images_are_prefilled_with_their_spans(served):
     assert tokenizer.decode([best[0]]) == r.choices[0].logprobs.content[0].token
     for i in best[:3]:
         assert abs(got[tokenizer.decode([i])] - want[i]) < 2e-3, (i, got, want[best])
+    import httpx
+
+    counted = httpx.post(srv.url + "/tokenize", json={"messages": [{"role": "user", "content": content}]}).json()
+    assert counted["count"] == r.usage.prompt_tokens  # /tokenize counts the span positions the request prefilled
     text_only = top(ask(client, "compare with").choices[0])
     other = top(ask(client, [content[0], image_part(BLUE), content[2], image_part(RED)]).choices[0])
     assert got != text_only and got != other  # the images, and their order, reach the model

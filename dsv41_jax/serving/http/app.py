@@ -603,9 +603,17 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
         if "messages" in body:
             mode = P.chat_mode(body)
             _precheck("messages", body["messages"])
+            with_images = has_images(body["messages"])
+            if with_images and cfg.images is None:
+                P.check_images(body["messages"], cfg.has_vision)
             try:
-                ids = await asyncio.to_thread(encode_chat_ids, tokenizer, body["messages"], thinking=mode.thinking,
-                                              effort=mode.effort, tools=mode.tools)
+                if with_images:  # the span positions each image takes; the tower does not run
+                    made = await asyncio.to_thread(cfg.images.build, tokenizer, body["messages"], with_spans=False,
+                                                   thinking=mode.thinking, effort=mode.effort, tools=mode.tools)
+                    ids = made.tokens
+                else:
+                    ids = await asyncio.to_thread(encode_chat_ids, tokenizer, body["messages"],
+                                                  thinking=mode.thinking, effort=mode.effort, tools=mode.tools)
             except (ValueError, TypeError) as e:
                 raise P.APIError(400, f"messages: {e}", param="messages") from None
         else:

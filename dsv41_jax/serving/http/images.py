@@ -68,8 +68,9 @@ class ImagePrompter:
         self.encode = make_image_encoder(engine.graphdef, engine.runtime)
         self.lock = threading.Lock()  # one image encode at a time (each compiles per grid shape on first use)
 
-    def build(self, tokenizer, messages, **chat) -> ImagePrompt:
-        """ids and spans; raises ImageError (bad image, a limit) or ValueError (bad messages)."""
+    def build(self, tokenizer, messages, *, with_spans: bool = True, **chat) -> ImagePrompt:
+        """ids and spans; raises ImageError (bad image, a limit) or ValueError (bad messages).
+        `with_spans=False` (for /tokenize) stops after the prompt's ids: no tower, spans None."""
         from dsv41_jax.text.chat import encode_chat_ids, encode_chat_pieces
         from dsv41_jax.text.pieces import image_parts
         from dsv41_jax.vision.merge import span_rows
@@ -87,6 +88,10 @@ class ImagePrompter:
                              f"{self.opts.max_image_tokens} per request (--max-image-tokens); send fewer or smaller "
                              "images")
         digest = hashlib.sha256()
+        if not with_spans:
+            for img in inputs:
+                digest.update(np.ascontiguousarray(img.patches).tobytes())
+            return ImagePrompt(tokens, None, digest.hexdigest(), len(inputs))
         embeds = []
         with self.lock:
             for img in inputs:
