@@ -22,7 +22,7 @@ from PIL import Image  # noqa: E402
 from dsv41_jax.checkpoint.synthetic import synthetic_model  # noqa: E402
 from dsv41_jax.config import ModelConfig  # noqa: E402
 from dsv41_jax.serving.http.images import ImageOptions  # noqa: E402
-from dsv41_jax.serving.http.server import BackgroundServer, ServeOptions, build  # noqa: E402
+from dsv41_jax.serving.http.server import BackgroundServer, ServeOptions, banned_ids, build  # noqa: E402
 from dsv41_jax.text.tokenizer import load_tokenizer  # noqa: E402
 from dsv41_jax.train.data import ByteTokenizer  # noqa: E402
 from dsv41_jax.vision.sources import ImageLimits  # noqa: E402
@@ -95,7 +95,9 @@ def forward_first_logprobs(model, tokenizer, content) -> np.ndarray:
     spans = (jnp.asarray(rows[None]), jnp.asarray(np.asarray(types)[None], jnp.int32))
     cache = buckets.empty_cache(model.cfg, 1, MAX_LEN)
     logits, _, _ = make_step(gd)(params, jnp.asarray([tokens], jnp.int32), cache, None, None, None, spans)
-    return np.asarray(jax.nn.log_softmax(logits[0, -1].astype(jnp.float32)))
+    row = np.asarray(logits[0, -1], np.float32)
+    row[banned_ids(model.cfg, tokenizer)] = -np.inf  # the server's logprobs leave out ids it never samples
+    return np.asarray(jax.nn.log_softmax(jnp.asarray(row)))
 
 
 def top(choice) -> dict[str, float]:
