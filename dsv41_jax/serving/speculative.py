@@ -5,20 +5,19 @@ Per step, with L tokens committed and g the next token (sampled, not yet in the 
 1. draft: d1..d5 = DSpark block after position L-1 anchored on g (rings hold main_x of 0..L-1);
 2. verify: one target forward of [g, d1..d5] at positions L..L+5 (q = 6 queries; the forward's
    per-query windows read the ring before anything is written, so no query loses a slot a
-   later one overwrites); its cache is discarded;
+   later one overwrites): the engine's decode step with pending writes (`Plan.writes="pending"`),
+   which returns the chunk's cache writes and DSpark's taps instead of applying them;
 3. accept: greedy takes the longest prefix of drafts equal to the target's argmax, plus the
    target's token after it (the bonus); at temperature T > 0, standard rejection sampling
    (`rejection_accept`) keeps the target distribution exactly;
-4. commit: the accepted tokens [g, d1..da] are run through the target once more from the old
-   cache, which writes exactly their window slots, compressor groups, compressed / index-key rows,
-   publication state and Engram history, and yields their taps for the DSpark rings.
-
-Step 4 recomputes the accepted prefix instead of keeping the verify pass's writes: exact by
-construction (it is the plain chunked forward of the accepted tokens), at up to twice the target
-cost of a step; a commit of pending writes is the cheaper way and is not built yet.
+4. commit: `split_prefill.commit` applies the writes of the accepted tokens [g, d1..da] only (their
+   window slots, compressor groups and partial group, compressed / index-key rows, publication
+   state: what a plain chunk of them writes), their taps go into the DSpark rings, and the Engram
+   history advances by them. One target forward per step.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Callable
@@ -31,6 +30,7 @@ from flax import nnx
 from dsv41_jax.model import dspark
 from dsv41_jax.model.transformer import COMPILER_OPTIONS, check_inputs, init_cache, make_step
 from dsv41_jax.runtime import Runtime
+from dsv41_jax.serving import split_prefill as sp
 
 
 # ------------------------------------------------------------------------------ acceptance rules
@@ -93,7 +93,7 @@ class SpecResult:
 
 
 class SpeculativeDecoder:
-    """A target model with its DSpark drafter, jitted once per shape (verify T = block + 1, commit T = 1..block + 1)."""
+    """A target model with its DSpark drafter, jitted once per shape (prompt, verify T = block + 1)."""
 
     def __init__(self, model, *, runtime: Runtime = Runtime(mode="exact"), engram=None):
         dspark.require_dspark(model)
@@ -124,7 +124,22 @@ class SpeculativeDecoder:
             ids, logits, conf, _ = dspark.draft(model, state, anchor, newest, mode=mode, choose=choose)
             return ids, logits, conf
 
-        self.commit_rings, self.draft_fn = commit_rings, draft
+        plan = dataclasses.replace(sp.decode_plan(runtime, packed=False), writes="pending")  # = forward's numerics
+
+        @functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
+        def verify(params, tokens, cache, engram_ids):
+            logits, _, aux = sp.decode_step(nnx.merge(graphdef, params), tokens, cache, plan, engram_ids=engram_ids,
+                                            taps=True)
+            return logits, aux["pending"], aux["main_hidden"]
+
+        @functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS, donate_argnums=(4,))
+        def commit(params, cache, pending, taps, state, n):
+            """The accepted prefix n [1] of a verified chunk: its cache writes and its DSpark ring rows."""
+            model = nnx.merge(graphdef, params)
+            state = dspark.write_rings(model, state, dspark.main_x(model, taps, mode), pending["start"], n, mode)
+            return sp.commit(model.cfg, cache, pending, n), state
+
+        self.commit_rings, self.draft_fn, self.verify, self.commit = commit_rings, draft, verify, commit
 
     def _engram_ids(self, tokens: np.ndarray, history):
         if self.engram is None:
@@ -134,6 +149,13 @@ class SpeculativeDecoder:
         layout, token_map = self.engram
         ids = hash_ids(layout, token_map, tokens, history)
         return jnp.asarray(ids.astype(np.int32)), next_history(layout, tokens, history)
+
+    def _history(self, tokens, history):
+        if self.engram is None:
+            return None
+        from dsv41_jax.engram.hashing import next_history
+
+        return next_history(self.engram[0], np.asarray([tokens], np.int32), history)
 
     def _forward(self, tokens, cache, history):
         eids, new_history = self._engram_ids(np.asarray([tokens], np.int32), history)
@@ -177,7 +199,10 @@ class SpeculativeDecoder:
             if drafter is not None:
                 drafts, q = drafter(context, drafts, dlogits)
             k = bs  # a block of bs tokens [g, noise..] proposes bs drafts, for positions L+1 .. L+bs
-            vlogits, _, _, _ = self._forward([g] + [int(d) for d in drafts[:k]], cache, history)
+            chunk = [g] + [int(d) for d in drafts[:k]]
+            eids, _ = self._engram_ids(np.asarray([chunk], np.int32), history)
+            vlogits, pending, taps = self.verify(self.params, jnp.asarray([chunk], jnp.int32), cache, eids)
+            vlogits = np.asarray(vlogits[0])
             limit = None if limits is None else limits(out.blocks)
             vlogits = self._mask(vlogits)
             if temperature > 0:
@@ -185,9 +210,8 @@ class SpeculativeDecoder:
             else:
                 a, nxt = greedy_accept(drafts[:k], np.argmax(vlogits, -1), limit)
             accepted = [g] + [int(d) for d in drafts[:a]]
-            _, cache, aux, history = self._forward(accepted, cache, history)
-            state = self.commit_rings(self.params, state, aux["main_hidden"], jnp.asarray([L]),
-                                      jnp.asarray([len(accepted)]))
+            cache, state = self.commit(self.params, cache, pending, taps, state, jnp.asarray([len(accepted)], jnp.int32))
+            history = self._history(accepted, history)
             L += len(accepted)
             out.blocks += 1
             out.drafted += k
