@@ -177,3 +177,74 @@ def test_engine_decode_step_returns_the_taps_forward_returns():
     assert "main_hidden" not in plain[2]
     for a, b in ((logits, ref_logits), (got_cache, ref_cache), (logits, plain[0]), (got_cache, plain[1])):
         assert all(bool(jnp.array_equal(x, y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+# ------------------------------------------------------------------------------ in the engine
+@pytest.mark.slow
+def test_engine_with_speculation_equals_the_engine_without():
+    """Issue 26 item 1, exact numerics: concurrent requests of different lengths (greedy, one at
+    T = 1 with a seed, one stopping on a stop token mid-block, one that turns speculation off)
+    give the same tokens with speculation as without, token for token; first with a drafter that
+    follows the plain output and breaks at scheduled positions (acceptance 0..K), then with the
+    model's own (random) drafter."""
+    import jax
+
+    with jax.enable_x64(True):
+        _engine_case()
+
+
+def _engine_case():
+    from dsv41_jax.checkpoint.synthetic import synthetic_model
+    from dsv41_jax.runtime import Runtime
+    from dsv41_jax.serving.engine import Engine, Request
+    from dsv41_jax.serving.sampling import SamplingParams
+
+    cfg = _tiny(False)
+    model = synthetic_model(cfg, seed=5)
+    K = cfg.dspark_block_size
+    rng = np.random.default_rng(3)
+    prompts = [list(rng.integers(3, cfg.vocab_size, n)) for n in (8, 12, 4, 8)]
+    params = [SamplingParams(max_tokens=20), SamplingParams(max_tokens=13, temperature=1.0, seed=7),
+              SamplingParams(max_tokens=16), SamplingParams(max_tokens=9)]
+
+    def requests(stop=None):
+        out = [Request(list(p), s) for p, s in zip(prompts, params)]
+        out[3].speculate = False
+        if stop is not None:
+            out[2].sampling = SamplingParams(max_tokens=16, stop_tokens=(stop,))
+        return out
+
+    kw = dict(slots=3, exact_prefill=True, runtime=Runtime(mode="exact"), min_capacity=64)
+    plain = Engine(model, **kw)
+    want = [r.tokens for r in plain.run(requests())]
+    stop = want[2][6]  # request 2 stops on its 7th token, inside a block
+    want[2] = want[2][:want[2].index(stop) + 1]
+    assert [r.tokens for r in plain.run(requests(stop))] == want
+
+    spec = Engine(model, speculative=K, **kw)
+    schedule, blocks = [K, 0, 3, K, 1, 4, 2, K], []
+    own_draft = spec._draft
+
+    def follower(p, rings, anchor, newest):
+        d = np.array(own_draft(p, rings, anchor, newest))
+        for i, st in enumerate(spec.table):
+            if st is None:
+                continue
+            w = want[[r.request_id for r in reqs].index(st.request.request_id)]
+            g = len(st.generated)
+            row = (w[g:g + K] + [0] * K)[:K]
+            a = schedule[len(blocks) % len(schedule)]
+            blocks.append(a)
+            if a < K:
+                row[a] = (row[a] + 1) % cfg.vocab_size
+            d[i] = row
+        return d
+
+    reqs = requests(stop)
+    spec._draft = follower
+    assert [r.tokens for r in spec.run(reqs)] == want
+    stats = dict(spec.spec_stats)
+    assert stats["accepted"] > stats["steps"] and stats["drafted"] > 0  # long blocks were accepted
+    spec._draft = own_draft
+    reqs = requests(stop)
+    assert [r.tokens for r in spec.run(reqs)] == want

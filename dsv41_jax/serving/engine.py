@@ -14,6 +14,7 @@ shapes), one Graph B shape, one decode shape per cache capacity bucket (`buckets
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import time
@@ -25,13 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dsv41_jax.model import dspark
 from dsv41_jax.model.transformer import COMPILER_OPTIONS
 from dsv41_jax.runtime import Runtime
-from dsv41_jax.serving import prefix_cache
+from dsv41_jax.serving import prefix_cache, speculation
 from dsv41_jax.serving.buckets import capacity_for, capacity_of, empty_cache, resize_cache
 from dsv41_jax.serving.sampling import (SamplingParams, banned_mask, check_finite_logits, empty_history, history_row,
                                         mask_words, sample, slot_arrays)
-from dsv41_jax.serving.split_prefill import (check_splittable, decode_plan, decode_step, decoder_pass,
+from dsv41_jax.serving.split_prefill import (check_splittable, commit, decode_plan, decode_step, decoder_pass,
                                              encoder_pass, exact_prefill, replay_window)
 
 
@@ -62,6 +64,7 @@ class Request:
     forced_tokens: tuple[int, ...] = ()
     spans: tuple | None = None
     constraint: object | None = None
+    speculate: bool = True  # on an engine with speculation: False decodes this request token by token
 
 
 @dataclass
@@ -85,6 +88,7 @@ class _Slot:
     in_cache: int  # how many of them went through the model
     generated: list[int]
     times: dict
+    rings: bool = False  # its DSpark rings hold the sequence (speculation can start)
 
 
 def pieces(n: int, chunk: int) -> list[int]:
@@ -113,10 +117,21 @@ class Engine:
     def __init__(self, model, *, slots: int = 4, max_seq_len: int | None = None, min_capacity: int = 256,
                  prefill_chunk: int = 512, exact_prefill: bool = False, tail_slack: int = 0,
                  runtime: Runtime = Runtime(), banned_ids=(), engram=None, fingerprint: str | None = None,
-                 mesh=None, preset: str = "inference"):
+                 mesh=None, preset: str = "inference", speculative: int = 0):
         """mesh: a `jax.sharding.Mesh` (`sharding.mesh.make_mesh("expert=4,tensor=2")`) to serve on,
-        laid out by `preset` (the vocabulary of `dsv41 plan`); None = one device, as given."""
+        laid out by `preset` (the vocabulary of `dsv41 plan`); None = one device, as given.
+        speculative: K > 0 drafts K tokens per step with the model's DSpark drafter for every slot
+        that allows it (`serving.speculation`); needs exact_prefill (the prefill's taps fill the rings)."""
         cfg = model.cfg
+        if speculative:
+            dspark.require_dspark(model)
+            if not 1 <= speculative <= cfg.dspark_block_size:
+                raise ValueError(f"speculative={speculative}: the drafter proposes 1 .. {cfg.dspark_block_size} "
+                                 f"tokens per block (dspark_block_size)")
+            if not exact_prefill:
+                raise ValueError("speculative decoding needs exact_prefill=True: the split prefill's Graph A does not "
+                                 "return the DSpark taps that fill the drafter's rings")
+        self.K = speculative
         self.cfg, self.runtime = cfg, runtime
         self.placement = None
         if mesh is not None:
@@ -148,6 +163,9 @@ class Engine:
             self.params if self.placement is None else self.placement.unpadded(self.params, cfg))
         self.capacity = capacity_for(cfg, 1, min_capacity, self.max_seq_len)
         self.cache = self.empty(slots)
+        if self.K:
+            self.rings = self.placed(dspark.init_state(cfg, slots))
+            self.spec_stats = {"steps": 0, "drafted": 0, "accepted": 0}
         self.table: list[_Slot | None] = [None] * slots
         self.waiting: list[tuple[Request, dict]] = []
         self.done: dict[str, Result] = {}
@@ -201,6 +219,37 @@ class Engine:
 
         self._encoder, self._decoder, self._full, self._replay = encoder, decoder, full, replay
         self._decode, self._insert = decode, insert
+        if self.K:
+            self._build_speculation(jit, fix)
+
+    def _build_speculation(self, jit, fix):
+        gd, rt, K, mode = self.graphdef, self.runtime, self.K, self.runtime.mode
+        verify_plan = dataclasses.replace(self.decode_plan, writes="pending")
+
+        @functools.partial(jit, donate_argnums=(2, 5))
+        def full_rings(params, tokens, cache, ids, spans, rings):
+            """The exact prefill piece, with its taps committed into the one-row rings."""
+            model = nnx.merge(gd, params)
+            start = cache["length"]
+            logits, cache, aux = exact_prefill(model, tokens, cache, runtime=rt, engram_ids=ids, spans=spans, taps=True)
+            n = jnp.full(start.shape, tokens.shape[1], jnp.int32)
+            rings = dspark.write_rings(model, rings, dspark.main_x(model, aux["main_hidden"], mode), start, n, mode)
+            return logits[:, -1], fix(cache), rings
+
+        @jit
+        def verify(params, tokens, cache, ids):
+            logits, _, aux = decode_step(nnx.merge(gd, params), tokens, cache, verify_plan, engram_ids=ids, taps=True)
+            return logits, aux["pending"], aux["main_hidden"]
+
+        @functools.partial(jit, donate_argnums=(4, 5))
+        def commit_step(params, cache, pending, taps, rings, history, chunk, n):
+            model = nnx.merge(gd, params)
+            rings = dspark.write_rings(model, rings, dspark.main_x(model, taps, mode), pending["start"], n, mode)
+            return fix(commit(model.cfg, cache, pending, n)), rings, speculation.count(history, chunk, n)
+
+        self._full_rings, self._verify, self._commit = full_rings, verify, commit_step
+        self._draft = jit(speculation.draft_fn(gd, mode, K))
+        self._targets = jit(speculation.targets_fn(K))
 
     # ------------------------------------------------------------------ host helpers
     def _engram_ids(self, history: list[int], new: list[int]):
@@ -285,8 +334,13 @@ class Engine:
         return rid
 
     def prefill(self, req: Request) -> tuple[jax.Array, dict, list[int], int]:
-        """Prefill one request alone: (last-position logits [1,V], one-row cache, all tokens, cached)."""
+        """Prefill one request alone: (last-position logits [1,V], one-row cache, all tokens, cached).
+        On a speculating engine, a request without a stored conversation also fills `self._row_rings`
+        (its DSpark rings, one row), else leaves it None."""
         cfg, W = self.cfg, self.cfg.window_size
+        rings = None
+        if self.K and req.resume_from is None and req.speculate:
+            rings = self.placed(dspark.init_state(cfg, 1))
         tokens: list[int] = []
         cached = 0
         logits = None
@@ -307,9 +361,12 @@ class Engine:
                 done = 0
                 for size in pieces(len(new), self.prefill_chunk):
                     chunk = new[done:done + size]
-                    logits, cache = self._full(self.params, jnp.asarray([chunk], jnp.int32), cache,
-                                               self._engram_ids(tokens + new[:done], chunk),
-                                               _spans(req.spans, done, done + size))
+                    args = (self.params, jnp.asarray([chunk], jnp.int32), cache,
+                            self._engram_ids(tokens + new[:done], chunk), _spans(req.spans, done, done + size))
+                    if rings is not None:
+                        logits, cache, rings = self._full_rings(*args, rings)
+                    else:
+                        logits, cache = self._full(*args)
                     done += size
             else:
                 enc_h, enc_pre = self.placed((jnp.zeros((1, self.tail, cfg.hc_mult, cfg.dim), jnp.bfloat16),
@@ -328,6 +385,7 @@ class Engine:
                 logits, cache = self._decoder(self.params, enc_h, enc_pre, cache, floor,
                                               self._engram_ids(tokens + new[:-self.tail], tail_tokens),
                                               None if tail_spans is None else tail_spans[1] >= 0)
+        self._row_rings = rings
         return logits, cache, tokens + new, cached
 
     def _admit(self):
@@ -351,6 +409,9 @@ class Engine:
             self.cache = self._insert(self.cache, row, slot)
             self.history = self._insert(self.history, hist, slot)
             st = _Slot(req, tokens + [first], len(tokens), [first], times)
+            if self.K and self._row_rings is not None:
+                self.rings = self._insert(self.rings, self._row_rings, slot)
+                st.rings = True
             st.prompt_tokens, st.cached_tokens = len(req.prompt), cached
             self.table[slot] = st
             self._maybe_finish(slot)
@@ -432,7 +493,10 @@ class Engine:
         before = set(self.done)
         self._admit()
         active = [st is not None for st in self.table]
-        if any(active):
+        spec = [self.K > 0 and st is not None and st.rings and self._can_speculate(st) for st in self.table]
+        if any(spec):
+            self._speculative_step(active, spec)
+        elif any(active):
             last = [st.tokens[-1] if st else 0 for st in self.table]
             ids = self._batch_ids([(st.tokens[:-1], st.tokens[-1]) if st else ([], 0) for st in self.table])
             logits, self.cache = self._decode(self.params, jnp.asarray(last, jnp.int32)[:, None], self.cache,
@@ -460,6 +524,63 @@ class Engine:
                 self._maybe_finish(i)
         return [self.done[k] for k in self.done if k not in before]
 
+    def _can_speculate(self, st: _Slot) -> bool:
+        return speculation.can_speculate(st.request, len(st.generated), self.capacity - st.in_cache, self.K)
+
+    def _speculative_step(self, active: list[bool], spec: list[bool]):
+        """One step with speculation (`serving.speculation`): draft, one verify forward of K+1 tokens
+        for every slot, the sampler's tokens at each position, per-slot acceptance, one commit."""
+        K, B = self.K, self.slots
+        last = [st.tokens[-1] if st else 0 for st in self.table]
+        newest = [st.in_cache - 1 if st else -1 for st in self.table]
+        drafts = np.asarray(self._draft(self.params, self.rings, jnp.asarray(last, jnp.int32),
+                                        jnp.asarray(newest, jnp.int32)))
+        chunk = np.zeros((B, K + 1), np.int32)
+        chunk[:, 0] = last
+        for i in range(B):
+            if spec[i]:
+                chunk[i, 1:] = drafts[i]
+        ids = None
+        if self.engram is not None:
+            ids = jnp.concatenate([self._engram_ids(st.tokens[:-1] if st else [], [int(t) for t in chunk[i]])
+                                   for i, st in enumerate(self.table)], 0)
+        tokens = jnp.asarray(chunk)
+        logits, pending, taps = self._verify(self.params, tokens, self.cache, ids)
+        masks = self._masks([st.request if st else None for st in self.table])
+        a = slot_arrays([st.request.sampling if st else None for st in self.table])
+        drawn = jnp.asarray([len(st.generated) if st else 0 for st in self.table], jnp.int32)
+        targets = np.asarray(self._targets(logits, a, drawn, self.history, tokens, jnp.asarray(active), self.banned,
+                                           masks))
+        kept = []
+        for i, st in enumerate(self.table):
+            if st is None:
+                kept.append([])
+            elif spec[i]:
+                sp_ = st.request.sampling
+                kept.append(speculation.accept(chunk[i, 1:], targets[i], sp_.stop_tokens, sp_.max_tokens - len(st.generated)))
+                self.spec_stats["drafted"] += K
+                self.spec_stats["accepted"] += len(kept[-1]) - 1
+            else:
+                kept.append([int(targets[i, 0])])
+        self.spec_stats["steps"] += 1
+        n = jnp.asarray([len(k) for k in kept], jnp.int32)
+        self.cache, self.rings, self.history = self._commit(self.params, self.cache, pending, taps, self.rings,
+                                                            self.history, tokens, n)
+        for i, st in enumerate(self.table):
+            if st is None:
+                continue
+            try:  # the host side of one request (its token callback) fails it alone
+                for j, tok in enumerate(kept[i]):
+                    tok = self._emit(st.request, len(st.generated), tok, logits[:, j], i)
+                    st.in_cache += 1
+                    st.generated.append(tok)
+                    st.tokens.append(tok)
+            except Exception as e:  # noqa: BLE001 - reported in the request's Result
+                self.table[i] = None
+                self._fail(st.request, st.generated, e)
+                continue
+            self._maybe_finish(i)
+
     def cancel(self, request_id: str) -> bool:
         """Drop a waiting or running request (a client went away); its slot is free for the next
         step. Returns whether the request was found."""
@@ -481,6 +602,8 @@ class Engine:
         self.table = [None] * self.slots
         self.cache = self.empty(self.slots)
         self.history = self.placed(empty_history(self.slots, self.cfg.vocab_size))
+        if self.K:
+            self.rings = self.placed(dspark.init_state(self.cfg, self.slots))
         return dropped
 
     def occupancy(self) -> tuple[int, int]:

@@ -143,15 +143,17 @@ def split_prefill(model, tokens: jax.Array, cache: dict, *, tail: int | None = N
 
 
 def exact_prefill(model, tokens: jax.Array, cache: dict, *, runtime: Runtime = Runtime(), engram_ids=None,
-                  collect_topk: bool = False, spans=None):
+                  collect_topk: bool = False, spans=None, taps: bool = False):
     """Every layer over every token (model.forward's math): (logits [B,T,V], cache, aux).
-    spans: optional image spans (rows, token_types), as `model.forward` takes them."""
+    spans: optional image spans (rows, token_types), as `model.forward` takes them. taps: DSpark's
+    taps in aux["main_hidden"] (as `decode_step`)."""
     cfg = model.cfg
     start = cache["length"]
     plan = body.Plan.resolve(runtime)
     span = body.Span.at(start, tokens.shape[1], engram_ids=engram_ids, vl=_vl(spans))
     h, pre = body.embed(model, tokens, spans)
-    h, pre, cache, aux = _layers(model, h, pre, cache, span, plan, range(cfg.n_layers), collect_topk)
+    h, pre, cache, aux = _layers(model, h, pre, cache, span, plan, range(cfg.n_layers), collect_topk,
+                                 TapProbe(cfg.dspark_target_layer_ids) if taps else NO_PROBE)
     cache["length"] = start + tokens.shape[1]
     return body.head(model, h, pre, plan.numerics)[0], cache, aux
 
