@@ -397,7 +397,11 @@ def encode_chat_ids(tokenizer, messages, **kwargs) -> list[int]:
     Fails if the tokenizer lacks a role/reasoning marker as an added token (the prompt would
     silently become plain text), and if the image id shows up (escaping must prevent that).
     """
-    pieces = encode_chat_pieces(messages, **kwargs)
+    return pieces_to_ids(tokenizer, encode_chat_pieces(messages, **kwargs))
+
+
+def pieces_to_ids(tokenizer, pieces) -> list[int]:
+    """`encode_chat_ids` for pieces already rendered (the server keeps them to find the image parts)."""
     added = set(tokenizer.added_tokens().values())
     written = "".join(p.text for p in pieces if p.from_encoder)
     used = [m for m in (st.LATEST_REMINDER, *st.TASKS.values()) if m in written]

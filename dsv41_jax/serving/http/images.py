@@ -71,15 +71,15 @@ class ImagePrompter:
     def build(self, tokenizer, messages, *, with_spans: bool = True, **chat) -> ImagePrompt:
         """ids and spans; raises ImageError (bad image, a limit) or ValueError (bad messages).
         `with_spans=False` (for /tokenize) stops after the prompt's ids: no tower, spans None."""
-        from dsv41_jax.text.chat import encode_chat_ids, encode_chat_pieces
+        from dsv41_jax.text.chat import encode_chat_pieces, pieces_to_ids
         from dsv41_jax.text.pieces import image_parts
         from dsv41_jax.vision.merge import span_rows
         from dsv41_jax.vision.processor import ImageError, expand_prompt
         from dsv41_jax.vision.sources import load_images
 
         _no_typed_placeholder(messages)
-        parts = image_parts(encode_chat_pieces(messages, images=True, **chat))
-        ids = encode_chat_ids(tokenizer, messages, images=True, **chat)
+        pieces = encode_chat_pieces(messages, images=True, **chat)
+        parts, ids = image_parts(pieces), pieces_to_ids(tokenizer, pieces)
         images = load_images(parts, self.opts.limits)
         tokens, token_types, inputs = expand_prompt(ids, images, self.cfg)
         n_span = int(np.sum(np.asarray(token_types) >= 0))

@@ -17,7 +17,7 @@ import secrets
 from collections.abc import Mapping
 
 from dsv41_jax.serving.sampling import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY
-from dsv41_jax.text.chat import DEFAULT_EFFORT_TABLE, EFFORT_MAX, EFFORT_MIN
+from dsv41_jax.text.chat import DEFAULT_EFFORT_TABLE, EFFORT_MAX, EFFORT_MIN, IMAGE_PART_TYPES
 
 
 class APIError(Exception):
@@ -273,7 +273,7 @@ def check_images(messages, has_vision: bool):
         content = msg.get("content") if isinstance(msg, Mapping) else None
         if isinstance(content, list):
             for part in content:
-                if isinstance(part, Mapping) and part.get("type") in ("image_url", "image", "input_image"):
+                if isinstance(part, Mapping) and part.get("type") in IMAGE_PART_TYPES:
                     why = ("this server was started without image support although the checkpoint has a vision "
                            "tower; send text only" if has_vision else
                            "images are not supported: this checkpoint has no vision tower (or was loaded with "
