@@ -46,6 +46,22 @@ def test_chat_document_masks_only_assistant_replies():
     assert TOKENIZER.decode(doc.ids[:3]).startswith(st.BOS)
 
 
+def test_a_message_mask_moves_it_in_or_out_of_the_loss_and_never_changes_the_prompt():
+    """`mask` (DeepSeek's encoder carries it per message, renders nothing): true masks a reply out
+    of the loss, false trains on any message; the ids are those without the field."""
+    plain = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+             {"role": "assistant", "content": "yo"}, {"role": "user", "content": "more"},
+             {"role": "assistant", "content": "ok"}]
+    marked = [dict(plain[0], mask=False), plain[1], dict(plain[2], mask=True), dict(plain[3], mask=False), plain[4]]
+    ref, doc = D.chat_document(TOKENIZER, plain), D.chat_document(TOKENIZER, marked)
+    assert doc.ids.tolist() == ref.ids.tolist()
+    trained = TOKENIZER.decode(doc.ids[doc.target_mask])
+    # the system turn (BOS stays context), the second user turn with its assistant marker, the last reply
+    assert trained == f"{st.SYSTEM}be brief{st.USER}more{st.ASSISTANT}</think>ok{st.EOS}", trained
+    with pytest.raises(ValueError, match=r"messages\[1\]: mask must be true or false, got 'yes'"):
+        D.chat_document(TOKENIZER, [plain[0], dict(plain[1], mask="yes")])
+
+
 def test_read_documents_reads_text_jsonl_and_chat(tmp_path):
     (tmp_path / "a.txt").write_text("plain text")
     (tmp_path / "b.jsonl").write_text(json.dumps({"text": "json text"}) + "\n\n" +

@@ -207,6 +207,15 @@ def _task(msg: Mapping, where: str) -> str | None:
     return task
 
 
+def _mask(msg: Mapping, where: str) -> None:
+    """A message's `mask`: DeepSeek's official encoder keeps it on every message (its
+    merge_tool_messages carries "task", "wo_eos" and "mask" over to merged user turns) and no
+    renderer reads it, so it never changes the prompt. It is a training field: see
+    `train.data.chat_document`. Only its type is checked here."""
+    if "mask" in msg and not isinstance(msg["mask"], bool):
+        raise ValueError(f"{where}: mask must be true or false, got {msg['mask']!r}")
+
+
 def _validated(messages, images: bool = False) -> list[_Turn]:
     """Check every message and convert it; tool messages become one-block user turns."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
@@ -218,6 +227,7 @@ def _validated(messages, images: bool = False) -> list[_Turn]:
         if role not in ROLES:
             raise ValueError(f"{where}: unknown role {role!r}; accepted roles are {ROLES}")
         task = _task(msg, where)
+        _mask(msg, where)
         if role in ("system", "latest_reminder"):
             turns.append(_Turn(role, content=_required_text(msg, where), task=task))
         elif role == "developer":  # rendered `<｜User｜>text` but its own turn (reference: content required)

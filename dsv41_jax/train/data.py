@@ -160,15 +160,20 @@ def text_document(tokenizer, text: str) -> Document:
 
 
 def chat_document(tokenizer, messages, thinking: bool = False) -> Document:
-    """A conversation; only the assistant replies (through their EOS) are trained on."""
+    """A conversation; by default only the assistant replies (through their EOS) are trained on.
+
+    A message's `mask` (the per-message field DeepSeek's chat encoder carries without rendering it)
+    overrides that: `"mask": true` masks the message out of the loss (an assistant reply kept as
+    context only), `"mask": false` trains on it (a user, system or tool message too: its rendered
+    tokens, the turn markers after it included). The prompt text never depends on it."""
     from dsv41_jax.text.chat import encode_chat_ids
 
     full = encode_chat_ids(tokenizer, messages, thinking=thinking)
     mask = np.zeros(len(full), bool)
     for i, msg in enumerate(messages):
-        if msg.get("role") != "assistant":
+        if msg.get("mask", msg.get("role") != "assistant"):  # masked out of the loss
             continue
-        before = encode_chat_ids(tokenizer, messages[:i], thinking=thinking)
+        before = encode_chat_ids(tokenizer, messages[:i], thinking=thinking) if i else full[:1]  # BOS
         upto = encode_chat_ids(tokenizer, messages[: i + 1], thinking=thinking)
         if full[: len(upto)] != upto or upto[: len(before)] != before:
             raise ValueError(f"chat turn {i}: the tokenizer does not split the conversation at turn boundaries, "
