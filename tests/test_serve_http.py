@@ -730,6 +730,11 @@ def test_tokenize_and_detokenize(server, client):
     assert chat["tokens"] == encode_chat_ids(tok, USER, thinking=False)
     served = client.chat.completions.create(model="tiny", messages=USER, max_tokens=1, temperature=0)
     assert chat["count"] == served.usage.prompt_tokens
+    # a message's `mask` (DeepSeek's encoder carries it, renders nothing) leaves the prompt as it was
+    masked = [dict(m, mask=True) for m in USER]
+    assert _post(server, "/tokenize", {"messages": masked}).json()["tokens"] == chat["tokens"]
+    e = _post(server, "/tokenize", {"messages": [dict(m, mask=1) for m in USER]})
+    assert e.status_code == 400 and "mask must be true or false" in e.json()["error"]["message"], e.text
     assert _post(server, "/detokenize", {"tokens": r["tokens"]}).json() == {"prompt": st.BOS + "def f"}
     # a prompt with special-token text: their ids (no second BOS), or characters with split_special_tokens
     template = st.BOS + st.USER + "def f" + st.ASSISTANT
