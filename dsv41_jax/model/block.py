@@ -304,6 +304,26 @@ def write_source(block, x, span: Span, store: QuantStore, plan: Plan, probe: Pro
     return probe.see(l, trace)
 
 
+def index_scores(attn, store, x, qr, keys, cos, sin, visible, plan: Plan, how: str = "xla", pool=None):
+    """Index scores [B, T, G] of the chunk's queries (x, qr) against an index source's keys: the one
+    place the indexer scores, for full-width selection, in-pool Reindex scoring and the probes'
+    scoring at sampled positions (training's indexer KL). docs/REFERENCE.md §3 "Indexer".
+
+    how: "xla"    keys are bf16 [B, G, Di]; the query side goes through the store (the fake-quant
+                  store stops its gradients, so the indexer KL trains the indexer alone);
+         "packed" keys are the packed FP4 `IndexKeys` (fast numerics reads them without decoding);
+         "kernel" keys are the quantized container the Pallas indexer reads; pool: the Reuse
+                  candidate mask, or None.
+    """
+    if how == "kernel":
+        return attn.indexer.scores_pallas(x, qr, keys, cos, sin, visible, plan.runtime, pool)
+    if how == "packed":
+        return fast_index.scores_packed(attn.indexer, x, qr, keys, cos, sin, visible)
+    if how != "xla":
+        raise ValueError(f"index_scores: how={how!r}; use 'xla', 'packed' or 'kernel'")
+    return attn.indexer.scores(*store.index_inputs(x, qr), keys, cos, sin, visible, plan.numerics)
+
+
 def select(block, x, qr, cos, sin, visible, store: QuantStore, carry: Carry, plan: Plan, probe: Probe, pin):
     """An index source's top-k: (sel [B,T,K], carry, records)."""
     cfg, attn, role, l = store.cfg, block.attn, block.role, block.layer
@@ -316,22 +336,22 @@ def select(block, x, qr, cos, sin, visible, store: QuantStore, carry: Carry, pla
     rec, pool, pool_blocks = {}, carry.pool, carry.pool_blocks
     if (role.uses_candidates and pool_scoring and pool_blocks is not None
             and width <= P < store.cache["index_keys"][key].packed.shape[1]):
-        s, cand = _pool_scores(attn, x, qr, cos, sin, store.cache["index_keys"][key], *pool_blocks,
-                                    cfg.candidate_block_size, visible, mode, packed)
+        s, cand = _pool_scores(attn, store, x, qr, cos, sin, store.cache["index_keys"][key], *pool_blocks,
+                               cfg.candidate_block_size, visible, plan, packed)
         sel = _pool_select(s, cand, visible, width)
     else:
         if plan.kernel_mode is not None:
             ikeys = index_key_container(cfg, store.cache, role, plan.index_keys == "quirk")
-            scores = attn.indexer.scores_pallas(x, qr, ikeys, cos, sin, visible, plan.runtime,
-                                                pool if role.uses_candidates else None)
+            scores = index_scores(attn, store, x, qr, ikeys, cos, sin, visible, plan, "kernel",
+                                  pool if role.uses_candidates else None)
         elif packed:
-            scores = fast_index.scores_packed(attn.indexer, x, qr, store.cache["index_keys"][key], cos, sin, visible)
+            scores = index_scores(attn, store, x, qr, store.cache["index_keys"][key], cos, sin, visible, plan, "packed")
         else:
             if pool_scoring:
                 keys_bf16 = decode_index_keys(store.cache["index_keys"][key])
             else:
                 keys_bf16 = store.index_keys(role, plan)
-            scores = attn.indexer.scores(*store.index_inputs(x, qr), keys_bf16, cos, sin, visible, mode)
+            scores = index_scores(attn, store, x, qr, keys_bf16, cos, sin, visible, plan)
         scores = store.mask_scores(src, scores)
         if role.is_candidate_source:
             pool, block_scores = candidate_pool(scores, store.pool_visible(src, visible), cfg.candidate_topk_blocks,
@@ -426,8 +446,8 @@ def block_step(block, h, pre, store: QuantStore, carry: Carry, span: Span, plan:
             rec = _merge(rec, r, probe.scored(l, lambda: {
                 "store": store, "src": src, "attn": block.attn, "q": q, "win": win_keys, "win_idx": win_idx,
                 "pool": carry.pool if role.uses_candidates else None,
-                "score": lambda pick, k: block.attn.indexer.scores(*store.index_inputs(pick(x), pick(qr)), k, pick(cos),
-                                                                   pick(sin), pick(visible), plan.numerics)}, pin))
+                "score": lambda pick, k: index_scores(block.attn, store, pick(x), pick(qr), k, pick(cos), pick(sin),
+                                                      pick(visible), plan)}, pin))
         sel = carry.topk[role.index_source]
         rec["topk"] = sel
         kernel_inputs = (win_rows, idx, store.compressed(src), sel)
@@ -479,8 +499,8 @@ def decode_index_keys(k: kv_layout.IndexKeys) -> jax.Array:
     return (vals * quant.e8m0_to_float(k.scales)[..., None]).reshape(*k.packed.shape[:-1], -1).astype(jnp.bfloat16)
 
 
-def _pool_scores(attn, x, qr, cos, sin, keys_cache: kv_layout.IndexKeys, pool_blocks, block_valid,
-                      block: int, visible, mode, packed: bool = False):
+def _pool_scores(attn, store, x, qr, cos, sin, keys_cache: kv_layout.IndexKeys, pool_blocks, block_valid,
+                 block: int, visible, plan: Plan, packed: bool = False):
     """In-pool Reindex scores over the pool's positions only (Plan.pool_scoring): [B,T,P] and positions [B,T,P].
 
     Positions come block by block in ascending order, so a top-k over them breaks ties toward
@@ -501,10 +521,10 @@ def _pool_scores(attn, x, qr, cos, sin, keys_cache: kv_layout.IndexKeys, pool_bl
     full = jnp.full((B * T, 1), P, jnp.int32)
     if packed:
         rows = kv_layout.IndexKeys(*(a.reshape(B * T, P, -1) for a in rows))
-        s = fast_index.scores_packed(attn.indexer, flat(x), flat(qr), rows, flat(cos), flat(sin), full)
+        s = index_scores(attn, store, flat(x), flat(qr), rows, flat(cos), flat(sin), full, plan, "packed")
     else:
         keys = decode_index_keys(rows)  # [B,T,P,Di]
-        s = attn.indexer.scores(flat(x), flat(qr), keys.reshape(B * T, P, -1), flat(cos), flat(sin), full, mode)
+        s = index_scores(attn, store, flat(x), flat(qr), keys.reshape(B * T, P, -1), flat(cos), flat(sin), full, plan)
     s = s.reshape(B, T, P)
     ok = valid & (pos < visible[..., None])
     return jnp.where(ok, s, -jnp.inf), jnp.where(valid, pos, G)

@@ -30,7 +30,7 @@ from dsv41_jax.model import dspark
 from dsv41_jax.model.transformer import COMPILER_OPTIONS
 from dsv41_jax.runtime import Runtime
 from dsv41_jax.serving import prefix_cache, speculation
-from dsv41_jax.serving.buckets import capacity_for, capacity_of, empty_cache, resize_cache
+from dsv41_jax.serving.buckets import capacity_for, empty_cache, resize_cache
 from dsv41_jax.serving.sampling import (SamplingParams, banned_mask, check_finite_logits, empty_history, history_row,
                                         mask_words, sample, slot_arrays)
 from dsv41_jax.serving.split_prefill import (check_splittable, commit, decode_plan, decode_step, decoder_pass,
