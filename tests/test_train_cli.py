@@ -74,6 +74,7 @@ def test_train_cli_usage_errors_exit_2(tmp_path, capsys):
         (["--data", str(tmp_path / "data.txt"), "--mesh", "rows=2"], "axis=size"),
         (["--data", str(tmp_path / "data.txt"), "--mesh", "data=8", "--batch-size", "4"], "batch size"),
         (["--config", str(tmp_path / "nope.json"), "--data", str(tmp_path / "data.txt")], ""),
+        (["--data", str(tmp_path / "data.txt"), "--dspark"], "--dspark: the config has no DSpark drafter (n_mtp_layers=0"),
     ]
     for extra, message in cases:
         assert main(base + extra) == 2, extra
@@ -85,6 +86,9 @@ def test_train_cli_usage_errors_exit_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(base + ["--data", str(tmp_path / "data.txt"), "--seed", "-1"])
     assert e.value.code == 2 and "argument --seed: must be >= 0, got -1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(base + ["--data", str(tmp_path / "data.txt"), "--dspark", "--dspark-decay-gamma", "-1"])
+    assert e.value.code == 2 and "argument --dspark-decay-gamma: must be >= 0.0, got -1" in capsys.readouterr().err
     (tmp_path / "demo" / "checkpoints" / "0").mkdir(parents=True)
     assert main(["demo", "--out", str(tmp_path / "demo")]) == 2
     assert "already holds a run" in capsys.readouterr().err

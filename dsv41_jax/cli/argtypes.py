@@ -30,3 +30,7 @@ def non_negative_int(text: str) -> int:
 
 def positive_float(text: str) -> float:
     return _number(text, float, 0.0, strict=True)
+
+
+def non_negative_float(text: str) -> float:
+    return _number(text, float, 0.0, strict=False)

@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from dsv41_jax.cli.argtypes import non_negative_int, positive_float, positive_int
+from dsv41_jax.cli.argtypes import non_negative_float, non_negative_int, positive_float, positive_int
 
 
 def register(subparsers) -> None:
@@ -35,6 +35,20 @@ def register(subparsers) -> None:
     s.add_argument("--indexer-kl-weight", type=float, default=1.0)
     s.add_argument("--kl-positions", type=non_negative_int, default=8)
     s.add_argument("--replay-prob", type=float, default=0.0, help="replay-aware decoder windows with this probability")
+    g = s.add_argument_group("DSpark drafter (--dspark)", "train only the speculative drafter (mtp.* stages) on the "
+                             "frozen backbone's own taps and distributions, with DeepSpec's DSpark losses")
+    g.add_argument("--dspark", action="store_true",
+                   help="train the DSpark drafter instead of the backbone (frozen: bitwise unchanged); start from "
+                        "--init-from a checkpoint whose backbone you will serve; --export writes both")
+    g.add_argument("--dspark-anchors", type=positive_int, default=16, help="draft blocks per row and step")
+    g.add_argument("--dspark-ce-weight", type=non_negative_float, default=0.1,
+                   help="weight of the cross-entropy on the block's tokens")
+    g.add_argument("--dspark-l1-weight", type=non_negative_float, default=0.9,
+                   help="weight of the L1 distance between the draft and target distributions")
+    g.add_argument("--dspark-confidence-weight", type=non_negative_float, default=1.0,
+                   help="weight of the confidence head's BCE against the acceptance rate 1 - L1/2")
+    g.add_argument("--dspark-decay-gamma", type=non_negative_float, default=4.0,
+                   help="loss weight exp(-j/gamma) at block position j (0: no positional decay)")
     s.add_argument("--ckpt-dir", help="orbax checkpoint folder (resumes from its latest step)")
     s.add_argument("--accept-changed-settings", action="store_true",
                    help="resume even though the corpus, batch size, learning rate, seed or other settings differ "
@@ -97,13 +111,24 @@ def _cmd_train(args) -> int:
         rows = D.pack(docs, seq_len, D.alignment(cfg), tok.pad_id, args.seed)
         data = D.PackedData(rows, args.batch_size, args.seed, D.engram_setup(cfg, tok))
         warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
+        dspark = None
+        if args.dspark:
+            from dsv41_jax.train.dspark import DSparkLoss
+
+            if not cfg.has_dspark:
+                raise ValueError(f"--dspark: the config has no DSpark drafter (n_mtp_layers={cfg.n_mtp_layers}, "
+                                 f"dspark_block_size={cfg.dspark_block_size}); pass a config or checkpoint with one")
+            dspark = DSparkLoss(anchors=args.dspark_anchors, ce_weight=args.dspark_ce_weight,
+                                l1_weight=args.dspark_l1_weight, confidence_weight=args.dspark_confidence_weight,
+                                decay_gamma=args.dspark_decay_gamma)
         tcfg = TrainConfig(seq_len=seq_len, batch_size=args.batch_size, steps=args.steps, seed=args.seed, qat=args.qat,
                            lora_rank=args.lora, lora_alpha=args.lora_alpha, balance_weight=args.balance_weight,
                            bias_rate=args.bias_rate, indexer_kl_weight=args.indexer_kl_weight,
                            kl_positions=args.kl_positions, replay_prob=args.replay_prob,
                            optim=OptimConfig(optimizer=args.optimizer, lr=args.lr, warmup_steps=warmup,
                                              total_steps=args.steps, weight_decay=args.weight_decay, clip_norm=args.clip,
-                                             lr_embed_mult=args.lr_embed_mult, lr_engram_mult=args.lr_engram_mult))
+                                             lr_embed_mult=args.lr_embed_mult, lr_engram_mult=args.lr_engram_mult),
+                           dspark=dspark)
         init = masters_from_checkpoint(args.init_from, serving_formats(cfg), cfg) if args.init_from else None
         ckpt = Checkpointer(args.ckpt_dir, keep=args.keep) if args.ckpt_dir else None
         # the tokenized corpus (so also the tokenizer), not its paths: moving the files is no change

@@ -160,17 +160,25 @@ def _block_indices(newest: jax.Array, W: int, bs: int) -> jax.Array:
     return jnp.broadcast_to(idx[:, None, :], (newest.shape[0], bs, W + bs)).astype(jnp.int32)
 
 
-def _stage_forward(stage: DSparkStage, h, pre, ring, newest, cfg, mode, probe, pin, trace, impl):
+def _fp8_rows(rows: jax.Array) -> jax.Array:
+    """Window rows at their stored FP8 values (quantize, then read back), as a ring holds them."""
+    return kv_layout.dequantize_window(kv_layout.quantize_window(rows))
+
+
+def _stage_forward(stage: DSparkStage, h, pre, ring_rows, newest, cfg, mode, probe, pin, trace, impl,
+                   fp8_rows=_fp8_rows, ring_len=None):
     """One stage over the block stream h [B, bs, hc, d]: the layer body's stage functions (a window-only
-    layer) over the read-only ring plus the block, every block token seeing the whole block.
-    probe/pin: the FFN site's (golden-check imposes stored stage experts); returns (h, pre, info, records)."""
+    layer) over the read-only ring rows [B, W, D] (dequantized) plus the block, every block token seeing
+    the whole block. probe/pin: the FFN site's (golden-check imposes stored stage experts);
+    fp8_rows: how the block's own rows take their FP8 values (training passes the straight-through
+    fake quantization); ring_len [B]: valid ring rows (default min(W, newest + 1));
+    returns (h, pre, info, records)."""
     bs = h.shape[1]
     plan = body.Plan.resolve(Runtime(mode=mode, impl=impl))  # impl and interpret decided in one place
     positions = newest[:, None] + 1 + jnp.arange(bs)[None]
     x, _, q, cos, sin, blk, (a_pre, a_post, a_comb) = body.attn_in(stage, h, pre, positions, 0, cfg, plan)
-    blk = kv_layout.quantize_window(blk)
-    keys = jnp.concatenate([kv_layout.dequantize_window(ring), kv_layout.dequantize_window(blk)], 1)
-    idx = _block_indices(newest, cfg.window_size, bs)
+    keys = jnp.concatenate([ring_rows, fp8_rows(blk)], 1)
+    idx = _block_indices(newest if ring_len is None else ring_len - 1, ring_rows.shape[1], bs)
     o = body.attend(stage.attn, q, keys, idx, cfg, plan)
     a_out, h_attn = body.attn_out(stage.attn, o, cos, sin, h, (a_post, a_comb), plan)
     out, f_pre, (xf, y, f_post, f_comb, info), rec = body.ffn_site(stage, h_attn, a_pre, plan, probe, pin, stage.stage)
@@ -182,6 +190,18 @@ def _stage_forward(stage: DSparkStage, h, pre, ring, newest, cfg, mode, probe, p
                       p + "hc_ffn_post": f_post, p + "hc_ffn_comb": f_comb, p + "gate_scores": info["scores"],
                       p + "gate_weights": info["weights"], p + "gate_indices": info["experts"], p + "ffn_output": y})
     return out, f_pre, info, rec
+
+
+def block_stream(model, anchor: jax.Array):
+    """A block's input for anchors [B]: (embeddings [B, bs, d] of [anchor, noise, ...], the stream h
+    [B, bs, hc, d] (the embedding in every copy), its pre-mix [B, bs, hc] (copy 0))."""
+    cfg = model.cfg
+    B, bs = anchor.shape[0], cfg.dspark_block_size
+    block = jnp.full((B, bs), cfg.dspark_noise_token_id, jnp.int32).at[:, 0].set(anchor.astype(jnp.int32))
+    e = model.embed[...][block]
+    h = jnp.broadcast_to(e[:, :, None, :], (B, bs, cfg.hc_mult, cfg.dim))
+    pre = jnp.zeros((B, bs, cfg.hc_mult), jnp.float32).at[..., 0].set(1.0)
+    return e, h, pre
 
 
 def draft(model, state: dict, anchor: jax.Array, newest: jax.Array, *, mode: str = "exact", choose=None,
@@ -197,17 +217,14 @@ def draft(model, state: dict, anchor: jax.Array, newest: jax.Array, *, mode: str
 
     cfg = model.cfg
     bs = cfg.dspark_block_size
-    B = anchor.shape[0]
     impose = True if forced is None else forced.get("impose", True)
     probe = NO_PROBE if forced is None else GoldenProbe()  # compares and imposes forced["experts"][stage]
     aux = {"experts": {}, "experts_agree": {}, "trace": {}}
     trace = aux["trace"] if collect else None
-    block = jnp.full((B, bs), cfg.dspark_noise_token_id, jnp.int32).at[:, 0].set(anchor.astype(jnp.int32))
-    e = model.embed[...][block]
-    h = jnp.broadcast_to(e[:, :, None, :], (B, bs, cfg.hc_mult, cfg.dim))
-    pre = jnp.zeros((B, bs, cfg.hc_mult), jnp.float32).at[..., 0].set(1.0)
+    e, h, pre = block_stream(model, anchor)
     for stage, ring in zip(model.mtp, state["rings"]):
-        h, pre, _, rec = _stage_forward(stage, h, pre, ring, newest, cfg, mode, probe, forced, trace, impl)
+        h, pre, _, rec = _stage_forward(stage, h, pre, kv_layout.dequantize_window(ring), newest, cfg, mode, probe,
+                                        forced, trace, impl)
         aux["experts"][stage.stage] = rec["experts"]
         if "experts_agree" in rec:
             aux["experts_agree"][stage.stage] = rec["experts_agree"]
@@ -238,5 +255,5 @@ def survival(confidence: jax.Array) -> jax.Array:
     return jnp.cumprod(jax.nn.sigmoid(confidence.astype(jnp.float32)), axis=-1)
 
 
-__all__ = ["DSparkStage", "DSparkUnavailable", "build_stages", "draft", "init_state", "main_x", "require_dspark",
+__all__ = ["DSparkStage", "DSparkUnavailable", "block_stream", "build_stages", "draft", "init_state", "main_x", "require_dspark",
            "survival", "tap", "write_rings"]

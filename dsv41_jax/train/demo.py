@@ -40,6 +40,14 @@ def demo_config(tokenizer: D.ByteTokenizer, seq_len: int = 128) -> ModelConfig:
         max_seq_len=seq_len, max_batch_size=8)
 
 
+def demo_drafter(tokenizer: D.ByteTokenizer) -> dict:
+    """The demo model's DSpark drafter: one stage on the taps of layers 2-4, blocks of 4 (3 drafts
+    after the anchor); the noise token is the pad id, which no training label uses."""
+    return dict(n_mtp_layers=1, dspark_block_size=4, dspark_noise_token_id=tokenizer.pad_id,
+                dspark_target_layer_ids=(2, 3, 4), dspark_markov_rank=32, dspark_n_routed_experts=4,
+                dspark_n_activated_experts=2)
+
+
 def stdlib_corpus(max_bytes: int = 2_000_000) -> list[pathlib.Path]:
     """The standard library's top-level .py files, in sorted order, up to `max_bytes`."""
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
@@ -87,6 +95,43 @@ def serve_hint(served_dir, context: int) -> str:
             "and, from another shell, ask it something:\n"
             "  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\\n"
             "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"def \"}], \"max_tokens\": 40}'")
+
+
+def acceptance_length(engine) -> float:
+    """Tokens emitted per speculating target forward: 1 + accepted drafts per drafting step."""
+    st = engine.spec_stats
+    steps = st["drafted"] / max(engine.K, 1)
+    return 1.0 + st["accepted"] / steps if steps else 0.0
+
+
+def train_drafter(cfg: ModelConfig, master: dict, data, *, steps: int, seed: int = 0, time_budget: float = 15.0,
+                  progress: bool = True, print_fn=_say, batch_size: int | None = None) -> dict:
+    """Train the DSpark drafter (mtp.*) of a trained backbone on the same rows (`dsv41 train --dspark`);
+    returns {"master": the masters with the trained drafter, "steps", "first_tau", "last_tau"}.
+    time_budget bounds the steps after the first 10 (which include compiling the step)."""
+    from dsv41_jax.train.dspark import DSparkLoss
+    from dsv41_jax.train.loop import format_metrics, prepare, train
+
+    tcfg = TrainConfig(seq_len=data.rows["tokens"].shape[1], batch_size=batch_size or data.batch_size, steps=steps,
+                       seed=seed, qat=True, kl_positions=0, dspark=DSparkLoss(anchors=16),
+                       fast_compile=True,  # a few dozen steps of a tiny model: compiling dominates
+                       optim=OptimConfig(lr=3e-3, warmup_steps=5, total_steps=steps, weight_decay=0.0))
+    run = prepare(cfg, tcfg, init_master=master)
+    print_fn(f"training the DSpark drafter ({cfg.n_mtp_layers} stage, blocks of {cfg.dspark_block_size}; backbone "
+             "frozen): compiling its step, then 10 steps a line ...")
+    history, deadline = [], None
+    while run.step < steps:
+        history += train(run, data, steps=min(steps, run.step + 10), progress=False, log_every=0)
+        if progress:
+            print_fn(format_metrics(history[-1]))
+        if deadline is None:
+            deadline = time.perf_counter() + time_budget
+        elif time.perf_counter() > deadline and run.step < steps:
+            print_fn(f"(drafter time budget of {time_budget:.0f}s reached: stopping at step {run.step})")
+            break
+    first, last = history[0]["tau"], float(np.mean([h["tau"] for h in history[-5:]]))
+    print_fn(f"drafter: expected acceptance length (tau, teacher-forced) {first:.2f} -> {last:.2f} in {run.step} steps")
+    return {"master": run.master(), "steps": run.step, "first_tau": first, "last_tau": last}
 
 
 def run_demo(out_dir=None, *, steps: int = 50, batch_size: int = 8, seq_len: int = 128, time_budget: float = 90.0,

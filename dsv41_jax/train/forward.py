@@ -221,7 +221,8 @@ class TrainProbe(body_probe.Probe):
         return {"indexer_kl": _kl(target, c["score"](pick, store.ikeys[src]), allowed_s)}
 
 
-def train_forward(model, batch: dict, opts: ForwardOptions = ForwardOptions(), *, replay_start=None, kl_pos=None):
+def train_forward(model, batch: dict, opts: ForwardOptions = ForwardOptions(), *, replay_start=None, kl_pos=None,
+                  taps: bool = False):
     """Logits [B, T, V] fp32 and aux for the losses: the layer body on a `FakeQuantStore`.
 
     batch: tokens [B,T] int32, positions [B,T] int32 (document-relative, restarting at 0 at
@@ -229,6 +230,8 @@ def train_forward(model, batch: dict, opts: ForwardOptions = ForwardOptions(), *
       when the model has Engram.
     replay_start: [B] int32 tail starts for replay-aware decoder windows (None: exact prefill).
     kl_pos: [B, P] int32 sampled query positions for the indexer KL (needs opts.kl_positions).
+    taps: also return DSpark's taps (aux["main_hidden"] [B, T, n * d], `probe.TapProbe`), what the drafter
+      trains on (`dsv41_jax.train.dspark`).
     aux: experts {l: [B,T,k]}, gate_scores {l: [B,T,E]}, indexer_kl {l: (sum, count)}.
     """
     cfg = model.cfg
@@ -243,8 +246,13 @@ def train_forward(model, batch: dict, opts: ForwardOptions = ForwardOptions(), *
     store = FakeQuantStore(cfg, positions, replay_start, opts.act_quant)
     span = body.Span(positions=positions, start=jnp.zeros((B,), jnp.int32), engram_ids=batch.get("engram_ids"))
     probe = TrainProbe(kl=bool(opts.kl_positions) and kl_pos is not None)
+    if taps:
+        probe = body_probe.Probes(probe, body_probe.TapProbe(cfg.dspark_target_layer_ids))
     h, pre = body.embed(model, tokens)
     h, pre, _, _, rec = body.run_layers(model, h, pre, store, span, plan, range(cfg.n_layers), probe,
                                         {"kl_pos": kl_pos})
     logits = body.head(model, h, pre, plan.numerics)[0]
-    return logits, {k: rec.get(k, {}) for k in ("experts", "gate_scores", "indexer_kl")}
+    aux = {k: rec.get(k, {}) for k in ("experts", "gate_scores", "indexer_kl")}
+    if taps:
+        aux["main_hidden"] = body_probe.TapProbe.hidden(rec)
+    return logits, aux

@@ -144,7 +144,8 @@ def train(run: Run, data, *, steps: int | None = None, checkpointer: Checkpointe
         dt, t_last = now - t_last, now
         m["step"] = i + 1
         m["tokens_per_s"] = data.tokens_per_batch / max(dt, 1e-9)
-        m["mfu"] = throughput.mfu(m["tokens_per_s"], fpt, peak)
+        # the FLOP count is the backbone's training step; the drafter's step is another program
+        m["mfu"] = throughput.mfu(m["tokens_per_s"], fpt, peak) if run.tcfg.dspark is None else None
         history.append(m)
         if bar is not None:
             bar.update(1)
@@ -164,6 +165,11 @@ def train(run: Run, data, *, steps: int | None = None, checkpointer: Checkpointe
 
 def format_metrics(m: dict) -> str:
     mfu = "n/a" if m.get("mfu") is None else f"{100 * m['mfu']:.1f}%"
+    if "tau" in m:  # the drafter's step (dsv41_jax.train.dspark)
+        return (f"step {m['step']:5d}  loss {m['loss']:.4f}  ce {m['ce']:.4f}  l1 {m['l1']:.4f}  "
+                f"confidence_bce {m['confidence_bce']:.4f}  accept {m['accept_rate']:.3f}  tau {m['tau']:.3f}  "
+                f"load_max/mean {m['load_imbalance']:.2f}  grad_norm {m['grad_norm']:.3f}  lr {m['lr']:.2e}  "
+                f"tok/s {m['tokens_per_s']:.0f}")
     return (f"step {m['step']:5d}  loss {m['loss']:.4f}  ce {m['ce']:.4f}  balance {m['balance']:.4f}  "
             f"indexer_kl {m['indexer_kl']:.4f}  load_max/mean {m['load_imbalance']:.2f}  grad_norm {m['grad_norm']:.3f}  "
             f"lr {m['lr']:.2e}  tok/s {m['tokens_per_s']:.0f}  MFU {mfu}")

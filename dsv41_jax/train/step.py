@@ -6,6 +6,11 @@ State (a dict of flat dicts, so orbax, optax and sharding rules see plain string
   bias    the MoE router biases, updated by the sign rule after the optimizer, never by it;
   lora    adapters ({} without LoRA); the optimizer trains these instead of the masters;
   opt     the optax state of whichever of master / lora is trained.
+
+What is trained: the backbone's masters (or its LoRA adapters); with `TrainConfig.dspark` only the
+DSpark drafter's (mtp.*, `dsv41_jax.train.dspark`). The other part is frozen: it is not an optimizer
+parameter, so it leaves every step bitwise unchanged (no gradient, no weight decay), and so do its
+router biases.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from flax import nnx
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.model.transformer import COMPILER_OPTIONS
 from dsv41_jax.train import losses
+from dsv41_jax.train.dspark import DSparkLoss, drafter_loss, is_drafter_key
 from dsv41_jax.train.forward import ForwardOptions, train_forward
 from dsv41_jax.train.lora import apply_lora, init_lora
 from dsv41_jax.train.optim import OptimConfig, make_optimizer, schedule
@@ -50,6 +56,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     exact_mhc: bool = False  # served SLEEF exp in mHC (bitwise serving parity, slower compile)
     fast_compile: bool = False  # XLA without backend optimisation: ~2x faster compile, slower steps
+    dspark: DSparkLoss | None = None  # train only the DSpark drafter, with this objective
 
     @property
     def lora_scale(self) -> float:
@@ -62,11 +69,25 @@ def split_bias(flat: dict) -> tuple[dict, dict]:
     return {k: v for k, v in flat.items() if k not in bias}, bias
 
 
+def trained_keys(master: dict, tcfg: TrainConfig) -> list[str]:
+    """The master keys the optimizer updates (router biases excluded): the drafter's under
+    tcfg.dspark, else the backbone's (the drafter gets no gradient from the backbone's loss; weight
+    decay alone would shrink it)."""
+    drafter = tcfg.dspark is not None
+    return [k for k in master if is_drafter_key(k) == drafter]
+
+
 def init_state(master: dict, tcfg: TrainConfig) -> dict:
     """A step-0 state from fp32 masters (fresh or imported from a checkpoint)."""
     rest, bias = split_bias(master)
+    if tcfg.dspark is not None:
+        if tcfg.lora_rank:
+            raise ValueError("--dspark trains the drafter's own weights; it does not combine with --lora")
+        if not any(is_drafter_key(k) for k in rest):
+            raise ValueError("--dspark: this model has no DSpark drafter (no mtp.* parameters; n_mtp_layers=0); "
+                             "use a config or checkpoint with one")
     lora = init_lora(rest, tcfg.lora_rank, tcfg.seed) if tcfg.lora_rank else {}
-    trainable = lora if tcfg.lora_rank else rest
+    trainable = lora if tcfg.lora_rank else {k: rest[k] for k in trained_keys(rest, tcfg)}
     tx = make_optimizer(tcfg.optim, trainable)
     return {"step": jnp.zeros((), jnp.int32), "master": rest, "bias": bias, "lora": lora, "opt": tx.init(trainable)}
 
@@ -77,7 +98,41 @@ def full_master(state: dict, tcfg: TrainConfig) -> dict:
 
 
 def _layer_of(bias_key: str) -> int:
+    """The backbone layer (layers.{l}.*) or drafter stage (mtp.{k}.*) of a router bias."""
     return key_path(bias_key)[1]
+
+
+def drafter_step_fn(graphdef, formats, cfg: ModelConfig, tcfg: TrainConfig):
+    """The drafter's step: the frozen backbone's forward gives taps and target logits (no gradient),
+    then only the mtp.* masters take the DSpark objective's gradient; the drafter's router biases
+    follow the sign rule with the drafter's expert loads."""
+    obj = tcfg.dspark
+
+    def step(state, batch):
+        rng = jax.random.fold_in(jax.random.key(tcfg.seed), state["step"])
+        keys = trained_keys(state["master"], tcfg)
+        trainable = {k: state["master"][k] for k in keys}
+        frozen = {k: v for k, v in state["master"].items() if k not in trainable}
+        frozen_view = qat_view({**frozen, **state["bias"]}, formats, fake_quant_weights=tcfg.qat)
+        backbone = merge_model(graphdef, {**frozen_view, **qat_view(trainable, formats, fake_quant_weights=tcfg.qat)})
+        target_logits, aux = train_forward(backbone, batch, ForwardOptions(), taps=True)
+        taps, target_logits = jax.lax.stop_gradient((aux["main_hidden"], target_logits))
+        tx = make_optimizer(tcfg.optim, trainable)
+
+        def f(tr):
+            model = merge_model(graphdef, {**frozen_view, **qat_view(tr, formats, fake_quant_weights=tcfg.qat)})
+            return drafter_loss(model, batch, taps, target_logits, rng, obj)
+
+        (_, (metrics, loads)), grads = jax.value_and_grad(f, has_aux=True)(trainable)
+        updates, opt = tx.update(grads, state["opt"], trainable)
+        trainable = optax.apply_updates(trainable, updates)
+        bias = {k: (losses.bias_update(b, loads[_layer_of(k)], tcfg.bias_rate) if is_drafter_key(k) else b)
+                for k, b in state["bias"].items()}
+        new = dict(state, step=state["step"] + 1, bias=bias, opt=opt, master={**state["master"], **trainable})
+        metrics = dict(metrics, grad_norm=optax.tree.norm(grads), lr=schedule(tcfg.optim)(state["step"]))
+        return new, metrics
+
+    return step
 
 
 def _sample(rng, tcfg: TrainConfig, B: int, T: int):
@@ -116,7 +171,10 @@ def loss_and_aux(graphdef, formats, cfg: ModelConfig, tcfg: TrainConfig, master:
 
 def train_step_fn(graphdef, formats, cfg: ModelConfig, tcfg: TrainConfig):
     """The pure step (state, batch) -> (state, metrics); jit it (see `make_train_step`)."""
-    trainable_params = (lambda s: s["lora"]) if tcfg.lora_rank else (lambda s: s["master"])
+    if tcfg.dspark is not None:
+        return drafter_step_fn(graphdef, formats, cfg, tcfg)
+    trainable_params = (lambda s: s["lora"]) if tcfg.lora_rank else (
+        lambda s: {k: s["master"][k] for k in trained_keys(s["master"], tcfg)})
 
     def step(state, batch):
         rng = jax.random.fold_in(jax.random.key(tcfg.seed), state["step"])
@@ -127,15 +185,19 @@ def train_step_fn(graphdef, formats, cfg: ModelConfig, tcfg: TrainConfig):
             if tcfg.lora_rank:
                 master = apply_lora({**state["master"], **state["bias"]}, tr, tcfg.lora_scale)
             else:
-                master = {**tr, **state["bias"]}
+                master = {**state["master"], **tr, **state["bias"]}
             return loss_and_aux(graphdef, formats, cfg, tcfg, master, batch, rng)
 
         (_, (metrics, loads)), grads = jax.value_and_grad(f, has_aux=True)(trainable)
         updates, opt = tx.update(grads, state["opt"], trainable)
         trainable = optax.apply_updates(trainable, updates)
-        bias = {k: losses.bias_update(b, loads[_layer_of(k)], tcfg.bias_rate) for k, b in state["bias"].items()}
+        bias = {k: (b if is_drafter_key(k) else losses.bias_update(b, loads[_layer_of(k)], tcfg.bias_rate))
+                for k, b in state["bias"].items()}
         new = dict(state, step=state["step"] + 1, bias=bias, opt=opt)
-        new["lora" if tcfg.lora_rank else "master"] = trainable
+        if tcfg.lora_rank:
+            new["lora"] = trainable
+        else:
+            new["master"] = {**state["master"], **trainable}
         metrics = dict(metrics, grad_norm=optax.tree.norm(grads), lr=schedule(tcfg.optim)(state["step"]))
         return new, metrics
 
