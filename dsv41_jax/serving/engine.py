@@ -165,7 +165,7 @@ class Engine:
         self.cache = self.empty(slots)
         if self.K:
             self.rings = self.placed(dspark.init_state(cfg, slots))
-            self.spec_stats = {"steps": 0, "drafted": 0, "accepted": 0}
+            self.spec_stats = {"steps": 0, "slot_steps": 0, "drafted": 0, "accepted": 0}  # speculation.summary
         self.table: list[_Slot | None] = [None] * slots
         self.waiting: list[tuple[Request, dict]] = []
         self.done: dict[str, Result] = {}
@@ -557,9 +557,11 @@ class Engine:
                 kept.append([])
             elif spec[i]:
                 sp_ = st.request.sampling
-                kept.append(speculation.accept(chunk[i, 1:], targets[i], sp_.stop_tokens, sp_.max_tokens - len(st.generated)))
+                toks, a = speculation.accept(chunk[i, 1:], targets[i], sp_.stop_tokens, sp_.max_tokens - len(st.generated))
+                kept.append(toks)
+                self.spec_stats["slot_steps"] += 1
                 self.spec_stats["drafted"] += K
-                self.spec_stats["accepted"] += len(kept[-1]) - 1
+                self.spec_stats["accepted"] += a  # before the stop / max_tokens cut: the drafter's figure
             else:
                 kept.append([int(targets[i, 0])])
         self.spec_stats["steps"] += 1
@@ -569,8 +571,9 @@ class Engine:
         for i, st in enumerate(self.table):
             if st is None:
                 continue
-            try:  # the host side of one request (its token callback) fails it alone
+            try:  # the host side of one request (its logits guard, its token callback) fails it alone
                 for j, tok in enumerate(kept[i]):
+                    self._guard(logits[:, j], i, len(st.tokens))
                     tok = self._emit(st.request, len(st.generated), tok, logits[:, j], i)
                     st.in_cache += 1
                     st.generated.append(tok)

@@ -16,7 +16,7 @@ One engine step with speculation, for slots at positions L_i holding their next 
 
 Acceptance by matching the target's own draw keeps plain decoding's output token for token, at
 any temperature (the draws use the same keys): greedy acceptance at T = 0, and at T > 0 a valid
-but less accepting rule than rejection sampling (`speculative.rejection_accept`, not used here).
+but less accepting rule than rejection sampling.
 """
 from __future__ import annotations
 
@@ -37,19 +37,28 @@ def can_speculate(req, generated: int, remaining_positions: int, k: int) -> bool
             and req.sampling.max_tokens - generated >= 2 and remaining_positions >= k + 1)
 
 
-def accept(drafts: np.ndarray, targets: np.ndarray, stop_tokens, room: int) -> list[int]:
-    """The tokens a slot emits: targets[0], then targets[j] while drafts[j-1] == targets[j-1]
-    (drafts [K], targets [K+1]), cut after a stop token and to `room` tokens."""
+def accept(drafts: np.ndarray, targets: np.ndarray, stop_tokens, room: int) -> tuple[list[int], int]:
+    """(the tokens a slot emits, drafts accepted): targets[0], then targets[j] while
+    drafts[j-1] == targets[j-1] (drafts [K], targets [K+1]), cut after a stop token and to `room`
+    tokens. The count is taken before the cut (what the drafter achieved, for the metrics)."""
     out = [int(targets[0])]
     for j in range(1, len(drafts) + 1):
         if int(drafts[j - 1]) != int(targets[j - 1]):
             break
         out.append(int(targets[j]))
+    accepted = len(out) - 1
     for j, t in enumerate(out):
         if t in stop_tokens:
             out = out[:j + 1]
             break
-    return out[:room]
+    return out[:room], accepted
+
+
+def summary(stats: dict) -> dict:
+    """An engine's `spec_stats` with the mean acceptance length: tokens per speculating slot-step
+    ((accepted drafts + the bonus token) / slot-steps, accepted counted before any stop cut)."""
+    n = stats["slot_steps"]
+    return {**stats, "mean_acceptance_length": (stats["accepted"] + n) / n if n else 0.0}
 
 
 def draft_fn(graphdef, mode: str, k: int):
