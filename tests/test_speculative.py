@@ -1,69 +1,8 @@
-"""Speculative decoding with DSpark: the acceptance rules (greedy prefix + bonus; rejection sampling
-that keeps the target distribution, checked by a chi-square test with teeth) and the decoder
-end to end: greedy speculative output equals greedy plain output token for token."""
+"""Speculative decoding with DSpark in the engine (`serving/speculation.py`): output with
+speculation equals the engine's output without it, token for token, through `generate`'s one-slot
+engine and a batch of concurrent requests."""
 import numpy as np
 import pytest
-from scipy import stats
-
-from dsv41_jax.serving.speculative import greedy_accept, rejection_accept
-
-
-def test_greedy_accept_prefix_bonus_and_limit():
-    target = np.array([5, 6, 7, 8, 9, 1])
-    assert greedy_accept(np.array([5, 6, 7, 8, 9]), target) == (5, 1)
-    assert greedy_accept(np.array([5, 6, 0, 8, 9]), target) == (2, 7)
-    assert greedy_accept(np.array([0, 6, 7, 8, 9]), target) == (0, 5)
-    assert greedy_accept(np.array([5, 6, 7, 8, 9]), target, limit=3) == (3, 8)  # truncated block: bonus at 3
-
-
-# -------------------------------------------------------------------- rejection sampling (chi-square)
-V, K = 5, 3
-
-
-def _markov(seed, concentration):
-    rng = np.random.default_rng(seed)
-    return rng.dirichlet(np.full(V, concentration), size=V)  # rows: next-token distribution given the last token
-
-
-P = _markov(1, 0.7)  # the target: an order-1 Markov chain over V symbols
-NOISE = _markov(2, 1.0)
-Q = 0.6 * P + 0.4 * NOISE  # a drafter that follows the target often (acceptance >= 50 %)
-
-
-def _speculate_two(rng, rule):
-    """The first two tokens after symbol 0, by speculative steps of K drafts until two are emitted."""
-    out, last = [], 0
-    while len(out) < 2:
-        drafts, q, prev = [], [], last
-        for _ in range(K):
-            d = int(rng.choice(V, p=Q[prev]))
-            drafts.append(d), q.append(Q[prev])
-            prev = d
-        ctx = [last] + drafts
-        p = np.stack([P[c] for c in ctx])  # target rows after [g, d1..dK]
-        a, nxt = rule(p, np.stack(q), np.asarray(drafts), rng)
-        out.extend(drafts[:a] + [nxt])
-        last = out[-1]
-    return out[0] * V + out[1]
-
-
-def _always_accept(p, q, drafts, rng):
-    return len(drafts), int(rng.choice(V, p=p[-1]))
-
-
-@pytest.mark.slow
-def test_rejection_sampling_keeps_the_joint_distribution_and_always_accept_fails():
-    n = 20000
-    want = np.outer(P[0], np.ones(V)).reshape(-1) * P.reshape(-1)  # P(x1 | 0) P(x2 | x1)
-    assert np.minimum(P, Q).sum(-1).min() >= 0.5  # per-draft acceptance probability = 1 - TV(P, Q), every context
-    rng = np.random.default_rng(0)
-    ours = np.bincount([_speculate_two(rng, rejection_accept) for _ in range(n)], minlength=V * V)
-    wrong = np.bincount([_speculate_two(rng, _always_accept) for _ in range(n)], minlength=V * V)
-    keep = want > 0
-    p_ours = stats.chisquare(ours[keep], want[keep] * n).pvalue
-    p_wrong = stats.chisquare(wrong[keep], want[keep] * n).pvalue
-    assert p_ours > 1e-3, p_ours
-    assert p_wrong < 1e-3, p_wrong
 
 
 # ------------------------------------------------------------------------------------ end to end
@@ -86,19 +25,6 @@ def _engram_tables(cfg):
     return layout, np.arange(cfg.vocab_size, dtype=np.int64) % cfg.engram_compressed_vocab_size
 
 
-def _plain_greedy(dec, prompt, n):
-    """One token per forward through the same jitted step (the reference schedule)."""
-    from dsv41_jax.model.transformer import init_cache
-
-    cache, history = init_cache(dec.cfg, 1), None
-    logits, cache, _, history = dec._forward(list(prompt), cache, history)
-    out = [int(np.argmax(logits[-1]))]
-    while len(out) < n:
-        logits, cache, _, history = dec._forward([out[-1]], cache, history)
-        out.append(int(np.argmax(logits[-1])))
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("engram", [False, True])
 def test_greedy_speculative_equals_plain_greedy_for_every_acceptance_length(engram):
@@ -113,36 +39,42 @@ def test_greedy_speculative_equals_plain_greedy_for_every_acceptance_length(engr
 
 def _greedy_case(engram):
     from dsv41_jax.checkpoint.synthetic import synthetic_model
-    from dsv41_jax.serving.speculative import SpeculativeDecoder
+    from dsv41_jax.runtime import Runtime
+    from dsv41_jax.serving.generate import generate, one_slot_engine
 
     cfg = _tiny(engram)
-    dec = SpeculativeDecoder(synthetic_model(cfg, seed=5), engram=_engram_tables(cfg))
+    model = synthetic_model(cfg, seed=5)
+    kw = dict(runtime=Runtime(mode="exact"), engram=_engram_tables(cfg))
     k = cfg.dspark_block_size
+    plain, spec = one_slot_engine(model, **kw), one_slot_engine(model, speculative=k, **kw)
+    own_draft = spec._draft
     schedule = [0, 3, 5, 1, 4, 2, 5, 0]
     for prompt_len in (7, 10):
         prompt = list(np.random.default_rng(prompt_len).integers(3, cfg.vocab_size, prompt_len))
         n = 30
-        want = _plain_greedy(dec, prompt, n + k + 1)
+        want = generate(plain, prompt, max_new_tokens=n + k + 1).tokens
         blocks = []
 
-        def follower(context, drafts, dlogits):
-            i = len(context) - len(prompt)  # drafts propose want[i], want[i+1], ...
+        def follower(p, rings, anchor, newest):
+            i = len(spec.table[0].generated)  # drafts propose want[i], want[i+1], ...
             d = np.asarray(want[i:i + k])
             a = schedule[len(blocks) % len(schedule)]
             blocks.append(a)
             if a < k:
-                d = d.copy()
                 d[a] = (d[a] + 1) % cfg.vocab_size  # the first wrong draft
-            return d, None
+            return d[None]
 
-        got = dec.generate(prompt, n, drafter=follower)
+        spec._draft = follower
+        before = dict(spec.spec_stats)
+        got = generate(spec, prompt, max_new_tokens=n)
         assert got.tokens == want[:n]
-        assert got.accepted_per_block == blocks[:got.blocks]
-        assert set(got.accepted_per_block) == set(range(k + 1))
-        assert got.mean_acceptance_length == pytest.approx((got.accepted + got.blocks) / got.blocks)
+        assert set(blocks) == set(range(k + 1))
+        # accepted drafts are counted before the max_tokens cut: exactly the schedule's
+        assert spec.spec_stats["accepted"] - before["accepted"] == sum(blocks)
+        assert spec.spec_stats["slot_steps"] - before["slot_steps"] == len(blocks)
     # its own (random) drafter: acceptance is whatever it is, the output is still plain greedy
-    free = dec.generate(prompt, 12)
-    assert free.tokens == want[:12] and free.drafted == free.blocks * k
+    spec._draft = own_draft
+    assert generate(spec, prompt, max_new_tokens=12).tokens == want[:12]
 
 
 @pytest.mark.slow
@@ -194,6 +126,8 @@ def test_engine_with_speculation_equals_the_engine_without():
 
 
 def _engine_case():
+    import dataclasses
+
     from dsv41_jax.checkpoint.synthetic import synthetic_model
     from dsv41_jax.runtime import Runtime
     from dsv41_jax.serving.engine import Engine, Request
@@ -248,3 +182,24 @@ def _engine_case():
     spec._draft = own_draft
     reqs = requests(stop)
     assert [r.tokens for r in spec.run(reqs)] == want
+
+    # the runtime's finite guard covers the verify positions: NaN logits at the first position of the
+    # first request's verify fail that request alone, naming the position; the others go on
+    verify = spec._verify
+    calls = []
+
+    def poisoned(p, tokens, cache, ids):
+        logits, pending, taps = verify(p, tokens, cache, ids)
+        calls.append(len(calls))
+        return (logits.at[0, 0].set(np.nan) if len(calls) == 2 else logits), pending, taps
+
+    spec._verify, spec.runtime = poisoned, dataclasses.replace(spec.runtime, check_finite=True)
+    reqs = requests(stop)
+    ids = [spec.submit(r) for r in reqs]
+    while not spec.idle():
+        spec.step()
+    got = [spec.done.pop(i) for i in ids]
+    assert got[0].finish_reason == "error" and isinstance(got[0].exception, FloatingPointError)
+    assert "non-finite logits for position" in got[0].error
+    assert got[0].tokens == want[0][:len(got[0].tokens)]
+    assert [r.tokens for r in got[1:]] == want[1:]

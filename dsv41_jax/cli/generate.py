@@ -155,11 +155,15 @@ def _run(args) -> int:
             sys.stdout.flush()
 
     spec = None
-    if args.speculative == "dspark":
-        result, spec = _speculate(args, cfg, model, tokenizer, prompt, runtime, show)
-    else:
-        gen = Generator(cfg, model, tokenizer, runtime=runtime, mesh=mesh, preset=args.preset)
-        result = gen.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, on_token=show)
+    # --speculative dspark: the engine drafts a whole block per step (serving/speculation.py); it
+    # refuses a model without the drafter, naming the missing mtp.* tensors, before compiling
+    K = cfg.dspark_block_size if args.speculative == "dspark" else 0
+    gen = Generator(cfg, model, tokenizer, runtime=runtime, mesh=mesh, preset=args.preset, speculative=K)
+    result = gen.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, on_token=show)
+    if K:
+        from dsv41_jax.serving.speculation import summary
+
+        spec = summary(gen.engine.spec_stats)
     if args.json:
         text = tokenizer.decode([t for t in result.tokens if t != tokenizer.eos_id])
         doc = {"prompt_tokens": result.prompt_tokens, "completion_tokens": len(result.tokens),
@@ -172,25 +176,6 @@ def _run(args) -> int:
         if result.finish_reason == "cache_full":
             print(f"stopped: the cache is full (max_seq_len={cfg.max_seq_len})", file=sys.stderr)
     return 0
-
-
-def _speculate(args, cfg, model, tokenizer, prompt, runtime, show):
-    """--speculative dspark: DSpark drafts, one verification forward per block (serving/speculative.py)."""
-    from dsv41_jax.serving.generate import Generation, _engram_tables, allowed_ids
-    from dsv41_jax.serving.speculative import SpeculativeDecoder
-
-    if args.temperature > 0 and args.top_p < 1:
-        raise InputError(f"--speculative dspark samples the full distribution at --temperature > 0; pass --top-p 1 "
-                         f"(got {args.top_p}) or --temperature 0")
-    engram = _engram_tables(cfg, tokenizer) if cfg.engram_layer_ids else None
-    dec = SpeculativeDecoder(model, runtime=runtime, engram=engram)  # refuses a model without the drafter
-    r = dec.generate(prompt, args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                     allowed=allowed_ids(cfg.vocab_size, tokenizer), stop_tokens=(tokenizer.eos_id,), on_token=show)
-    reason = "eos" if r.tokens and r.tokens[-1] == tokenizer.eos_id else (
-        "length" if len(r.tokens) >= args.max_new_tokens else "cache_full")
-    result = Generation(prompt_tokens=r.prompt_tokens, tokens=r.tokens, finish_reason=reason)
-    return result, {"blocks": r.blocks, "drafted": r.drafted, "accepted": r.accepted,
-                    "mean_acceptance_length": r.mean_acceptance_length}
 
 
 def _cmd_generate(args) -> int:
@@ -224,8 +209,8 @@ def register(subparsers) -> None:
     add_mesh_args(s)
     s.add_argument("--impl", choices=("xla", "pallas", "auto"), default="xla", help="attention/MoE implementation")
     s.add_argument("--speculative", choices=("dspark",), default=None,
-                   help="speculative decoding with the checkpoint's DSpark drafter (mtp.* tensors); --json adds the "
-                        "blocks / drafted / accepted counts and the mean acceptance length")
+                   help="speculative decoding with the checkpoint's DSpark drafter (mtp.* tensors), a block of drafts "
+                        "per engine step; --json adds the steps / drafted / accepted counts and the mean acceptance length")
     s.add_argument("--json", action="store_true", help="print one JSON object (tokens, text, finish_reason) instead of streaming")
     s.add_argument("--quiet", action="store_true", help="no progress bar or load summary on stderr")
     s.add_argument("--print-prompt-ids", action="store_true",

@@ -41,14 +41,15 @@ def allowed_ids(vocab_size: int, tokenizer: Tokenizer) -> np.ndarray:
 
 
 def one_slot_engine(model, *, runtime: Runtime = Runtime(), banned_ids=(), engram=None, mesh=None,
-                    preset: str = "inference", prefill_chunk: int = 512) -> Engine:
+                    preset: str = "inference", prefill_chunk: int = 512, speculative: int = 0) -> Engine:
     """The engine `generate` runs on: one slot, exact prefill, the config's max_seq_len.
     engram: (layout, token map) for models with Engram layers; prefill_chunk 1 compiles a single
-    prefill shape (the demo's short prompt: compile time dominates on CPU)."""
+    prefill shape (the demo's short prompt: compile time dominates on CPU); speculative: K DSpark
+    drafts per step (`serving.speculation`; the model must carry the drafter)."""
     cfg = model.cfg
     return Engine(model, slots=1, max_seq_len=cfg.max_seq_len, min_capacity=min(256, cfg.max_seq_len),
                   prefill_chunk=prefill_chunk, exact_prefill=True, runtime=runtime, banned_ids=banned_ids,
-                  engram=engram, mesh=mesh, preset=preset)
+                  engram=engram, mesh=mesh, preset=preset, speculative=speculative)
 
 
 def generate(engine: Engine, prompt_ids, *, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
@@ -80,11 +81,12 @@ class Generator:
     """One checkpoint's one-slot engine, with the tokenizer's banned ids and Engram tables."""
 
     def __init__(self, cfg: ModelConfig, model, tokenizer: Tokenizer, *, runtime: Runtime = Runtime(), mesh=None,
-                 preset: str = "inference"):
+                 preset: str = "inference", speculative: int = 0):
         self.cfg, self.tokenizer = cfg, tokenizer
         banned = np.flatnonzero(~allowed_ids(cfg.vocab_size, tokenizer))
         self.engine = one_slot_engine(model, runtime=runtime, banned_ids=[int(i) for i in banned], mesh=mesh,
-                                      preset=preset, engram=_engram_tables(cfg, tokenizer) if cfg.engram_layer_ids else None)
+                                      preset=preset, engram=_engram_tables(cfg, tokenizer) if cfg.engram_layer_ids else None,
+                                      speculative=speculative)
 
     def generate(self, prompt_ids, *, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                  on_token: Callable[[int], None] | None = None) -> Generation:
