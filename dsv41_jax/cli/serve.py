@@ -11,6 +11,7 @@ import json
 import pathlib
 import sys
 
+from dsv41_jax.cli import speculative
 from dsv41_jax.cli.argtypes import positive_int
 from dsv41_jax.cli.generate import InputError, add_mesh_args, load_on, mesh_of
 
@@ -45,6 +46,7 @@ def load_server(args):
     from dsv41_jax.serving.http.server import ServeOptions, build
     from dsv41_jax.text.tokenizer import load_tokenizer
 
+    speculative.check_flags(args)
     folder = pathlib.Path(args.checkpoint)
     if not folder.is_dir():
         raise InputError(f"--checkpoint {folder}: no such folder")
@@ -52,6 +54,7 @@ def load_server(args):
         raise InputError(f"--checkpoint {folder}: no tokenizer.json; copy the tokenizer.json that ships with the "
                          "weights into it (checkpoints from `dsv41 train --export` and `dsv41 demo` carry one)")
     checkpoint_format(folder)
+    speculative.check_checkpoint(args, folder)
     tokenizer = load_tokenizer(folder)
     # before anything compiles: JAX decides once, at its first compile, whether a cache is on
     cache = warmup.compile_cache(warmup.default_cache_dir() if args.compile_cache is None else args.compile_cache)
@@ -68,13 +71,14 @@ def load_server(args):
     cfg, model, report = load_on(folder, mesh, args.preset, progress=not args.quiet, config_overrides=overrides)
     if not args.quiet:
         print(report.summary(), file=sys.stderr)
+    k = speculative.draft_tokens(args, model)
     opts = ServeOptions(model_name=args.served_model_name or folder.resolve().name, max_batch=args.max_batch,
                         max_model_len=cfg.max_seq_len, prefill_chunk=args.prefill_chunk,
-                        exact_prefill=args.exact_prefill, max_queue=args.max_queue, api_key=args.api_key,
+                        exact_prefill=args.exact_prefill or bool(k), max_queue=args.max_queue, api_key=args.api_key,
                         cache_dir=args.prefix_cache_dir, cache_bytes=args.prefix_cache_bytes,
                         runtime=Runtime(mode=args.numerics, impl=args.impl),
                         max_request_bytes=args.max_request_bytes, warm=not args.no_warm, mesh=mesh,
-                        preset=args.preset, images=image_options(args))
+                        preset=args.preset, images=image_options(args), speculative=k)
     app, worker = build(model, tokenizer, opts)
     if not args.quiet:
         worker.warm_progress = _print_warm_progress
@@ -138,6 +142,7 @@ def register(subparsers) -> None:
     from dsv41_jax.serving.http.images import add_image_args
 
     add_image_args(s)
+    speculative.add_args(s)
     s.add_argument("--json", action="store_true", help="print the start-up line as JSON")
     s.add_argument("--quiet", action="store_true", help="no progress bar or load summary on stderr")
     s.set_defaults(func=_cmd_serve)

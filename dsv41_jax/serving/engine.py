@@ -249,6 +249,7 @@ class Engine:
 
         self._full_rings, self._verify, self._commit = full_rings, verify, commit_step
         self._draft = jit(speculation.draft_fn(gd, mode, K))
+        self._position = jax.jit(lambda logits, j: logits[:, j])
         self._targets = jit(speculation.targets_fn(K))
 
     # ------------------------------------------------------------------ host helpers
@@ -573,8 +574,9 @@ class Engine:
                 continue
             try:  # the host side of one request (its logits guard, its token callback) fails it alone
                 for j, tok in enumerate(kept[i]):
-                    self._guard(logits[:, j], i, len(st.tokens))
-                    tok = self._emit(st.request, len(st.generated), tok, logits[:, j], i)
+                    at_j = self._position(logits, j)  # j traced: one program for every position (warm-up)
+                    self._guard(at_j, i, len(st.tokens))
+                    tok = self._emit(st.request, len(st.generated), tok, at_j, i)
                     st.in_cache += 1
                     st.generated.append(tok)
                     st.tokens.append(tok)

@@ -14,7 +14,10 @@ it no request compiles, whatever its length:
 - Graph B (one shape), the replay of a stored conversation's last window (when conversation
   caches are on; a conversation shorter than a window replays a shorter piece, compiled on use);
 - one request through the engine's own admit/decode path: the batch-1 and batch-`slots` sampler,
-  the slot insert, the decode step, the logprob path.
+  the slot insert, the decode step, the logprob path;
+- on a speculating engine (`Engine(speculative=K)`): the exact pieces again with the drafter's
+  rings (`_full_rings`), and one request long enough to speculate (draft, verify, per-position
+  targets, commit); the engine's `spec_stats` are zeroed afterwards.
 
 With a persistent compilation cache (`compile_cache`) a second start loads the programs instead
 of compiling them. Image spans add operands to the prefill programs; they are not warmed because
@@ -30,6 +33,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from dsv41_jax.model import dspark
 from dsv41_jax.serving.engine import Engine, Request
 from dsv41_jax.serving.sampling import SamplingParams
 
@@ -69,6 +73,9 @@ def program_list(engine: Engine, *, replay: bool = False) -> list[tuple[str, int
         out.append(("graph_b", engine.tail))
     if replay:
         out.append(("replay", engine.cfg.window_size))
+    if engine.K:
+        out += [("exact_rings", n) for n in piece_sizes(1, exact_hi, engine.prefill_chunk)]
+        out.append(("speculate", engine.slots))
     out.append(("decode", engine.slots))
     return out
 
@@ -91,6 +98,14 @@ def _run(engine: Engine, kind: str, n: int):
         enc_h, enc_pre = buffers()
         out = engine._decoder(engine.params, enc_h, enc_pre, engine.empty(1), jnp.full((1,), 0, jnp.int32), ids,
                               None)
+    elif kind == "exact_rings":
+        rings = engine.placed(dspark.init_state(cfg, 1))
+        out = engine._full_rings(engine.params, tokens, engine.empty(1), ids, None, rings)
+    elif kind == "speculate":  # K + 3 tokens: speculating steps, then the plain step near max_tokens
+        req = Request([0], SamplingParams(max_tokens=engine.K + 3), request_id="dsv41-warmup-spec",
+                      want_logprobs=True, on_token=lambda token, logprobs: None)
+        engine.run([req])
+        return
     elif kind == "replay":
         out = engine._replay(engine.params, tokens, engine.empty(1), ids)
     else:  # one request through admit, the samplers, insert, decode and logprobs
@@ -120,6 +135,8 @@ def warm(engine: Engine, *, replay: bool = False,
         if progress is not None:
             progress(i, len(todo), f"{kind} {n}", time.perf_counter() - t)
     engine.reset()
+    if engine.K:
+        engine.spec_stats.update(dict.fromkeys(engine.spec_stats, 0))
     return {"programs": len(todo), "seconds": time.perf_counter() - t0, "capacity": engine.capacity}
 
 

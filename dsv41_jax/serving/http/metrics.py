@@ -36,5 +36,20 @@ class Metrics:
         self.engine_errors = Counter("dsv41_engine_errors", "engine steps that failed (their requests got 500)",
                                      registry=r)
 
+    def watch_speculation(self, engine) -> None:
+        """Gauges read from a speculating engine's `spec_stats` at each scrape (`speculation.summary`):
+        cumulative since the server started (the warm-up's are reset)."""
+        from dsv41_jax.serving.speculation import summary
+
+        r = self.registry
+        for key, name, doc in (
+                ("drafted", "dsv41_spec_drafted_tokens", "tokens the drafter proposed (K per speculating slot-step)"),
+                ("accepted", "dsv41_spec_accepted_tokens",
+                 "drafts the target accepted, counted before a stop token or max_tokens cut the reply"),
+                ("slot_steps", "dsv41_spec_slot_steps", "speculating slot-steps (one per request per engine step)"),
+                ("mean_acceptance_length", "dsv41_spec_mean_acceptance_length",
+                 "tokens per speculating slot-step: (accepted + slot-steps) / slot-steps")):
+            Gauge(name, doc, registry=r).set_function(lambda key=key: summary(engine.spec_stats)[key])
+
     def text(self) -> bytes:
         return generate_latest(self.registry)

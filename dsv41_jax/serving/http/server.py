@@ -38,6 +38,7 @@ class ServeOptions:
     preset: str = "inference"  # its sharding preset (the vocabulary of `dsv41 plan`)
     test_hooks: bool = False  # tests build the app with this; no `dsv41 serve` flag sets it
     images: object = None  # images.ImageOptions (limits); None = the defaults
+    speculative: int = 0  # K DSpark drafts per step (Engine(speculative=K); needs exact_prefill)
 
 
 def banned_ids(cfg, tokenizer) -> list[int]:
@@ -62,8 +63,11 @@ def build(model, tokenizer, opts: ServeOptions):
     engram = _engram_tables(cfg, tokenizer) if cfg.engram_layer_ids else None
     engine = Engine(model, slots=opts.max_batch, max_seq_len=max_len, min_capacity=min(opts.min_capacity, max_len),
                     prefill_chunk=opts.prefill_chunk, exact_prefill=opts.exact_prefill, runtime=opts.runtime,
-                    banned_ids=banned_ids(cfg, tokenizer), engram=engram, mesh=opts.mesh, preset=opts.preset)
+                    banned_ids=banned_ids(cfg, tokenizer), engram=engram, mesh=opts.mesh, preset=opts.preset,
+                    speculative=opts.speculative)
     metrics = Metrics(opts.max_batch)
+    if engine.K:
+        metrics.watch_speculation(engine)
     conversations = None
     if opts.cache_dir is not None:
         from dsv41_jax.serving.http.conversations import ConversationStore
