@@ -70,7 +70,8 @@ def _metrics(text: str) -> dict:
 
 def test_warm_speculative_server_compiles_nothing_after_ready(tmp_path):
     """`build` with speculative=K and the warm-up: after /ready no request compiles (prefill with
-    the drafter's rings, draft, verify, targets, commit, the plain step near max_tokens), and
+    the drafter's rings, greedy and sampled drafts, verify, targets, rejection sampling, commit,
+    the plain step near max_tokens), and
     /metrics counts what was drafted from zero (the warm-up's own steps are not counted)."""
     tokenizer = load_tokenizer(ByteTokenizer().save_json(tmp_path / "tokenizer.json"))
     k = BLOCK - 1
@@ -84,9 +85,9 @@ def test_warm_speculative_server_compiles_nothing_after_ready(tmp_path):
             assert http.get("/ready").json()["status"] == "ready"
             assert _metrics(http.get("/metrics").text)["dsv41_spec_drafted_tokens"] == 0
             with count_compiles() as seen:
-                for prompt in ["a", "hello", "x" * 17]:
+                for prompt, t in [("a", 0), ("hello", 1.0), ("x" * 17, 0)]:
                     r = http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 9,
-                                                          "temperature": 0, "logprobs": 2})
+                                                          "temperature": t, "logprobs": 2})
                     assert r.status_code == 200, r.text
             assert seen == [], f"{len(seen)} programs compiled after /ready"
             m = _metrics(http.get("/metrics").text)

@@ -155,7 +155,7 @@ def _engine_case():
     want[2] = want[2][:want[2].index(stop) + 1]
     assert [r.tokens for r in plain.run(requests(stop))] == want
 
-    spec = Engine(model, speculative=K, **kw)
+    spec = Engine(model, speculative=K, spec_acceptance="match", **kw)  # the T = 1 request: plain's own draws
     schedule, blocks = [K, 0, 3, K, 1, 4, 2, K], []
     own_draft = spec._draft
 
@@ -203,3 +203,96 @@ def _engine_case():
     assert "non-finite logits for position" in got[0].error
     assert got[0].tokens == want[0][:len(got[0].tokens)]
     assert [r.tokens for r in got[1:]] == want[1:]
+
+
+# ------------------------------------------------------------------ T > 0: rejection sampling
+SUPPORT = (11, 22, 33)  # a logit bias of +100 keeps (almost) all the mass on these: a 3 x 3 joint to test
+
+
+def _rejection_requests(prompt, n, seed0=0):
+    from dsv41_jax.serving.engine import Request
+    from dsv41_jax.serving.sampling import SamplingParams
+
+    bias = tuple((t, 100.0) for t in SUPPORT)
+    return [Request(list(prompt), SamplingParams(temperature=1.0, logit_bias=bias, max_tokens=3, seed=seed0 + s))
+            for s in range(n)]
+
+
+def _joint_of_tokens_2_and_3(model, cfg, prompt):
+    """P(t2, t3) over SUPPORT x SUPPORT from model.forward's logits (the oracle): t1 ~ p(. | prompt),
+    t2 ~ p(. | prompt, t1), t3 ~ p(. | prompt, t1, t2), each the biased softmax at T = 1, t1 summed out."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dsv41_jax.model.transformer import init_cache, make_step
+
+    gd, params = nnx.split(model)
+    step = make_step(gd)
+
+    def p(tokens):
+        logits = np.asarray(step(params, jnp.asarray([tokens], jnp.int32), init_cache(cfg, 1))[0][0, -1], np.float64)
+        logits[list(SUPPORT)] += 100.0
+        e = np.exp(logits - logits.max())
+        e /= e.sum()
+        assert e[list(SUPPORT)].sum() > 1 - 1e-9
+        return e[list(SUPPORT)] / e[list(SUPPORT)].sum()
+
+    p1 = p(prompt)
+    joint = np.zeros((3, 3))
+    for i, x1 in enumerate(SUPPORT):
+        p2 = p(prompt + [x1])
+        for j, x2 in enumerate(SUPPORT):
+            joint[j] += p1[i] * p2[j] * p(prompt + [x1, x2])
+    return joint.reshape(-1)
+
+
+def _chi2_pvalue(tokens, want):
+    got = np.zeros(9)
+    for t in tokens:
+        got[SUPPORT.index(t[1]) * 3 + SUPPORT.index(t[2])] += 1
+    n = got.sum()
+    keep = want * n >= 5  # cells expected below 5 are pooled
+    obs = np.append(got[keep], got[~keep].sum())
+    exp = np.append(want[keep], want[~keep].sum()) * n
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    from scipy import stats
+
+    return stats.chisquare(obs, exp).pvalue
+
+
+@pytest.mark.slow
+def test_rejection_sampling_in_the_engine_keeps_the_target_distribution():
+    """Issue 26 item 1, T > 0: many seeded requests on a speculating engine (64 slots, the model's
+    own drafter, rejection sampling on the processed distributions: logit bias and temperature).
+    Their second and third tokens (the first two a speculative step emits: t1 comes from the
+    prefill) follow model.forward's joint distribution by a chi-square test; the same engine with
+    an always-accept rule (the drafts and the drafter's q kept) fails it."""
+    import jax.numpy as jnp
+
+    from dsv41_jax.checkpoint.synthetic import synthetic_model
+    from dsv41_jax.serving.engine import Engine
+
+    cfg = _tiny(False)
+    model = synthetic_model(cfg, seed=5)
+    prompt = [int(t) for t in np.random.default_rng(4).integers(3, cfg.vocab_size, 6)]
+    want = _joint_of_tokens_2_and_3(model, cfg, prompt)
+    eng = Engine(model, slots=64, exact_prefill=True, speculative=cfg.dspark_block_size, min_capacity=64,
+                 prefill_chunk=8)
+    got = [r.tokens for r in eng.run(_rejection_requests(prompt, 1000))]
+    assert all(len(t) == 3 and set(t) <= set(SUPPORT) for t in got)
+    s = eng.spec_stats
+    assert 0 < s["accepted"] < s["drafted"], s  # both branches ran: accepted drafts and residual draws
+    p_ours = _chi2_pvalue(got, want)
+
+    real = eng._reject
+
+    def always_accept(logits, a, drawn, history, chunk, active, banned, masks, q):
+        out, n = real(logits, a, drawn, history, chunk, active, banned, masks, q)
+        return jnp.concatenate([chunk[:, 1:], chunk[:, 1:2]], 1), jnp.full_like(n, chunk.shape[1] - 1)
+
+    eng._reject = always_accept
+    wrong = [r.tokens for r in eng.run(_rejection_requests(prompt, 500, seed0=10_000))]
+    p_wrong = _chi2_pvalue(wrong, want)
+    assert p_ours > 1e-3, (p_ours, want)
+    assert p_wrong < 1e-4, (p_wrong, want)

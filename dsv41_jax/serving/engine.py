@@ -117,11 +117,13 @@ class Engine:
     def __init__(self, model, *, slots: int = 4, max_seq_len: int | None = None, min_capacity: int = 256,
                  prefill_chunk: int = 512, exact_prefill: bool = False, tail_slack: int = 0,
                  runtime: Runtime = Runtime(), banned_ids=(), engram=None, fingerprint: str | None = None,
-                 mesh=None, preset: str = "inference", speculative: int = 0):
+                 mesh=None, preset: str = "inference", speculative: int = 0, spec_acceptance: str = "rejection"):
         """mesh: a `jax.sharding.Mesh` (`sharding.mesh.make_mesh("expert=4,tensor=2")`) to serve on,
         laid out by `preset` (the vocabulary of `dsv41 plan`); None = one device, as given.
         speculative: K > 0 drafts K tokens per step with the model's DSpark drafter for every slot
-        that allows it (`serving.speculation`); needs exact_prefill (the prefill's taps fill the rings)."""
+        that allows it (`serving.speculation`); needs exact_prefill (the prefill's taps fill the rings).
+        spec_acceptance at T > 0: "rejection" (rejection sampling, the target distribution) or "match"
+        (a draft must equal the target's own draw: the same tokens as without speculation)."""
         cfg = model.cfg
         if speculative:
             dspark.require_dspark(model)
@@ -131,7 +133,9 @@ class Engine:
             if not exact_prefill:
                 raise ValueError("speculative decoding needs exact_prefill=True: the split prefill's Graph A does not "
                                  "return the DSpark taps that fill the drafter's rings")
-        self.K = speculative
+        if spec_acceptance not in ("rejection", "match"):
+            raise ValueError(f"spec_acceptance={spec_acceptance!r}: expected 'rejection' or 'match'")
+        self.K, self.spec_acceptance = speculative, spec_acceptance
         self.cfg, self.runtime = cfg, runtime
         self.placement = None
         if mesh is not None:
@@ -249,6 +253,8 @@ class Engine:
 
         self._full_rings, self._verify, self._commit = full_rings, verify, commit_step
         self._draft = jit(speculation.draft_fn(gd, mode, K))
+        self._draft_sampled = jit(speculation.draft_sampled_fn(gd, mode, K))
+        self._reject = jit(speculation.rejection_fn(K))
         self._position = jax.jit(lambda logits, j: logits[:, j])
         self._targets = jit(speculation.targets_fn(K))
 
@@ -534,8 +540,18 @@ class Engine:
         K, B = self.K, self.slots
         last = [st.tokens[-1] if st else 0 for st in self.table]
         newest = [st.in_cache - 1 if st else -1 for st in self.table]
-        drafts = np.asarray(self._draft(self.params, self.rings, jnp.asarray(last, jnp.int32),
-                                        jnp.asarray(newest, jnp.int32)))
+        masks = self._masks([st.request if st else None for st in self.table])
+        a = slot_arrays([st.request.sampling if st else None for st in self.table])
+        drawn = jnp.asarray([len(st.generated) if st else 0 for st in self.table], jnp.int32)
+        anchor, newest = jnp.asarray(last, jnp.int32), jnp.asarray(newest, jnp.int32)
+        reject = [spec[i] and self.spec_acceptance == "rejection" and st.request.sampling.temperature > 0
+                  for i, st in enumerate(self.table)]
+        if any(reject):
+            drafts, q = self._draft_sampled(self.params, self.rings, anchor, newest, a, drawn, self.history,
+                                            self.banned, masks)
+        else:
+            drafts = self._draft(self.params, self.rings, anchor, newest)
+        drafts = np.asarray(drafts)
         chunk = np.zeros((B, K + 1), np.int32)
         chunk[:, 0] = last
         for i in range(B):
@@ -547,22 +563,27 @@ class Engine:
                                    for i, st in enumerate(self.table)], 0)
         tokens = jnp.asarray(chunk)
         logits, pending, taps = self._verify(self.params, tokens, self.cache, ids)
-        masks = self._masks([st.request if st else None for st in self.table])
-        a = slot_arrays([st.request.sampling if st else None for st in self.table])
-        drawn = jnp.asarray([len(st.generated) if st else 0 for st in self.table], jnp.int32)
         targets = np.asarray(self._targets(logits, a, drawn, self.history, tokens, jnp.asarray(active), self.banned,
                                            masks))
+        if any(reject):
+            out, n_ok = map(np.asarray, self._reject(logits, a, drawn, self.history, tokens, jnp.asarray(active),
+                                                     self.banned, masks, q))
         kept = []
         for i, st in enumerate(self.table):
             if st is None:
                 kept.append([])
             elif spec[i]:
                 sp_ = st.request.sampling
-                toks, a = speculation.accept(chunk[i, 1:], targets[i], sp_.stop_tokens, sp_.max_tokens - len(st.generated))
+                room = sp_.max_tokens - len(st.generated)
+                if reject[i]:
+                    acc = int(n_ok[i])
+                    toks = speculation.cut([int(t) for t in out[i, :acc + 1]], sp_.stop_tokens, room)
+                else:
+                    toks, acc = speculation.accept(chunk[i, 1:], targets[i], sp_.stop_tokens, room)
                 kept.append(toks)
                 self.spec_stats["slot_steps"] += 1
                 self.spec_stats["drafted"] += K
-                self.spec_stats["accepted"] += a  # before the stop / max_tokens cut: the drafter's figure
+                self.spec_stats["accepted"] += acc  # before the stop / max_tokens cut: the drafter's figure
             else:
                 kept.append([int(targets[i, 0])])
         self.spec_stats["steps"] += 1

@@ -169,8 +169,25 @@ def sample(logits: jax.Array, params: dict, drawn, history: dict, last, active, 
     history = {"counts": history["counts"].at[rows, last].add(active.astype(jnp.int32)),
                "seen": history["seen"].at[rows, last].set(history["seen"][rows, last] | active)}
     logits = adjust(logits, params, history, banned, mask)
-    temperature, top_p, top_k = params["temperature"], params["top_p"], params["top_k"]
+    temperature = params["temperature"]
     greedy = jnp.argmax(logits, -1).astype(jnp.int32)
+    order, zs = filtered(logits, params)
+    pick = jax.vmap(lambda s, n, row: jax.random.categorical(draw_key(0, s, n), row))(params["seed"], drawn, zs)
+    sampled = jnp.take_along_axis(order, pick[:, None], -1)[:, 0].astype(jnp.int32)
+    return jnp.where(temperature > 0, sampled, greedy), history
+
+
+def draw_key(stream: int, seed, n):
+    """The key of a request's n-th draw in `stream` (0: `sample`; speculation's draft, accept and
+    residual draws use streams of their own): a function of the seed and the count alone."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(stream), seed), n)
+
+
+def filtered(logits: jax.Array, params: dict) -> tuple[jax.Array, jax.Array]:
+    """(order, zs): adjusted logits [B, V] (`adjust`) over the temperature, sorted descending
+    (`order` the token ids), with what top-k and top-p drop at -inf: softmax(zs) is the
+    distribution `sample` draws from at T > 0."""
+    temperature, top_p, top_k = params["temperature"], params["top_p"], params["top_k"]
     t = jnp.where(temperature > 0, temperature, 1.0)
     z = logits / t[:, None]
     order = jnp.argsort(-z, axis=-1, stable=True)
@@ -180,11 +197,16 @@ def sample(logits: jax.Array, params: dict, drawn, history: dict, last, active, 
     probs = jax.nn.softmax(zs, -1)
     before = jnp.cumsum(probs, -1) - probs  # mass strictly above this token
     zs = jnp.where((before < top_p[:, None]) | (rank == 0), zs, -jnp.inf)
+    return order, zs
 
-    def draw(s, n, row):
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(0), s), n)
-        return jax.random.categorical(key, row)
 
-    pick = jax.vmap(draw)(params["seed"], drawn, zs)
-    sampled = jnp.take_along_axis(order, pick[:, None], -1)[:, 0].astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, greedy), history
+def processed(logits: jax.Array, params: dict, history: dict, last, active, banned, mask) -> tuple[jax.Array, dict]:
+    """(p [B, V] fp32, history): the distribution `sample` draws from at T > 0 (penalties, bias,
+    masks, temperature, top-k, top-p), in vocabulary order, with `last` counted first as `sample`
+    counts it."""
+    rows = jnp.arange(logits.shape[0])
+    history = {"counts": history["counts"].at[rows, last].add(active.astype(jnp.int32)),
+               "seen": history["seen"].at[rows, last].set(history["seen"][rows, last] | active)}
+    order, zs = filtered(adjust(logits, params, history, banned, mask), params)
+    p = jnp.zeros(zs.shape, jnp.float32).at[rows[:, None], order].set(jax.nn.softmax(zs, -1))
+    return p, history

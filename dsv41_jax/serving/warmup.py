@@ -16,8 +16,9 @@ it no request compiles, whatever its length:
 - one request through the engine's own admit/decode path: the batch-1 and batch-`slots` sampler,
   the slot insert, the decode step, the logprob path;
 - on a speculating engine (`Engine(speculative=K)`): the exact pieces again with the drafter's
-  rings (`_full_rings`), and one request long enough to speculate (draft, verify, per-position
-  targets, commit); the engine's `spec_stats` are zeroed afterwards.
+  rings (`_full_rings`), and a greedy and a T = 1 request long enough to speculate (draft, sampled
+  draft, verify, per-position targets, rejection sampling, commit); the engine's `spec_stats` are
+  zeroed afterwards.
 
 With a persistent compilation cache (`compile_cache`) a second start loads the programs instead
 of compiling them. Image spans add operands to the prefill programs; they are not warmed because
@@ -101,10 +102,12 @@ def _run(engine: Engine, kind: str, n: int):
     elif kind == "exact_rings":
         rings = engine.placed(dspark.init_state(cfg, 1))
         out = engine._full_rings(engine.params, tokens, engine.empty(1), ids, None, rings)
-    elif kind == "speculate":  # K + 3 tokens: speculating steps, then the plain step near max_tokens
-        req = Request([0], SamplingParams(max_tokens=engine.K + 3), request_id="dsv41-warmup-spec",
-                      want_logprobs=True, on_token=lambda token, logprobs: None)
-        engine.run([req])
+    elif kind == "speculate":  # K + 3 tokens: speculating steps, then the plain step near max_tokens;
+        # greedy (greedy drafts), then at T = 1 (sampled drafts and rejection sampling)
+        for t in (0.0, 1.0):
+            engine.run([Request([0], SamplingParams(max_tokens=engine.K + 3, temperature=t),
+                                request_id=f"dsv41-warmup-spec-{t:g}", want_logprobs=True,
+                                on_token=lambda token, logprobs: None)])
         return
     elif kind == "replay":
         out = engine._replay(engine.params, tokens, engine.empty(1), ids)
