@@ -68,6 +68,7 @@ def _metrics(text: str) -> dict:
     return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
 
 
+@pytest.mark.slow  # 59 s (-n 2): over the default suite's budget
 def test_warm_speculative_server_compiles_nothing_after_ready(tmp_path):
     """`build` with speculative=K and the warm-up: after /ready no request compiles (prefill with
     the drafter's rings, greedy and sampled drafts, verify, targets, rejection sampling, commit,
