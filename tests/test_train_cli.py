@@ -135,6 +135,8 @@ def test_demo_runs_and_learns(tmp_path, capsys):
     assert out["figures"]["v41_flash_128k"]["global_kv_bytes_per_token"] == 890
     assert 0 < out["figures"]["v41_flash_128k"]["prefill_saving"] < 1
     assert out["sample"].startswith("def ") and len(out["sample"]) > 10
+    # the drafter trained after the backbone, and the served checkpoint speculated with it
+    assert out["drafter_steps"] > 0 and "speculation: mean acceptance length" in text and out["acceptance_length"] >= 1
     assert (tmp_path / "served" / "model.safetensors.index.json").exists() and (tmp_path / "checkpoints" / "40").is_dir()
 
 

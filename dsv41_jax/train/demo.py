@@ -37,7 +37,7 @@ def demo_config(tokenizer: D.ByteTokenizer, seq_len: int = 128) -> ModelConfig:
         vocab_size=tokenizer.vocab_size, n_layers=5, compress_ratios=(0, 2, 2, 1, 1), kv_source_layers=(1, 3),
         index_source_layers=(1, 3, 4), candidate_source_layer=3, candidate_topk_blocks=5, candidate_block_size=4,
         index_topk=16, window_size=16, engram_layer_ids=(1,), engram_compressed_vocab_size=texts_vocab,
-        max_seq_len=seq_len, max_batch_size=8)
+        max_seq_len=seq_len, max_batch_size=8, **demo_drafter(tokenizer))
 
 
 def demo_drafter(tokenizer: D.ByteTokenizer) -> dict:
@@ -136,7 +136,7 @@ def train_drafter(cfg: ModelConfig, master: dict, data, *, steps: int, seed: int
 
 def run_demo(out_dir=None, *, steps: int = 50, batch_size: int = 8, seq_len: int = 128, time_budget: float = 90.0,
              seed: int = 0, progress: bool = True, print_fn=_say, sample_tokens: int = 64,
-             serve_context: int = SERVE_CONTEXT) -> dict:
+             serve_context: int = SERVE_CONTEXT, drafter_steps: int = 40, drafter_budget: float = 15.0) -> dict:
     """The whole demo; returns a summary (losses, paths, sample text, figures, seconds).
 
     `time_budget` bounds the training steps after the first 10 (which include compiling the
@@ -145,7 +145,8 @@ def run_demo(out_dir=None, *, steps: int = 50, batch_size: int = 8, seq_len: int
     from dsv41_jax.train.checkpoint import Checkpointer
     from dsv41_jax.train.export import export_checkpoint, load_exported
     from dsv41_jax.train.loop import format_metrics, prepare, train
-    from dsv41_jax.serving.generate import generate, one_slot_engine
+    from dsv41_jax.serving.engine import Engine
+    from dsv41_jax.serving.generate import generate
     from dsv41_jax.serving.sampling import SamplingParams
 
     t0 = time.perf_counter()
@@ -189,16 +190,23 @@ def run_demo(out_dir=None, *, steps: int = 50, batch_size: int = 8, seq_len: int
              f"({run.step} steps; setup, compilation and the first 10: {t_compiled - t0:.0f}s, the rest: {t_trained - t_compiled:.0f}s); "
              f"orbax checkpoint in {ckpt.directory}")
 
-    served_dir = export_checkpoint(out / "served", cfg.replace(max_seq_len=serve_context), run.master(), run.formats,
-                                   tokenizer=tok)
+    drafter = train_drafter(cfg, run.master(), data, steps=drafter_steps, seed=seed, time_budget=drafter_budget,
+                            progress=progress, print_fn=print_fn)
+    served_dir = export_checkpoint(out / "served", cfg.replace(max_seq_len=serve_context), drafter["master"],
+                                   run.formats, tokenizer=tok)
     gen_cfg, model = load_exported(served_dir, cfg.replace(max_seq_len=2 * seq_len, max_batch_size=1))
-    print_fn(f"exported FP8/FP4 checkpoint to {served_dir}; sampling from it:")
+    print_fn(f"exported FP8/FP4 checkpoint (backbone and drafter) to {served_dir}; sampling from it with "
+             f"speculative decoding ({cfg.dspark_block_size - 1} drafts per step):")
     prompt = "def "
-    ids = generate(one_slot_engine(model, engram=engram, prefill_chunk=1), [tok.bos_id] + tok.encode(prompt),
-                   max_new_tokens=sample_tokens, sampling=SamplingParams(temperature=0.7, seed=seed),
-                   stop_tokens=(tok.eos_id,)).tokens
+    engine = Engine(model, slots=1, max_seq_len=model.cfg.max_seq_len, min_capacity=min(256, model.cfg.max_seq_len),
+                    prefill_chunk=1, exact_prefill=True, engram=engram, speculative=cfg.dspark_block_size - 1)
+    ids = generate(engine, [tok.bos_id] + tok.encode(prompt), max_new_tokens=sample_tokens,
+                   sampling=SamplingParams(temperature=0.7, seed=seed), stop_tokens=(tok.eos_id,)).tokens
     text = prompt + tok.decode(ids, skip_special=True)
     print_fn("-" * 60 + "\n" + text + "\n" + "-" * 60)
+    acceptance = acceptance_length(engine)
+    print_fn(f"speculation: mean acceptance length {acceptance:.2f} tokens per target forward "
+             f"({engine.spec_stats['accepted']} of {engine.spec_stats['drafted']} drafts accepted, T=0.7)")
     print_fn("cache memory and prefill savings (dsv41_jax.model.info.model_info):")
     figures = {"demo_model_1k": cache_figures(cfg, 1024),
                "v41_flash_128k": cache_figures(ModelConfig.v41_flash(), 131072)}
@@ -208,6 +216,8 @@ def run_demo(out_dir=None, *, steps: int = 50, batch_size: int = 8, seq_len: int
     print_fn(f"demo finished in {seconds:.0f}s")
     print_fn(serve_hint(served_dir, serve_context))
     return {"first_ce": first, "last_ce": last, "steps": run.step, "out": str(out), "sample": text,
+            "drafter_steps": drafter["steps"], "drafter_first_tau": drafter["first_tau"],
+            "drafter_last_tau": drafter["last_tau"], "acceptance_length": acceptance,
             "checkpoint": str(ckpt.directory), "served": str(served_dir), "served_context": serve_context,
             "figures": figures, "seconds": seconds}
 
