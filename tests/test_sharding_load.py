@@ -115,3 +115,67 @@ def test_values_are_the_files_slices(folder):
     np.testing.assert_array_equal(full[:3001].view(np.uint8), disk("layers.1.engram.embed.weight", slice(None))[..., 0])
     assert not full[3001:].view(np.uint8).any()
     assert "8 devices hold" in report.summary()
+
+
+# v41-flash widths (dim 5120, 64 heads of 512, q rank 1280, expert width 2304) on two layers (SWA,
+# then Full ratio 1 with indexer, candidate source and Engram); fewer experts, a smaller
+# vocabulary and Engram table keep the whole process (all 8 fake devices live in it) near 5.3 GiB
+WIDE = ModelConfig.v41_flash().replace(
+    n_layers=2, compress_ratios=(0, 1), kv_source_layers=(1,), index_source_layers=(1,), candidate_source_layer=1,
+    engram_layer_ids=(1,), engram_num_embeddings=(40001,), vocab_size=16384, n_routed_experts=16, n_mtp_layers=0,
+    vision_n_layers=0, max_seq_len=256, max_batch_size=8)
+
+_RSS_PROBE = r"""
+import json, sys
+import jax
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.checkpoint.weights import flat_params
+from sharding.load import load_sharded
+from sharding.mesh import make_mesh
+
+def status(key):  # kB -> bytes, from the kernel's own accounting of this process
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+
+mesh = make_mesh(sys.argv[2])
+jax.device_put(jax.numpy.zeros(8), jax.devices()[7]).block_until_ready()  # every runtime piece up
+before = status("VmRSS")
+cfg, model, report = load_sharded(sys.argv[1], mesh, progress=False)
+peak = status("VmHWM")
+held, largest = {}, 0
+for var in flat_params(model).values():
+    for s in var.get_value().addressable_shards:
+        held[str(s.device)] = held.get(str(s.device), 0) + s.data.nbytes
+        largest = max(largest, s.data.nbytes)
+print(json.dumps({"before": before, "peak": peak, "held": held, "largest": largest}))
+"""
+
+
+@pytest.mark.slow
+def test_full_width_load_peak_rss(tmp_path):
+    """A full-width checkpoint loaded by shard onto 8 fake devices, in a process of its own: each
+    device holds the plan's per-device weights + Engram within 5%, and the process's peak RSS
+    (VmHWM) grows by at most what the devices hold plus the largest slice (the issue's bound: the
+    host never keeps more than one slice in flight besides what the devices hold)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    write_hf_folder(tmp_path, WIDE, random_entries(WIDE, seed=3))
+    spec = "expert=4,tensor=2"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", _RSS_PROBE, str(tmp_path), spec], env=env, capture_output=True,
+                         text=True, check=True).stdout
+    r = json.loads(out.strip().splitlines()[-1])
+    plan = build_plan(WIDE, spec, batch=8, context=256)["per_device_bytes"]
+    want = plan["weights"] + plan["engram"]
+    assert len(r["held"]) == 8
+    for dev, n in r["held"].items():
+        assert abs(n - want) <= 0.05 * want, (dev, n, want)
+    share = sum(r["held"].values())
+    grown = r["peak"] - r["before"]
+    print(f"devices hold {share / 2**30:.2f} GiB, largest slice {r['largest'] / 2**20:.1f} MiB, "
+          f"peak RSS grew {grown / 2**30:.2f} GiB")
+    assert grown <= share + r["largest"], (grown, share, r["largest"])
