@@ -48,8 +48,9 @@ class MeshPlacement:
 
     def constrain(self, tree):
         """Inside a jitted step: a returned cache keeps the preset's layout; any other tree the
-        engine's steps return (the per-slot sampling history the slot insert also writes) stays
-        replicated, as `place` put it (the cache rules name cache entries only)."""
+        engine's steps return (the per-slot sampling history the slot insert also writes, the
+        logits the sampler and the log-softmax read) is replicated, as `place` puts it (the
+        cache rules name cache entries only)."""
         if isinstance(tree, dict) and "length" in tree:
             return jax.lax.with_sharding_constraint(tree, cache_shardings(tree, self.mesh, self.preset))
         return jax.lax.with_sharding_constraint(tree, NamedSharding(self.mesh, PartitionSpec()))

@@ -47,13 +47,15 @@ class Recording(Engine):
 
     def _emit(self, req, drawn, token, logits, row):
         self.seen.setdefault(req.request_id, []).append(np.asarray(jax.device_get(logits[row])))
+        # the steps return the logits replicated: the sampler's sums run over whole rows, as on one device
+        self.split |= not logits.is_fully_replicated
         return super()._emit(req, drawn, token, logits, row)
 
 
 def _engine(model, mesh=None, preset="inference", runtime=None, **kw):
     eng = Recording(model, slots=SLOTS, min_capacity=64, prefill_chunk=8, runtime=runtime or Runtime(mode="exact"),
                     engram=_engram(CFG), mesh=mesh, preset=preset, **kw)
-    eng.seen = {}
+    eng.seen, eng.split = {}, False
     return eng
 
 
@@ -110,6 +112,7 @@ def _engine_on_mesh_equals_one_device(model, spec, mode, tmp_path):
         runs[name] = (eng, [r.tokens for r in res] + [turn2.tokens], dict(eng.seen))
     (one, tok1, seen1), (mesh_eng, tokm, seenm) = runs["one"], runs["mesh"]
     assert tok1 == tokm
+    assert not mesh_eng.split
     assert one.fingerprint == mesh_eng.fingerprint  # prefix-cache files move between the two
     assert seen1.keys() == seenm.keys()
     for rid in seen1:

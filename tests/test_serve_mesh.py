@@ -5,7 +5,8 @@ streaming and a resumed conversation (issue 24).
 Oracle: the same `dsv41 serve` on one device, started from the same checkpoint with the same
 flags, in exact numerics (float64 dots rounded once, so sums split across devices round to the
 same value): every reply, its logprobs and its usage (cached tokens included) are equal, field by
-field. The replies come from a random model; a logit bias on the letters keeps them plain ASCII so
+field, a seeded sampled reply (temperature 1, top_p 0.9) and an echoed prompt's logprobs included.
+The replies come from a random model; a logit bias on the letters keeps them plain ASCII so
 that the assistant message sent back in the next turn re-encodes to the tokens generated, which is
 what lets the stored conversation be found (the model still picks which letter).
 """
@@ -91,11 +92,19 @@ def _conversation(url):
                {"role": "user", "content": "and tomorrow"}]
     r2 = client.chat.completions.create(messages=q2, max_tokens=6, logprobs=True, **kw)
     c = client.completions.create(model="ckpt", prompt="def f", max_tokens=6, temperature=0, logprobs=2)
+    # sampled, seeded: the sampler's softmax and top-p sums over the whole row, as on one device
+    t1 = client.chat.completions.create(messages=q1, max_tokens=8, logprobs=True, top_logprobs=3,
+                                        **{**kw, "temperature": 1.0}, top_p=0.9, seed=7)
+    # echo: the prompt's own logprobs (serving/prompt_logprobs.py's log-softmax on the device)
+    e = client.completions.create(model="ckpt", prompt="def f", max_tokens=1, temperature=0, echo=True, logprobs=2)
     lp = lambda r: [(e.token, e.logprob) for e in r.choices[0].logprobs.content]  # noqa: E731
+    top = lambda r: [[(t.token, t.logprob) for t in e.top_logprobs] for e in r.choices[0].logprobs.content]  # noqa: E731
     return {"r1": (r1.choices[0].message.content, lp(r1), r1.choices[0].finish_reason, r1.usage.model_dump()),
             "streamed": "".join(streamed),
             "r2": (r2.choices[0].message.content, lp(r2), r2.usage.model_dump()),
-            "completion": (c.choices[0].text, c.choices[0].logprobs.model_dump())}
+            "completion": (c.choices[0].text, c.choices[0].logprobs.model_dump()),
+            "sampled": (t1.choices[0].message.content, lp(t1), top(t1)),
+            "echo": (e.choices[0].text, e.choices[0].logprobs.model_dump())}
 
 
 def test_server_on_a_mesh_answers_as_on_one_device(servers):
@@ -107,4 +116,9 @@ def test_server_on_a_mesh_answers_as_on_one_device(servers):
     assert mesh["streamed"] == text
     # the second turn resumed the stored first one: its prompt and the reply but the last token
     assert mesh["r2"][2]["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] + 8 - 1
+    sampled, sampled_lp, sampled_top = mesh["sampled"]
+    assert len(sampled) == 8 and sampled.isalpha() and len(sampled_top[0]) == 3
+    echo_text, echo_lp = mesh["echo"]
+    assert echo_text.startswith("def f") and echo_lp["token_logprobs"][0] is None  # the first prompt token has none
+    assert len(echo_lp["token_logprobs"]) == len(echo_lp["tokens"]) >= 6 and None not in echo_lp["token_logprobs"][1:]
     assert mesh == one

@@ -180,7 +180,10 @@ class Engine:
     def _build_steps(self):
         gd, rt, tail = self.graphdef, self.runtime, self.tail
         jit = functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
-        # on a mesh every returned cache keeps the preset's layout (steps chain without resharding)
+        # on a mesh every returned cache keeps the preset's layout (steps chain without resharding),
+        # and the returned logits are replicated: the sampler's softmax / top-p sums and a
+        # log-softmax over a row split on `tensor` would add the shards in another order than one
+        # device does (the last bits differ), so the gather happens here, once, inside the step
         fix = (lambda c: c) if self.placement is None else self.placement.constrain
 
         @functools.partial(jit, donate_argnums=(2, 3, 4))
@@ -196,25 +199,25 @@ class Engine:
             start = cache["length"] - tail
             logits, cache, _ = decoder_pass(model, enc_h, enc_pre, cache, start=start, floor=floor, runtime=rt,
                                             engram_ids=ids, vl=vl)
-            return logits[:, -1], fix(cache)
+            return fix(logits[:, -1]), fix(cache)
 
         @functools.partial(jit, donate_argnums=(2,))
         def full(params, tokens, cache, ids, spans=None):
             logits, cache, _ = exact_prefill(nnx.merge(gd, params), tokens, cache, runtime=rt, engram_ids=ids,
                                              spans=spans)
-            return logits[:, -1], fix(cache)
+            return fix(logits[:, -1]), fix(cache)
 
         @functools.partial(jit, donate_argnums=(2,))
         def replay(params, tokens, cache, ids):
             logits, cache = replay_window(nnx.merge(gd, params), tokens, cache, runtime=rt, engram_ids=ids)
-            return logits[:, -1], fix(cache)
+            return fix(logits[:, -1]), fix(cache)
 
         plan = self.decode_plan
 
         @functools.partial(jit, donate_argnums=(2,))
         def decode(params, tokens, cache, active, ids):
             logits, cache, _ = decode_step(nnx.merge(gd, params), tokens, cache, plan, engram_ids=ids, active=active)
-            return logits[:, -1], fix(cache)
+            return fix(logits[:, -1]), fix(cache)
 
         @functools.partial(jax.jit, donate_argnums=(0,))
         def insert(cache, row, slot):
@@ -238,12 +241,12 @@ class Engine:
             logits, cache, aux = exact_prefill(model, tokens, cache, runtime=rt, engram_ids=ids, spans=spans, taps=True)
             n = jnp.full(start.shape, tokens.shape[1], jnp.int32)
             rings = dspark.write_rings(model, rings, dspark.main_x(model, aux["main_hidden"], mode), start, n, mode)
-            return logits[:, -1], fix(cache), rings
+            return fix(logits[:, -1]), fix(cache), rings
 
         @jit
         def verify(params, tokens, cache, ids):
             logits, _, aux = decode_step(nnx.merge(gd, params), tokens, cache, verify_plan, engram_ids=ids, taps=True)
-            return logits, aux["pending"], aux["main_hidden"]
+            return fix(logits), aux["pending"], aux["main_hidden"]
 
         @functools.partial(jit, donate_argnums=(4, 5))
         def commit_step(params, cache, pending, taps, rings, history, chunk, n):
@@ -446,8 +449,8 @@ class Engine:
             lp = None
             if req.want_logprobs:
                 z = jnp.where(self.banned, -jnp.inf, logits[row].astype(jnp.float32))
-                # the row read back first: on a mesh the vocabulary is split, and a log-softmax of
-                # the split row sums over the shards in another order than one device does
+                # on the host: one summation order whatever the device layout (the steps return
+                # the logits replicated on a mesh, see `_build_steps`)
                 lp = np.asarray(jax.nn.log_softmax(jax.device_get(z)))
             req.on_token(token, lp)
         return token

@@ -30,14 +30,18 @@ def _program(engine: Engine):
     fn = getattr(engine, "_prompt_logprobs_step", None)
     if fn is None:
         gd, rt = engine.graphdef, engine.runtime
+        # on a mesh: the cache keeps the preset's layout, and the logits are gathered whole before
+        # the log-softmax (its sum over a row split on `tensor` would add the shards in another
+        # order than one device does), as the engine's own steps return them
+        fix = (lambda t: t) if engine.placement is None else engine.placement.constrain
 
         @functools.partial(jax.jit, donate_argnums=(2,), compiler_options=COMPILER_OPTIONS)
         def fn(params, tokens, cache, ids, targets):
             logits, cache, _ = exact_prefill(nnx.merge(gd, params), tokens, cache, runtime=rt, engram_ids=ids)
-            lp = jax.nn.log_softmax(logits[0].astype(jnp.float32), -1)  # [n, V]
+            lp = jax.nn.log_softmax(fix(logits[0]).astype(jnp.float32), -1)  # [n, V]
             target = jnp.take_along_axis(lp, jnp.maximum(targets, 0)[:, None], -1)[:, 0]
             top_lp, top_ids = jax.lax.top_k(lp, min(TOP, lp.shape[-1]))
-            return target, top_lp, top_ids, cache
+            return target, top_lp, top_ids, fix(cache)
 
         engine._prompt_logprobs_step = fn
     return fn
