@@ -6,7 +6,9 @@
   server's code), and the images change the answer (text alone, or another image, gives other logits);
 - hostile inputs (non-image bytes, too many images, URLs and files the server may not read) are 400s naming the
   problem, and the server keeps answering;
-- the same text with another image never resumes the first request's conversation cache.
+- the same text with another image never resumes the first request's conversation cache; the same image
+  does (conversation caches match image positions on the processed pixels), and the resumed request, whose
+  replayed window holds image positions, answers as `model.forward` on the whole prompt.
 """
 from __future__ import annotations
 
@@ -61,6 +63,7 @@ def served(tmp_path_factory):
                         images=ImageOptions(ImageLimits(max_images=2)))
     app, worker = build(model, tokenizer, opts)
     srv = BackgroundServer(app, worker).start()
+    srv.conv_dir = folder / "conv"
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=600)
     yield srv, client, model, tokenizer
     srv.close()
@@ -71,7 +74,7 @@ def ask(client, content, max_tokens=1, **kw):
                                           max_tokens=max_tokens, temperature=0, logprobs=True, top_logprobs=5, **kw)
 
 
-def forward_first_logprobs(model, tokenizer, content) -> np.ndarray:
+def forward_first_logprobs(model, tokenizer, content, thinking=False) -> np.ndarray:
     """The oracle: the prompt and spans built from the images with the vision modules, then model.forward."""
     import jax
     import jax.numpy as jnp
@@ -84,7 +87,7 @@ def forward_first_logprobs(model, tokenizer, content) -> np.ndarray:
     from dsv41_jax.vision.processor import decode_image, expand_prompt
 
     messages = [{"role": "user", "content": content}]
-    ids = encode_chat_ids(tokenizer, messages, thinking=False, images=True)
+    ids = encode_chat_ids(tokenizer, messages, thinking=thinking, images=True)
     pictures = [decode_image(base64.b64decode(p["image_url"]["url"].split(",", 1)[1]))
                 for p in content if p["type"] == "image_url"]
     tokens, types, inputs = expand_prompt(ids, pictures, model.cfg)
@@ -150,3 +153,26 @@ def test_another_image_never_resumes_a_conversation_cache(served):
     want = forward_first_logprobs(model, tokenizer, second)
     np.testing.assert_allclose(top(b.choices[0]), np.sort(want)[::-1][:5], atol=2e-3)
     assert a.choices[0].logprobs.content[0].token is not None
+
+
+def test_the_same_image_resumes_its_conversation_cache(served):
+    """In thinking mode a finished request stores its prompt without the final <think> (the next turn's
+    prefix); the same request again resumes from it: the engine replays the stored window, which holds
+    image positions (their span rows from the resent image), then prefills the last token."""
+    import pathlib
+
+    from dsv41_jax.serving import prefix_cache
+
+    srv, client, model, tokenizer = served
+    content = [{"type": "text", "text": "a"}, image_part(RED), {"type": "text", "text": "b"}]
+    thinking = {"extra_body": {"chat_template_kwargs": {"thinking": True}}}
+    first = ask(client, content, max_tokens=2, **thinking)
+    again = ask(client, content, **thinking)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached == again.usage.prompt_tokens - 1, (cached, again.usage.prompt_tokens)
+    assert model.cfg.window_size > 4  # the replayed window reaches back into the image's span
+    want = forward_first_logprobs(model, tokenizer, content, thinking=True)
+    np.testing.assert_allclose(top(again.choices[0]), np.sort(want)[::-1][:5], atol=2e-3)
+    assert top(again.choices[0]) == top(first.choices[0])
+    keys = [prefix_cache.read_tokens(f, "match_key") for f in pathlib.Path(srv.conv_dir).glob("*.dsv41")]
+    assert any(k.min() < 0 for k in keys)  # image positions keyed by their pixels, stored in the file

@@ -52,7 +52,10 @@ class Request:
     `constraint.advance(token)`. A row left all zero (the grammar cannot go on) allows only the
     stop tokens, so the reply ends.
     `spans` = (rows [len(prompt), dim], token_types [len(prompt)]) are the prompt's image spans
-    (`dsv41_jax.vision.merge.span_rows`; type >= 0 inside a span), as `model.forward` takes them."""
+    (`dsv41_jax.vision.merge.span_rows`; type >= 0 inside a span), as `model.forward` takes them.
+    With `resume_from`, `history_spans` are those of the stored tokens (the replayed window reads
+    the rows of its image positions), and `match_key` (one int per stored-and-prompt token, image
+    positions keyed by their pixels) is saved with `save_to`'s cache for conversation matching."""
 
     prompt: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -65,6 +68,8 @@ class Request:
     spans: tuple | None = None
     constraint: object | None = None
     speculate: bool = True  # on an engine with speculation: False decodes this request token by token
+    history_spans: tuple | None = None
+    match_key: list[int] | None = None
 
 
 @dataclass
@@ -208,8 +213,9 @@ class Engine:
             return fix(logits[:, -1]), fix(cache)
 
         @functools.partial(jit, donate_argnums=(2,))
-        def replay(params, tokens, cache, ids):
-            logits, cache = replay_window(nnx.merge(gd, params), tokens, cache, runtime=rt, engram_ids=ids)
+        def replay(params, tokens, cache, ids, spans=None):
+            logits, cache = replay_window(nnx.merge(gd, params), tokens, cache, runtime=rt, engram_ids=ids,
+                                          spans=spans)
             return fix(logits[:, -1]), fix(cache)
 
         plan = self.decode_plan
@@ -323,6 +329,11 @@ class Engine:
             if not cfg.vision_enabled:
                 raise ValueError("this model has no vision tower (gate.bias_vl): a request with image spans needs a VL "
                                  "checkpoint")
+        if req.history_spans is not None:
+            rows, types = np.asarray(req.history_spans[0]), np.asarray(req.history_spans[1])
+            if types.shape != (cached,) or rows.shape != (cached, cfg.dim):
+                raise ValueError(f"history_spans must be (rows [{cached}, {cfg.dim}], token_types [{cached}]) for the "
+                                 f"{cached} stored tokens, got rows {rows.shape} and token_types {types.shape}")
         wrong = [t for t, _ in req.sampling.logit_bias if t >= cfg.vocab_size]
         if wrong:
             raise ValueError(f"logit_bias names token id {wrong[0]}, outside the vocabulary [0, {cfg.vocab_size})")
@@ -362,7 +373,8 @@ class Engine:
             cached = len(tokens)
             n = min(W, cached)
             logits, cache = self._replay(self.params, jnp.asarray([tokens[-n:]], jnp.int32), cache,
-                                         self._engram_ids(tokens[:-n], tokens[-n:]))
+                                         self._engram_ids(tokens[:-n], tokens[-n:]),
+                                         _spans(req.history_spans, cached - n, cached))
         else:
             cache = self.empty(1)
         new = [int(t) for t in req.prompt]
@@ -495,7 +507,10 @@ class Engine:
         sampled one). The next turn's prompt should start with that token."""
         st = self.table[slot]
         row = jax.tree.map(lambda a: a[slot:slot + 1], self.cache)
-        return prefix_cache.save_prefix(path, self.cfg, row, st.tokens[:st.in_cache], fingerprint=self.fingerprint)
+        tokens = st.tokens[:st.in_cache]
+        key = st.request.match_key
+        key = None if key is None else list(key[:len(tokens)]) + list(tokens[len(key):])  # generated: text
+        return prefix_cache.save_prefix(path, self.cfg, row, tokens, fingerprint=self.fingerprint, match_key=key)
 
     def step(self) -> list[Result]:
         """Admit what fits, run one decode step over the active slots, evict finished. Returns

@@ -138,10 +138,13 @@ def _global_arrays(cfg: ModelConfig, cache: dict, row: int, n: int) -> dict[str,
     return out
 
 
-def save_prefix(path, cfg: ModelConfig, cache: dict, tokens, *, fingerprint: str, row: int = 0) -> dict:
+def save_prefix(path, cfg: ModelConfig, cache: dict, tokens, *, fingerprint: str, row: int = 0,
+                match_key=None) -> dict:
     """Write row `row` of `cache` (holding exactly `tokens`) to `path`, atomically. Returns the header.
 
     fingerprint: `model_fingerprint` of the weights that computed the cache (checked on load).
+    match_key: optional int32 [n] that conversation caches match on instead of the token ids (an
+    image prompt's positions keyed by the image's pixels: every image position has the same id).
     """
     fingerprint = _checked_fingerprint(fingerprint, "save_prefix")
     path = pathlib.Path(path)
@@ -151,6 +154,10 @@ def save_prefix(path, cfg: ModelConfig, cache: dict, tokens, *, fingerprint: str
         raise PrefixCacheError(f"the cache row holds {n} positions but {tokens.size} token ids were given; "
                                "pass exactly the tokens that went through the model")
     arrays = {"tokens": tokens, **_global_arrays(cfg, cache, row, n)}
+    if match_key is not None:
+        arrays["match_key"] = np.asarray(match_key, np.int32).reshape(-1)
+        if arrays["match_key"].size != n:
+            raise PrefixCacheError(f"match_key has {arrays['match_key'].size} entries for {n} tokens")
     entries, blobs, offset = [], [], 0
     for name, a in arrays.items():
         data = np.ascontiguousarray(a).tobytes()
@@ -283,15 +290,18 @@ def load_prefix(path, cfg: ModelConfig, *, fingerprint: str, capacity: int | Non
     return cache, tokens.copy()
 
 
-def read_tokens(path) -> np.ndarray:
+def read_tokens(path, name: str = "tokens") -> np.ndarray:
     """The token ids a prefix-cache file holds (framing and the tokens' checksum verified; the
-    cache arrays are checked by `load_prefix`)."""
+    cache arrays are checked by `load_prefix`). name="match_key": the key conversation caches
+    match on (`save_prefix`'s match_key; the token ids when the file has none)."""
     path = pathlib.Path(path)
     header, payload = _read(path)
-    entry = next((e for e in header["arrays"] if e["name"] == "tokens"), None)
+    entry = next((e for e in header["arrays"] if e["name"] == name), None)
+    if entry is None and name == "match_key":
+        return read_tokens(path)
     if entry is None:
-        raise PrefixCacheError(f"prefix cache {path} lacks its token ids")
+        raise PrefixCacheError(f"prefix cache {path} lacks its {name}")
     data = payload[entry["offset"]:entry["offset"] + entry["nbytes"]]
     if _sha(data) != entry["sha256"]:
-        raise PrefixCacheError(f"prefix cache {path} is corrupt: its token ids fail their checksum")
+        raise PrefixCacheError(f"prefix cache {path} is corrupt: its {name} fails its checksum")
     return np.frombuffer(data, dtype=np.int32).copy()

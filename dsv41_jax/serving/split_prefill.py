@@ -158,16 +158,18 @@ def exact_prefill(model, tokens: jax.Array, cache: dict, *, runtime: Runtime = R
     return body.head(model, h, pre, plan.numerics)[0], cache, aux
 
 
-def replay_window(model, tokens: jax.Array, cache: dict, *, runtime: Runtime = Runtime(), engram_ids=None):
+def replay_window(model, tokens: jax.Array, cache: dict, *, runtime: Runtime = Runtime(), engram_ids=None,
+                  spans=None):
     """Encoder replay (docs/REFERENCE.md §5 "Prefix-cache hit"): rerun the last T cached tokens (positions
     length-T ..) through every layer, window truncated to them, global caches read-only.
+    spans: the image spans of those T positions (rows, token_types), as when they were prefilled.
     Returns (logits [B,T,V], cache) with the window rings rebuilt and the length unchanged."""
     cfg = model.cfg
     T = tokens.shape[1]
     start = cache["length"] - T  # callers check that the cache holds T positions (host side)
     plan = body.Plan.resolve(runtime, writes="window")
-    span = body.Span.at(start, T, engram_ids=engram_ids, floor=start)
-    h, pre = body.embed(model, tokens)
+    span = body.Span.at(start, T, engram_ids=engram_ids, floor=start, vl=_vl(spans))
+    h, pre = body.embed(model, tokens, spans)
     h, pre, cache, _ = _layers(model, h, pre, cache, span, plan, range(cfg.n_layers))
     return body.head(model, h, pre, plan.numerics)[0], cache
 

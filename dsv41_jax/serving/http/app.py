@@ -282,7 +282,7 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
             raise P.bad(e.param, str(e).split(": ", 1)[1]) from None
 
     def _start(body: dict, prompt: list[int], sp: P.Sampling, mode: P.ChatMode | None,
-               constraints: list | None = None, spans: tuple | None = None) -> list[_Run]:
+               constraints: list | None = None, spans: tuple | None = None, key: list | None = None) -> list[_Run]:
         """Submit one engine request per choice (`n`); each holds a slot, so n is at most the batch."""
         max_tokens = _limits(prompt, sp)
         if len(sp.seeds) > worker.engine.slots:
@@ -304,9 +304,9 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
                           want_logprobs=sp.logprobs, forced_tokens=forced,
                           constraint=constraints[i] if constraints else None, spans=spans)
             job = Job(req, loop, asyncio.Queue(), fail_in_engine=fail)
-            # image prompts skip the conversation caches: they key on ids, and every image position has the same id
-            if cfg.conversations is not None and spans is None:
-                cfg.conversations.attach(job, thinking=bool(mode and mode.thinking), chat=mode is not None)
+            # an image prompt matches the conversation caches on its pixel key (every image position has one id)
+            if cfg.conversations is not None:
+                cfg.conversations.attach(job, thinking=bool(mode and mode.thinking), chat=mode is not None, key=key)
             runs.append(_Run(len(prompt), job))
         try:
             worker.submit_all([run.job for run in runs])
@@ -485,19 +485,19 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
         sp = P.sampling_fields(body, chat=True)
         spec = P.constraint_spec(body, chat=True)
         _precheck("messages", messages)
-        spans = None
+        spans = key = None
         try:  # off the event loop: a long conversation must not stall the other clients
             if with_images:  # reads, decodes and encodes the images (vision tower), then the prompt's spans
                 made = await asyncio.to_thread(cfg.images.build, tokenizer, messages, thinking=mode.thinking,
                                                effort=mode.effort, tools=mode.tools)
-                prompt, spans = made.tokens, made.spans
+                prompt, spans, key = made.tokens, made.spans, made.key
             else:
                 prompt = await asyncio.to_thread(encode_chat_ids, tokenizer, messages, thinking=mode.thinking,
                                                  effort=mode.effort, tools=mode.tools)
         except (ValueError, TypeError) as e:
             raise P.APIError(400, f"messages: {e}", param="messages") from None
         constraints = spec and await asyncio.to_thread(_constraints, spec, mode, len(sp.seeds))
-        runs = _start(body, prompt, sp, mode, constraints, spans)
+        runs = _start(body, prompt, sp, mode, constraints, spans, key)
         cid = runs[0].job.request.request_id.replace("cmpl-", "chatcmpl-")
         one_call = not P.parallel_tool_calls(body)
         choices = [_ChatChoice(i, run, mode, sp, one_call) for i, run in enumerate(runs)]

@@ -16,6 +16,9 @@ new tokens plus the replayed window (docs/SERVING.md "Conversation caches").
   extends it. In thinking mode the next turn drops this turn's reasoning and re-renders the
   generation header, so it extends only the prompt without its final `<think>`; that prefix is
   stored too (one extra prefill from the best match, after the reply, off the request's path).
+- Images: a request with images matches on its key (`images.pixel_key`: image positions keyed by
+  the image's processed pixels), stored in the file (`save_prefix`'s match_key); a resumed request
+  gets the spans of its new tokens and of the stored ones (the replayed window reads them).
 
 Every method except `attach` runs in the engine thread (through the job's callbacks).
 """
@@ -62,7 +65,7 @@ class ConversationStore:
         self.orphans_removed = self._remove_orphans()
         for f in sorted(self.folder.glob("[!.]*" + SUFFIX), key=lambda p: p.stat().st_mtime):
             try:
-                self._add(f, prefix_cache.read_tokens(f))
+                self._add(f, prefix_cache.read_tokens(f, "match_key"))
             except (prefix_cache.PrefixCacheError, OSError, ValueError):
                 f.unlink(missing_ok=True)  # unreadable leftovers are recomputed when needed
         self._evict()
@@ -146,17 +149,25 @@ class ConversationStore:
             return path, n
         return None, 0
 
-    def save(self, tokens, cache_row) -> pathlib.Path:
-        path = self.path_for(tokens)
-        prefix_cache.save_prefix(path, self.engine.cfg, cache_row, tokens, fingerprint=self.engine.fingerprint)
-        self._add(path, np.asarray(tokens, np.int32))
+    def save(self, tokens, cache_row, key=None) -> pathlib.Path:
+        key = tokens if key is None else key
+        path = self.path_for(key)
+        prefix_cache.save_prefix(path, self.engine.cfg, cache_row, tokens, fingerprint=self.engine.fingerprint,
+                                 match_key=None if list(key) == list(tokens) else key)
+        self._add(path, np.asarray(key, np.int32))
         self._evict()
         return path
 
     # ------------------------------------------------------------------ request hooks
-    def attach(self, job, *, thinking: bool, chat: bool):
-        """Called on the event loop: set the job's engine-thread callbacks."""
+    def attach(self, job, *, thinking: bool, chat: bool, key=None):
+        """Called on the event loop: set the job's engine-thread callbacks. key: the prompt's match key
+        (an image prompt's `pixel_key`; default its ids); the request's spans cover the whole prompt."""
         job.full_prompt = list(job.request.prompt)
+        job.full_key = job.full_prompt if key is None else [int(k) for k in key]
+        job.full_spans = job.request.spans
+        if len(job.full_key) != len(job.full_prompt):
+            raise ValueError(f"the match key has {len(job.full_key)} entries for {len(job.full_prompt)} prompt tokens")
+        job.request.match_key = None if key is None else job.full_key
         job.thinking = thinking and chat
         job.on_admit, job.on_finish, job.on_cancel = self._admit, self._finish, self._cancelled
         job.resumed = (None, 0)
@@ -168,12 +179,13 @@ class ConversationStore:
 
     def _admit(self, job):
         prompt = job.full_prompt
-        path, n = self.best(prompt)
+        path, n = self.best(job.full_key)
         if path is not None and n > 0:
             self.metrics.cache_hits.inc()
             self.metrics.cached_tokens.inc(n)
             job.request.prompt = prompt[n:]
             job.request.resume_from = str(path)
+            job.request.spans, job.request.history_spans = _split_spans(job.full_spans, n)
             self.pinned[path] += 1
         else:
             self.metrics.cache_misses.inc()
@@ -185,23 +197,38 @@ class ConversationStore:
         if path is not None:
             self.pinned[path] -= 1
         pending = pathlib.Path(job.request.save_to)
-        tokens = job.full_prompt + result.tokens[:-1]
+        key = job.full_key + result.tokens[:-1]  # generated tokens are text: their ids are their key
         if pending.is_file():
-            final = self.path_for(tokens)
+            final = self.path_for(key)
             pending.replace(final)
-            self._add(final, np.asarray(tokens, np.int32))
+            self._add(final, np.asarray(key, np.int32))
             self._evict()
         if job.thinking and len(job.full_prompt) > 1:
-            self._store_prefix(job.full_prompt[:-1])
+            self._store_prefix(job.full_prompt[:-1], job.full_key[:-1], _split_spans(job.full_spans, -1)[1])
 
-    def _store_prefix(self, prefix: list[int]):
-        """Compute and store the cache of `prefix`, resuming from the best stored match."""
-        if self.path_for(prefix) in self.files:
-            self.files.move_to_end(self.path_for(prefix))
+    def _store_prefix(self, prefix: list[int], key: list[int] | None = None, spans=None):
+        """Compute and store the cache of `prefix` (match key `key`, image spans `spans`), resuming from
+        the best stored match."""
+        key = prefix if key is None else key
+        if self.path_for(key) in self.files:
+            self.files.move_to_end(self.path_for(key))
             return
-        path, n = self.best(prefix)
+        path, n = self.best(key)
+        new_spans, old_spans = _split_spans(spans, n)
         try:
-            _, row, tokens, _ = self.engine.prefill(Request(prefix[n:], resume_from=None if path is None else str(path)))
-            self.save(tokens, row)
+            _, row, tokens, _ = self.engine.prefill(Request(
+                prefix[n:], resume_from=None if path is None else str(path), spans=new_spans,
+                history_spans=old_spans if path is not None else None))
+            self.save(tokens, row, key)
         except Exception:  # noqa: BLE001 - a cache that cannot be stored is only a lost speed-up
             traceback.print_exc()
+
+
+def _split_spans(spans, n: int):
+    """(spans of positions n.., spans of positions ..n) of a prompt's image spans, each None without
+    an image position."""
+    if spans is None:
+        return None, None
+    rows, types = np.asarray(spans[0]), np.asarray(spans[1])
+    part = lambda sl: (rows[sl], types[sl]) if np.any(types[sl] >= 0) else None
+    return part(slice(n, None)), part(slice(None, n))

@@ -7,9 +7,10 @@ fills the span rows. The engine takes `Request.spans` and routes every span posi
 `gate.bias_vl` in exact, chunked and split prefill alike; decode is unchanged.
 
 The flags (`add_image_args`) and limits live here; `dsv41 serve` adds them and passes
-`ImageOptions` to the server. Requests with images skip the conversation caches: those key on
-token ids, and every image position has the same id, so the same text with another image would
-resume the wrong cache (keying on the processed pixels is the next step, docs/VISION.md).
+`ImageOptions` to the server. Conversation caches match an image prompt on its `key`: the ids,
+with each image position replaced by a negative value drawn from a hash of that image's processed
+pixels (every image position has the same id, so matching on ids would resume another image's
+cache for the same text).
 """
 from __future__ import annotations
 
@@ -48,6 +49,20 @@ class ImagePrompt:
     spans: tuple  # (rows [L, dim] bf16, token_types [L]) for Request.spans
     digest: str  # sha256 of the processed pixels of every image, in order
     n_images: int
+    key: list[int] | None = None  # conversation-cache match key (`pixel_key`)
+
+
+def pixel_key(tokens, inputs, span_lengths) -> list[int]:
+    """The ids with every image-span position replaced by a negative int32 that depends on the image's
+    processed pixels (patches and grid) and the position within the span: 31 bits per position from
+    SHAKE-256, so two different images share a key only if every position of their spans collides."""
+    key = [int(t) for t in tokens]
+    for img, n in zip(inputs, span_lengths):
+        h = hashlib.sha256(np.ascontiguousarray(img.patches).tobytes())
+        h.update(np.asarray([img.n_vit_h, img.n_vit_w, n], np.int64).tobytes())
+        words = np.frombuffer(hashlib.shake_256(h.digest()).digest(4 * n), np.uint32) & np.uint32(0x7FFFFFFF)
+        key[img.start:img.start + n] = (-1 - words.astype(np.int64)).tolist()
+    return key
 
 
 class ImagePrompter:
@@ -88,10 +103,11 @@ class ImagePrompter:
                              f"{self.opts.max_image_tokens} per request (--max-image-tokens); send fewer or smaller "
                              "images")
         digest = hashlib.sha256()
+        lengths = _span_lengths(token_types, inputs)
         if not with_spans:
             for img in inputs:
                 digest.update(np.ascontiguousarray(img.patches).tobytes())
-            return ImagePrompt(tokens, None, digest.hexdigest(), len(inputs))
+            return ImagePrompt(tokens, None, digest.hexdigest(), len(inputs), pixel_key(tokens, inputs, lengths))
         embeds = []
         with self.lock:
             for img in inputs:
@@ -99,7 +115,17 @@ class ImagePrompter:
                 _, emb = self.encode(self.engine.params, img.patches, img.n_vit_h, img.n_vit_w)
                 embeds.append(np.asarray(emb))
         rows = span_rows(self.delims, np.asarray(token_types), inputs, embeds)
-        return ImagePrompt(tokens, (rows, np.asarray(token_types, np.int64)), digest.hexdigest(), len(inputs))
+        return ImagePrompt(tokens, (rows, np.asarray(token_types, np.int64)), digest.hexdigest(), len(inputs),
+                           pixel_key(tokens, inputs, lengths))
+
+
+def _span_lengths(token_types, inputs) -> list[int]:
+    """Each image's span length: from its start to its IMAGE_END (inclusive)."""
+    from dsv41_jax.vision.merge import IMAGE_END
+
+    types = np.asarray(token_types)
+    ends = np.flatnonzero(types == IMAGE_END)
+    return [int(ends[ends >= img.start][0]) - img.start + 1 for img in inputs]
 
 
 def _no_typed_placeholder(messages) -> None:
