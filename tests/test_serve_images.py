@@ -86,10 +86,10 @@ def forward_first_logprobs(model, tokenizer, content, thinking=False) -> np.ndar
     from dsv41_jax.vision.merge import make_image_encoder, span_rows
     from dsv41_jax.vision.processor import decode_image, expand_prompt
 
-    messages = [{"role": "user", "content": content}]
+    messages = content if content and "role" in content[0] else [{"role": "user", "content": content}]
     ids = encode_chat_ids(tokenizer, messages, thinking=thinking, images=True)
     pictures = [decode_image(base64.b64decode(p["image_url"]["url"].split(",", 1)[1]))
-                for p in content if p["type"] == "image_url"]
+                for m in messages if isinstance(m["content"], list) for p in m["content"] if p["type"] == "image_url"]
     tokens, types, inputs = expand_prompt(ids, pictures, model.cfg)
     gd, params = nnx.split(model)
     encode = make_image_encoder(gd)
@@ -155,10 +155,11 @@ def test_another_image_never_resumes_a_conversation_cache(served):
     assert a.choices[0].logprobs.content[0].token is not None
 
 
-def test_the_same_image_resumes_its_conversation_cache(served):
-    """In thinking mode a finished request stores its prompt without the final <think> (the next turn's
-    prefix); the same request again resumes from it: the engine replays the stored window, which holds
-    image positions (their span rows from the resent image), then prefills the last token."""
+def test_a_follow_up_turn_with_the_same_image_resumes_its_conversation_cache(served):
+    """In thinking mode a finished request stores its prompt without the final <think>, which the next
+    turn extends; the follow-up resumes from it: the engine replays the stored window, which holds image
+    positions (their span rows from the resent image), then prefills the new turn. Resending the same
+    turn resumes too; the same turn with another image does not."""
     import pathlib
 
     from dsv41_jax.serving import prefix_cache
@@ -167,12 +168,18 @@ def test_the_same_image_resumes_its_conversation_cache(served):
     content = [{"type": "text", "text": "a"}, image_part(RED), {"type": "text", "text": "b"}]
     thinking = {"extra_body": {"chat_template_kwargs": {"thinking": True}}}
     first = ask(client, content, max_tokens=2, **thinking)
-    again = ask(client, content, **thinking)
-    cached = again.usage.prompt_tokens_details.cached_tokens
-    assert cached == again.usage.prompt_tokens - 1, (cached, again.usage.prompt_tokens)
     assert model.cfg.window_size > 4  # the replayed window reaches back into the image's span
-    want = forward_first_logprobs(model, tokenizer, content, thinking=True)
-    np.testing.assert_allclose(top(again.choices[0]), np.sort(want)[::-1][:5], atol=2e-3)
+    turns = [{"role": "user", "content": content}, {"role": "assistant", "content": "ok"},
+             {"role": "user", "content": "more"}]
+    follow = client.chat.completions.create(model="tiny-vl", messages=turns, max_tokens=1, temperature=0,
+                                            logprobs=True, top_logprobs=5, **thinking)
+    assert follow.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
+    want = forward_first_logprobs(model, tokenizer, turns, thinking=True)
+    np.testing.assert_allclose(top(follow.choices[0]), np.sort(want)[::-1][:5], atol=2e-3)
+    again = ask(client, content, **thinking)
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
     assert top(again.choices[0]) == top(first.choices[0])
+    other = ask(client, [content[0], image_part(BLUE), content[2]], **thinking)
+    assert not (other.usage.prompt_tokens_details and other.usage.prompt_tokens_details.cached_tokens)
     keys = [prefix_cache.read_tokens(f, "match_key") for f in pathlib.Path(srv.conv_dir).glob("*.dsv41")]
     assert any(k.min() < 0 for k in keys)  # image positions keyed by their pixels, stored in the file
