@@ -40,6 +40,15 @@ def allowed_ids(vocab_size: int, tokenizer: Tokenizer) -> np.ndarray:
     return mask
 
 
+def banned_ids(cfg: ModelConfig, tokenizer: Tokenizer) -> list[int]:
+    """Ids never to sample: the input-only sentinels, ids the tokenizer does not have, and the image token
+    (input-only; the released tokenizer lists it among the sentinels, a small test tokenizer may not)."""
+    allowed = allowed_ids(cfg.vocab_size, tokenizer)
+    if getattr(cfg, "vision_enabled", False) and 0 <= cfg.image_token_id < cfg.vocab_size:
+        allowed[cfg.image_token_id] = False
+    return [int(i) for i in np.flatnonzero(~allowed)]
+
+
 def one_slot_engine(model, *, runtime: Runtime = Runtime(), banned_ids=(), engram=None, mesh=None,
                     preset: str = "inference", prefill_chunk: int = 512, speculative: int = 0) -> Engine:
     """The engine `generate` runs on: one slot, exact prefill, the config's max_seq_len.
@@ -53,10 +62,11 @@ def one_slot_engine(model, *, runtime: Runtime = Runtime(), banned_ids=(), engra
 
 
 def generate(engine: Engine, prompt_ids, *, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
-             stop_tokens=(), on_token: Callable[[int], None] | None = None) -> Generation:
+             stop_tokens=(), on_token: Callable[[int], None] | None = None, spans=None) -> Generation:
     """Continue one prompt on `engine` (the server's prefill, decode step and sampler). sampling's
     max_tokens and stop_tokens are replaced by max_new_tokens (cut to the room left in the cache:
-    finish "cache_full" when that cut ends the reply) and stop_tokens (finish "eos")."""
+    finish "cache_full" when that cut ends the reply) and stop_tokens (finish "eos"). spans: the
+    prompt's image spans (`Request.spans`)."""
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
         raise ValueError("the prompt is empty")
@@ -67,7 +77,8 @@ def generate(engine: Engine, prompt_ids, *, max_new_tokens: int, sampling: Sampl
         raise ValueError(f"the prompt is {len(prompt)} tokens and leaves no room for a reply in the cache "
                          f"(max_seq_len={engine.max_seq_len}); shorten the prompt or pass a larger --max-seq-len")
     sp = dataclasses.replace(sampling, max_tokens=min(max_new_tokens, room), stop_tokens=tuple(stop_tokens))
-    rid = engine.submit(Request(prompt, sp, on_token=None if on_token is None else (lambda tok, _lp: on_token(tok))))
+    rid = engine.submit(Request(prompt, sp, on_token=None if on_token is None else (lambda tok, _lp: on_token(tok)),
+                                spans=spans))
     while not engine.idle():
         engine.step()
     r = engine.done.pop(rid)
@@ -83,15 +94,14 @@ class Generator:
     def __init__(self, cfg: ModelConfig, model, tokenizer: Tokenizer, *, runtime: Runtime = Runtime(), mesh=None,
                  preset: str = "inference", speculative: int = 0):
         self.cfg, self.tokenizer = cfg, tokenizer
-        banned = np.flatnonzero(~allowed_ids(cfg.vocab_size, tokenizer))
-        self.engine = one_slot_engine(model, runtime=runtime, banned_ids=[int(i) for i in banned], mesh=mesh,
+        self.engine = one_slot_engine(model, runtime=runtime, banned_ids=banned_ids(cfg, tokenizer), mesh=mesh,
                                       preset=preset, engram=_engram_tables(cfg, tokenizer) if cfg.engram_layer_ids else None,
                                       speculative=speculative)
 
     def generate(self, prompt_ids, *, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
-                 on_token: Callable[[int], None] | None = None) -> Generation:
+                 on_token: Callable[[int], None] | None = None, spans=None) -> Generation:
         return generate(self.engine, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
-                        stop_tokens=(self.tokenizer.eos_id,), on_token=on_token)
+                        stop_tokens=(self.tokenizer.eos_id,), on_token=on_token, spans=spans)
 
 
 def _engram_tables(cfg: ModelConfig, tokenizer: Tokenizer):

@@ -86,22 +86,9 @@ class ImagePrompter:
     def build(self, tokenizer, messages, *, with_spans: bool = True, **chat) -> ImagePrompt:
         """ids and spans; raises ImageError (bad image, a limit) or ValueError (bad messages).
         `with_spans=False` (for /tokenize) stops after the prompt's ids: no tower, spans None."""
-        from dsv41_jax.text.chat import encode_chat_pieces, pieces_to_ids
-        from dsv41_jax.text.pieces import image_parts
         from dsv41_jax.vision.merge import span_rows
-        from dsv41_jax.vision.processor import ImageError, expand_prompt
-        from dsv41_jax.vision.sources import load_images
 
-        _no_typed_placeholder(messages)
-        pieces = encode_chat_pieces(messages, images=True, **chat)
-        parts, ids = image_parts(pieces), pieces_to_ids(tokenizer, pieces)
-        images = load_images(parts, self.opts.limits)
-        tokens, token_types, inputs = expand_prompt(ids, images, self.cfg)
-        n_span = int(np.sum(np.asarray(token_types) >= 0))
-        if n_span > self.opts.max_image_tokens:
-            raise ImageError(f"the images take {n_span} prompt positions, over the limit of "
-                             f"{self.opts.max_image_tokens} per request (--max-image-tokens); send fewer or smaller "
-                             "images")
+        tokens, token_types, inputs = image_prompt(tokenizer, messages, self.cfg, self.opts, **chat)
         digest = hashlib.sha256()
         lengths = _span_lengths(token_types, inputs)
         if not with_spans:
@@ -126,6 +113,27 @@ def _span_lengths(token_types, inputs) -> list[int]:
     types = np.asarray(token_types)
     ends = np.flatnonzero(types == IMAGE_END)
     return [int(ends[ends >= img.start][0]) - img.start + 1 for img in inputs]
+
+
+def image_prompt(tokenizer, messages, cfg, opts: ImageOptions, **chat):
+    """A chat with image parts -> (ids with each image's span, token types, image inputs): the chat
+    encoder, the image sources under `opts`' limits and the processor; no weights needed.
+    Raises ImageError (bad image, a limit) or ValueError (bad messages)."""
+    from dsv41_jax.text.chat import encode_chat_pieces, pieces_to_ids
+    from dsv41_jax.text.pieces import image_parts
+    from dsv41_jax.vision.processor import ImageError, expand_prompt
+    from dsv41_jax.vision.sources import load_images
+
+    _no_typed_placeholder(messages)
+    pieces = encode_chat_pieces(messages, images=True, **chat)
+    parts, ids = image_parts(pieces), pieces_to_ids(tokenizer, pieces)
+    images = load_images(parts, opts.limits)
+    tokens, token_types, inputs = expand_prompt(ids, images, cfg)
+    n_span = int(np.sum(np.asarray(token_types) >= 0))
+    if n_span > opts.max_image_tokens:
+        raise ImageError(f"the images take {n_span} prompt positions, over the limit of "
+                         f"{opts.max_image_tokens} per request (--max-image-tokens); send fewer or smaller images")
+    return tokens, token_types, inputs
 
 
 def _no_typed_placeholder(messages) -> None:

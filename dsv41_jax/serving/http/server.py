@@ -42,16 +42,10 @@ class ServeOptions:
 
 
 def banned_ids(cfg, tokenizer) -> list[int]:
-    """Ids never to sample: the input-only sentinels, ids the tokenizer does not have, and the image token
-    (input-only; the released tokenizer lists it among the sentinels, a small test tokenizer may not)."""
-    import numpy as np
+    """`serving.generate.banned_ids`: what the server never samples (`dsv41 generate` bans the same)."""
+    from dsv41_jax.serving.generate import banned_ids as banned
 
-    from dsv41_jax.serving.generate import allowed_ids
-
-    allowed = allowed_ids(cfg.vocab_size, tokenizer)
-    if getattr(cfg, "vision_enabled", False) and 0 <= cfg.image_token_id < cfg.vocab_size:
-        allowed[cfg.image_token_id] = False
-    return [int(i) for i in np.flatnonzero(~allowed)]
+    return banned(cfg, tokenizer)
 
 
 def build(model, tokenizer, opts: ServeOptions):
