@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 
 import numpy as np
 import pytest
@@ -183,3 +184,31 @@ def test_a_follow_up_turn_with_the_same_image_resumes_its_conversation_cache(ser
     assert not (other.usage.prompt_tokens_details and other.usage.prompt_tokens_details.cached_tokens)
     keys = [prefix_cache.read_tokens(f, "match_key") for f in pathlib.Path(srv.conv_dir).glob("*.dsv41")]
     assert any(k.min() < 0 for k in keys)  # image positions keyed by their pixels, stored in the file
+
+
+def test_dsv41_generate_with_images(tmp_path, capsys):
+    """`dsv41 generate --image` (repeatable): the prompt's spans through the same engine; its greedy first token
+    is model.forward's on the same prompt and spans; the prompt ids count the spans; bad inputs exit 2."""
+    from dsv41_jax.checkpoint.hf_writer import save_hf_checkpoint
+    from dsv41_jax.cli.main import main
+
+    tok = ByteTokenizer().save_json(tmp_path / "tokenizer.json", image_token=True)
+    model = synthetic_model(vision_config(), seed=3)
+    save_hf_checkpoint(model, tmp_path / "ckpt", tokenizer=tok)
+    (tmp_path / "red.png").write_bytes(RED)
+    (tmp_path / "blue.png").write_bytes(BLUE)
+    base = ["generate", "--checkpoint", str(tmp_path / "ckpt"), "--prompt", "compare", "--image",
+            str(tmp_path / "red.png"), "--image", str(tmp_path / "blue.png"), "--quiet"]
+    assert main(base + ["--temperature", "0", "--max-new-tokens", "2", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    tokenizer = load_tokenizer(tok)
+    content = [image_part(RED), image_part(BLUE), {"type": "text", "text": "compare"}]
+    want = forward_first_logprobs(model, tokenizer, content)
+    assert doc["tokens"][0] == int(np.argmax(want))
+    assert main(base + ["--print-prompt-ids"]) == 0
+    ids = json.loads(capsys.readouterr().out)
+    assert len(ids) == doc["prompt_tokens"] and ids.count(model.cfg.image_token_id) > 2  # the spans, expanded
+    for extra, needle in ((["--language-model-only"], "vision tower"), (["--speculative", "dspark"], "--speculative"),
+                          (["--image", str(tmp_path / "nope.png")], "no such file")):
+        assert main(base + extra) == 2, extra
+        assert needle in capsys.readouterr().err, extra

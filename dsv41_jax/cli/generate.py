@@ -44,13 +44,43 @@ def read_messages(path: str) -> tuple[list, list | None]:
                      f"got {type(data).__name__}")
 
 
-def _prompt_ids(args, tokenizer) -> list[int]:
+def _messages(args) -> tuple[list, list | None]:
+    """The chat to continue: --messages, or one user message of the --image files (in order) then --prompt."""
+    if args.messages is not None:
+        if args.image:
+            raise InputError("--image adds images to --prompt's message; with --messages put image_url parts in the "
+                             "messages instead (data URLs or absolute file paths)")
+        return read_messages(args.messages)
+    if not args.image:
+        return [{"role": "user", "content": args.prompt}], None
+    parts = []
+    for path in args.image:
+        p = pathlib.Path(path).expanduser()
+        if not p.is_file():
+            raise InputError(f"--image {path}: no such file")
+        parts.append({"type": "image_url", "image_url": {"url": str(p.resolve())}})
+    return [{"role": "user", "content": parts + [{"type": "text", "text": args.prompt}]}], None
+
+
+def _image_options():
+    """`dsv41 generate` reads the files its user names: any local path; the server's other limits."""
+    from dsv41_jax.serving.http.images import ImageOptions
+    from dsv41_jax.vision.sources import ImageLimits
+
+    return ImageOptions(ImageLimits(media_dir="/"))
+
+
+def _prompt_ids(args, tokenizer, cfg=None) -> list[int]:
+    """The chat-encoded prompt. With images (cfg needed): each image's span expanded, as it is prefilled."""
+    from dsv41_jax.serving.http.images import has_images, image_prompt
     from dsv41_jax.text.chat import encode_chat_ids
 
-    messages, tools = (read_messages(args.messages) if args.messages is not None
-                       else ([{"role": "user", "content": args.prompt}], None))
+    messages, tools = _messages(args)
+    chat = dict(thinking=args.thinking, effort=parse_effort(args.effort), tools=tools)
     try:
-        return encode_chat_ids(tokenizer, messages, thinking=args.thinking, effort=parse_effort(args.effort), tools=tools)
+        if has_images(messages):
+            return image_prompt(tokenizer, messages, cfg, _image_options(), **chat)[0]
+        return encode_chat_ids(tokenizer, messages, **chat)
     except (ValueError, TypeError, KeyError) as e:
         raise InputError(str(e)) from None
 
@@ -121,20 +151,31 @@ def _run(args) -> int:
     if not (folder / "tokenizer.json").is_file():
         raise InputError(f"--checkpoint {folder}: no tokenizer.json; copy the tokenizer.json that ships with the weights into it")
     tokenizer = load_tokenizer(folder)
-    prompt = _prompt_ids(args, tokenizer)
-    if args.print_prompt_ids:
-        print(json.dumps(prompt))
-        return 0
     from dsv41_jax.checkpoint import checkpoint_format
     from dsv41_jax.checkpoint.hf_loader import read_config
     from dsv41_jax.runtime import Runtime
     from dsv41_jax.serving.generate import Generator, TextStream
+    from dsv41_jax.serving.http.images import has_images
     from dsv41_jax.serving.sampling import SamplingParams
 
-    checkpoint_format(folder)
+    images = has_images(_messages(args)[0])
+    if images and args.speculative:
+        raise InputError("--speculative with --image is not supported yet: the drafter's prefill does not take image "
+                         "spans; drop one of them")
     overrides = {"max_batch_size": 1}
     if args.max_seq_len is not None:
         overrides["max_seq_len"] = args.max_seq_len
+    cfg = None
+    if images:  # the spans' lengths come from the config (no weights read)
+        checkpoint_format(folder)
+        cfg = read_config(folder, overrides)
+        if args.language_model_only:
+            cfg = cfg.language_model_only()
+    prompt = _prompt_ids(args, tokenizer, cfg)
+    if args.print_prompt_ids:
+        print(json.dumps(prompt))
+        return 0
+    checkpoint_format(folder)
     cfg = read_config(folder, overrides)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     if len(prompt) >= cfg.max_seq_len:
@@ -159,7 +200,8 @@ def _run(args) -> int:
     # refuses a model without the drafter, naming the missing mtp.* tensors, before compiling
     K = cfg.dspark_block_size if args.speculative == "dspark" else 0
     gen = Generator(cfg, model, tokenizer, runtime=runtime, mesh=mesh, preset=args.preset, speculative=K)
-    result = gen.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, on_token=show)
+    spans = _spans(args, gen, tokenizer, prompt) if images else None
+    result = gen.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, on_token=show, spans=spans)
     if K:
         from dsv41_jax.serving.speculation import summary
 
@@ -176,6 +218,18 @@ def _run(args) -> int:
         if result.finish_reason == "cache_full":
             print(f"stopped: the cache is full (max_seq_len={cfg.max_seq_len})", file=sys.stderr)
     return 0
+
+
+def _spans(args, gen, tokenizer, prompt):
+    """The prompt's image spans: the vision tower and aligner over each image, on the loaded weights."""
+    from dsv41_jax.serving.http.images import ImagePrompter
+
+    messages, tools = _messages(args)
+    made = ImagePrompter(gen.engine, _image_options()).build(tokenizer, messages, thinking=args.thinking,
+                                                             effort=parse_effort(args.effort), tools=tools)
+    if made.tokens != prompt:  # both from the same files: only a file changed in between could do this
+        raise InputError("an --image file changed while the model was loading; run again")
+    return made.spans
 
 
 def _cmd_generate(args) -> int:
@@ -197,7 +251,11 @@ def register(subparsers) -> None:
     s.add_argument("--checkpoint", required=True, metavar="DIR", help="HF or orbax checkpoint folder with tokenizer.json")
     src = s.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", metavar="TEXT", help="one user message")
-    src.add_argument("--messages", metavar="FILE", help="JSON list of chat messages (or {\"messages\": [...], \"tools\": [...]})")
+    src.add_argument("--messages", metavar="FILE", help="JSON list of chat messages (or {\"messages\": [...], \"tools\": [...]}); "
+                     "image_url parts take data URLs or absolute file paths")
+    s.add_argument("--image", action="append", metavar="PATH", default=[],
+                   help="an image file (PNG, JPEG, WebP, GIF) before the --prompt text; repeatable, in order. Needs a "
+                        "checkpoint with a vision tower (docs/VISION.md)")
     s.add_argument("--effort", metavar="low|high|max|N", help="reasoning effort for thinking mode: a name (low/high/max = 50/75/100) or 1-100")
     s.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=False,
                    help="thinking mode (<think>) or chat mode (</think>, the default)")
