@@ -80,9 +80,9 @@ def test_messages_file_and_effort_reach_the_chat_encoder(ckpt, tmp_path):
     tok = load_tokenizer(ckpt)
     messages = [{"role": "system", "content": "ok"}, {"role": "user", "content": "what is the weather"}]
     (tmp_path / "m.json").write_text(json.dumps({"messages": messages}))
-    args = Namespace(messages=str(tmp_path / "m.json"), prompt=None, thinking=True, effort="42")
+    args = Namespace(messages=str(tmp_path / "m.json"), prompt=None, thinking=True, effort="42", image=[])
     assert _prompt_ids(args, tok) == encode_chat_ids(tok, messages, thinking=True, effort=42)
-    args = Namespace(messages=None, prompt="hi", thinking=False, effort="low")
+    args = Namespace(messages=None, prompt="hi", thinking=False, effort="low", image=[])
     assert _prompt_ids(args, tok) == encode_chat_ids(tok, [{"role": "user", "content": "hi"}], thinking=False, effort=50)
 
 
@@ -203,7 +203,7 @@ def test_generate_greedy_equals_a_greedy_loop_over_the_forward_step(ckpt, greedy
     from dsv41_jax.cli.generate import _prompt_ids
 
     tok = load_tokenizer(ckpt)
-    prompt = _prompt_ids(Namespace(messages=None, prompt=PROMPT, thinking=False, effort=None), tok)
+    prompt = _prompt_ids(Namespace(messages=None, prompt=PROMPT, thinking=False, effort=None, image=[]), tok)
     want = _greedy_over_forward(ckpt, prompt, 6)
     assert len(want) >= 1
     code, out, err = greedy_on_one_device
