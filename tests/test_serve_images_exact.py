@@ -18,9 +18,7 @@ import json
 import os
 import subprocess
 import sys
-import time
 
-import httpx
 import numpy as np
 import pytest
 
@@ -30,6 +28,7 @@ from dsv41_jax.checkpoint.hf_writer import save_hf_checkpoint  # noqa: E402
 from dsv41_jax.checkpoint.synthetic import synthetic_model  # noqa: E402
 from dsv41_jax.serving.http.server import free_port  # noqa: E402
 from dsv41_jax.train.data import ByteTokenizer  # noqa: E402
+from serve_process import stop, wait_ready  # noqa: E402
 from test_serve_images import BLUE, RED, image_part, vision_config  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -90,21 +89,6 @@ def _serve(folder, port, chunk, log):
     return subprocess.Popen(cmd, env=env, stderr=open(log, "w"))
 
 
-def _wait(proc, url, log):
-    deadline = time.monotonic() + 900
-    while True:
-        try:
-            r = httpx.get(url + "/ready")
-            if r.status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"dsv41 serve did not come up: exit code {proc.poll()}\n" + log.read_text()[-4000:])
-        time.sleep(0.5)
-
-
 def test_image_requests_in_exact_numerics_equal_forward_bitwise(tmp_path):
     folder = tmp_path / "ckpt"
     tok = ByteTokenizer().save_json(tmp_path / "tokenizer.json", image_token=True)
@@ -124,8 +108,7 @@ def test_image_requests_in_exact_numerics_equal_forward_bitwise(tmp_path):
                                 text=True, timeout=1800)
         assert oracle.returncode == 0, oracle.stderr[-4000:]
         want = json.loads(oracle.stdout.strip().splitlines()[-1])
-        for name, url in urls.items():
-            _wait(procs[name], url, tmp_path / f"{name}.log")
+        wait_ready(procs, urls, {name: tmp_path / f"{name}.log" for name in urls})
         for name, url in urls.items():
             client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=900)
             served = client.models.list().data[0].id
@@ -140,10 +123,4 @@ def test_image_requests_in_exact_numerics_equal_forward_bitwise(tmp_path):
                     tops = [sorted((t.logprob for t in e.top_logprobs), reverse=True) for e in entries]
                     assert tops == w["top"], (name, len(content))
     finally:
-        for p in procs.values():
-            p.terminate()
-        for p in procs.values():
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop(procs)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -26,6 +25,7 @@ from dsv41_jax.checkpoint.hf_writer import save_hf_checkpoint  # noqa: E402
 from dsv41_jax.checkpoint.synthetic import synthetic_model  # noqa: E402
 from dsv41_jax.serving.http.server import free_port  # noqa: E402
 from dsv41_jax.train.data import ByteTokenizer  # noqa: E402
+from serve_process import stop, wait_ready  # noqa: E402
 from test_serve_http import tiny_config  # noqa: E402
 
 MESH = "expert=4,tensor=2"  # the tiny config's 4 experts one per expert shard, its 4 heads 2 per tensor shard
@@ -54,30 +54,10 @@ def servers(tmp_path_factory):
             port = free_port()
             procs[name] = _start(root / "ckpt", port, root / f"conv-{name}", mesh, root / f"{name}.log")
             urls[name] = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 900
-        for name, url in urls.items():
-            while True:
-                try:
-                    r = httpx.get(url + "/ready")
-                    if r.status_code == 200:
-                        break
-                    assert r.json()["status"] == "warming", f"dsv41 serve ({name}): {r.json()}"
-                except httpx.HTTPError:
-                    pass
-                if procs[name].poll() is not None or time.monotonic() > deadline:
-                    procs[name].kill()
-                    pytest.fail(f"dsv41 serve ({name}) did not come up: exit code {procs[name].poll()}\n"
-                                + (root / f"{name}.log").read_text()[-4000:])
-                time.sleep(0.5)
+        wait_ready(procs, urls, {name: root / f"{name}.log" for name in urls})
         yield urls
     finally:
-        for p in procs.values():
-            p.terminate()
-        for p in procs.values():
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop(procs)
 
 
 def _conversation(url):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -27,6 +26,7 @@ from dsv41_jax.cli.main import main  # noqa: E402
 from dsv41_jax.serving.http.server import BackgroundServer, ServeOptions, build, free_port  # noqa: E402
 from dsv41_jax.text.tokenizer import load_tokenizer  # noqa: E402
 from dsv41_jax.train.data import ByteTokenizer  # noqa: E402
+from serve_process import stop, wait_ready  # noqa: E402
 from test_serve_http import tiny_config  # noqa: E402
 from test_serve_warmup import count_compiles  # noqa: E402
 
@@ -119,30 +119,12 @@ def test_openai_client_streams_the_same_tokens_with_speculation(ckpts, tmp_path)
             port = free_port()
             procs[name] = _start(ckpts["dspark"], port, tmp_path / f"{name}.log", extra)
             urls[name] = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 900
-        for name, url in urls.items():
-            while True:
-                try:
-                    if httpx.get(url + "/ready").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if procs[name].poll() is not None or time.monotonic() > deadline:
-                    procs[name].kill()
-                    pytest.fail(f"dsv41 serve ({name}) did not come up: exit code {procs[name].poll()}\n"
-                                + (tmp_path / f"{name}.log").read_text()[-4000:])
-                time.sleep(0.5)
+        wait_ready(procs, urls, {name: tmp_path / f"{name}.log" for name in urls})
         got = {name: _ask(url) for name, url in urls.items()}
         m = _metrics(httpx.get(urls["spec"] + "/metrics").text)
         assert "dsv41_spec_drafted_tokens" not in _metrics(httpx.get(urls["plain"] + "/metrics").text)
     finally:
-        for p in procs.values():
-            p.terminate()
-        for p in procs.values():
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop(procs)
     assert got["spec"] == got["plain"]
     assert len(got["spec"]["logprobs"][0]) == 12  # the completion ran to max_tokens
     assert m["dsv41_spec_drafted_tokens"] == 3 * m["dsv41_spec_slot_steps"] > 0
