@@ -701,3 +701,17 @@ def test_image_ids_come_only_from_image_parts(tok):
     assert "<tool_result><｜deepseek_image｜>\n\nhi</tool_result>" in text and "see <|deepseek_image|>" in text
     with pytest.raises(ValueError, match="only text and image parts.*'input_audio'"):
         encode_chat([{"role": "user", "content": [_image("c"), {"type": "input_audio"}]}], thinking=False, images=True)
+
+
+def test_wo_eos_leaves_the_final_reply_open():
+    # DeepSeek's V4 encoder (encoding_dsv4.py render_message, assistant branch): `wo_eos` drops the
+    # reply's EOS; no header follows a final assistant message, so the model continues the reply
+    partial = [user("draft"), {"role": "assistant", "content": "partial", "wo_eos": True}]
+    assert encode_chat(partial, thinking=False) == BOS + U + "draft" + A + "</think>" + "partial"
+    assert encode_chat(partial, thinking=True) == BOS + SYS + effort(75) + U + "draft" + A + "<think>" + "</think>partial"
+    closed = [user("draft"), {"role": "assistant", "content": "partial", "wo_eos": False}]
+    assert encode_chat(closed, thinking=False) == BOS + U + "draft" + A + "</think>" + "partial" + EOS
+    # on other roles the reference carries it and renders nothing
+    assert encode_chat([dict(user("q"), wo_eos=True)], thinking=False) == encode_chat([user("q")], thinking=False)
+    with pytest.raises(ValueError, match=r"messages\[1\]: wo_eos must be true or false, got 'yes'"):
+        encode_chat([user("q"), {"role": "assistant", "content": "a", "wo_eos": "yes"}], thinking=False)

@@ -140,6 +140,25 @@ def test_reasoning_split_whole_and_streamed(server, client):
     assert all("think>" not in (d.content or "") + (d.model_extra.get("reasoning_content") or "") for d in deltas)
 
 
+def test_a_reply_left_open_with_wo_eos_is_continued_as_content(server, client):
+    # a final assistant message with "wo_eos": true ends the prompt without EOS or header (DeepSeek's
+    # encoder); in thinking mode its reasoning is already closed, so the continuation is content
+    tok = server.tokenizer
+    partial = USER + [{"role": "assistant", "content": "It is", "reasoning_content": "Sum.", "wo_eos": True}]
+    extra = forced(tok, " 4.", st.EOS)
+    r = client.chat.completions.create(model="tiny", messages=partial, max_tokens=10, reasoning_effort="high",
+                                       extra_body=extra)
+    msg = r.choices[0].message
+    assert msg.content == " 4." and not msg.model_extra.get("reasoning_content"), msg
+    assert r.usage.prompt_tokens == len(encode_chat_ids(tok, partial, thinking=True, effort="high"))
+    assert encode_chat_ids(tok, partial, thinking=True, effort="high")[-1] != tok.token_to_id(st.EOS)
+    chunks = list(client.chat.completions.create(model="tiny", messages=partial, max_tokens=10, reasoning_effort="high",
+                                                 stream=True, extra_body=extra))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas) == " 4."
+    assert not "".join(d.model_extra.get("reasoning_content") or "" for d in deltas)
+
+
 def test_tools_round_trip(server, client):
     tok = server.tokenizer
     calls = [("get_weather", {"city": "Paris"})]

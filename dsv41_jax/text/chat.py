@@ -127,6 +127,7 @@ class _Turn:
     calls: tuple[tuple[str | None, str, dict], ...] = ()  # (id, name, arguments)
     functions: tuple[Mapping, ...] = ()  # tool definitions hosted by this system turn
     task: str | None = None  # a quick-instruction task marker after this turn (st.TASKS)
+    wo_eos: bool = False  # an assistant turn left open: no EOS after it (the reply continues)
 
 
 def _text_of(value, where: str) -> str:
@@ -207,6 +208,19 @@ def _task(msg: Mapping, where: str) -> str | None:
     return task
 
 
+def _wo_eos(msg: Mapping, where: str) -> bool:
+    """An assistant message's `wo_eos` ("without EOS"): DeepSeek's official V4 encoder
+    (`encoding/encoding_dsv4.py`, render_message's assistant branch) writes the reply without its
+    closing EOS when it is set, so a conversation ending in such a message asks the model to
+    continue that reply (vLLM's `continue_final_message`). Only assistant messages render it; the
+    reference tests truthiness, we ask for a bool (a string "false" would silently count as set).
+    On other roles it is carried and never rendered (as in the reference): accepted, no effect."""
+    value = msg.get("wo_eos", False)
+    if not isinstance(value, bool):
+        raise ValueError(f"{where}: wo_eos must be true or false, got {value!r}")
+    return value
+
+
 def _mask(msg: Mapping, where: str) -> None:
     """A message's `mask`: DeepSeek's official encoder keeps it on every message (its
     merge_tool_messages carries "task", "wo_eos" and "mask" over to merged user turns) and no
@@ -228,6 +242,8 @@ def _validated(messages, images: bool = False) -> list[_Turn]:
             raise ValueError(f"{where}: unknown role {role!r}; accepted roles are {ROLES}")
         task = _task(msg, where)
         _mask(msg, where)
+        if role != "assistant":
+            _wo_eos(msg, where)
         if role in ("system", "latest_reminder"):
             turns.append(_Turn(role, content=_required_text(msg, where), task=task))
         elif role == "developer":  # rendered `<｜User｜>text` but its own turn (reference: content required)
@@ -241,7 +257,7 @@ def _validated(messages, images: bool = False) -> list[_Turn]:
             call_id = msg.get("tool_call_id") or ""
             turns.append(_Turn("user", blocks=(_block(msg, where, images, str(call_id)),)))
         else:
-            turns.append(dataclasses.replace(_assistant(msg, where), task=task))
+            turns.append(dataclasses.replace(_assistant(msg, where), task=task, wo_eos=_wo_eos(msg, where)))
     return turns
 
 
@@ -344,7 +360,8 @@ def _render(turns: list[_Turn], *, thinking: bool, budget: int, keep_reasoning: 
             if turn.calls:
                 calls = [(name, args) for _, name, args in turn.calls]
                 out += chat_dsml.render_tool_calls(calls, escape_image_placeholder)
-            out.append(P.encoder(st.EOS))
+            if not turn.wo_eos:
+                out.append(P.encoder(st.EOS))
         if i + 1 < len(turns) and turns[i + 1].role not in ("assistant", "latest_reminder"):
             continue
         if turn.task == "action":
@@ -379,7 +396,8 @@ def encode_chat_pieces(
     images: image content parts of user and tool messages become the image placeholder (an
       `ImagePiece` carrying the part, `pieces.image_parts` lists them in prompt order), joined with
       the text parts by a blank line as the reference does; without it they are refused.
-    A conversation that ends with an assistant turn gets no new `<｜Assistant｜>` header.
+    A conversation that ends with an assistant turn gets no new `<｜Assistant｜>` header; with
+    `"wo_eos": true` on that turn its EOS is left off too, so the model continues the reply.
     """
     if not isinstance(thinking, bool):
         raise ValueError(f"thinking must be True or False, got {thinking!r}")

@@ -276,7 +276,7 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
                 functions = [t["function"] for t in mode.tools]
                 grammar = g.tool_calls(functions, parallel=spec.parallel, param="tools")
             g.check(grammar, spec.param)
-            after = tokenizer.token_to_id(st.THINK_END) if mode is not None and mode.thinking else None
+            after = tokenizer.token_to_id(st.THINK_END) if mode is not None and mode.reply_thinking else None
             return [g.constraint(grammar, start_after=after) for _ in range(n)]
         except ConstraintError as e:
             raise P.bad(e.param, str(e).split(": ", 1)[1]) from None
@@ -306,7 +306,7 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
             job = Job(req, loop, asyncio.Queue(), fail_in_engine=fail)
             # an image prompt matches the conversation caches on its pixel key (every image position has one id)
             if cfg.conversations is not None:
-                cfg.conversations.attach(job, thinking=bool(mode and mode.thinking), chat=mode is not None, key=key)
+                cfg.conversations.attach(job, thinking=bool(mode and mode.reply_thinking), chat=mode is not None, key=key)
             runs.append(_Run(len(prompt), job))
         try:
             worker.submit_all([run.job for run in runs])
@@ -508,7 +508,7 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
 
         def __init__(self, index: int, run: _Run, mode: P.ChatMode, sp: P.Sampling, one_call: bool = False):
             self.index, self.run, self.mode, self.sp = index, run, mode, sp
-            self.parser = ReplyParser(thinking=mode.thinking, tools=mode.parse_tools, max_calls=1 if one_call else None)
+            self.parser = ReplyParser(thinking=mode.reply_thinking, tools=mode.parse_tools, max_calls=1 if one_call else None)
             self.calls, self.sent_lp = [], 0
 
         @staticmethod
@@ -552,7 +552,7 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
             self.calls = [c for d in pieces for c in d.tool_calls]
             message = {"role": "assistant",
                        "content": "".join(d.content for d in pieces) or (None if self.calls else "")}
-            if self.mode.thinking:
+            if self.mode.reply_thinking:
                 message["reasoning_content"] = message["reasoning"] = "".join(d.reasoning for d in pieces)
             if self.calls:
                 message["tool_calls"] = [_call(c) for c in self.calls]

@@ -222,12 +222,21 @@ def _logit_bias(value) -> tuple[tuple[int, float], ...]:
 
 @dataclasses.dataclass
 class ChatMode:
-    """How the conversation is rendered: thinking or chat, the effort, which tools."""
+    """How the conversation is rendered: thinking or chat, the effort, which tools; `continues`: the
+    messages end with an assistant message, whose reply the model continues (with `"wo_eos": true`
+    that reply is left open: DeepSeek's encoder writes no EOS and no new `<｜Assistant｜>` header)."""
 
     thinking: bool
     effort: int | str | None
     tools: list | None
     parse_tools: bool
+    continues: bool = False
+
+    @property
+    def reply_thinking(self) -> bool:
+        """The reply starts in reasoning: thinking mode and the prompt ends with `<think>` (a continued
+        assistant message already has its reasoning and `</think>` in the prompt: the reply is content)."""
+        return self.thinking and not self.continues
 
 
 def chat_mode(body: Mapping) -> ChatMode:
@@ -261,7 +270,10 @@ def chat_mode(body: Mapping) -> ChatMode:
         tools = None
     elif choice == "required" and not tools:
         raise bad("tool_choice", "'required' needs a non-empty tools list")
-    return ChatMode(thinking, None if effort == "none" else effort, tools or None, bool(tools))
+    messages = body.get("messages")
+    continues = (isinstance(messages, list) and bool(messages) and isinstance(messages[-1], Mapping)
+                 and messages[-1].get("role") == "assistant")
+    return ChatMode(thinking, None if effort == "none" else effort, tools or None, bool(tools), continues)
 
 
 def check_images(messages, has_vision: bool):
