@@ -43,7 +43,9 @@ class Gate(nnx.Module):
             return jax.nn.softmax(s, axis=-1)
         if self.score_func == "sigmoid":
             return sigmoid(s, mode)
-        return sqrt(softplus(s, mode), mode)
+        # torch's softplus runs its scalar lambda (glibc log1pf/expf) on the call's last elements
+        # (docs/NUMERICS.md); the last two dims are one call ([T, E] per sequence)
+        return sqrt(softplus(s, mode, tail_dims=min(2, s.ndim)), mode)
 
     def select(self, scores, vl_mask=None):
         """(biased scores, experts [..., k]): the selection, experts ordered by descending biased score.
@@ -158,7 +160,8 @@ class MoE(nnx.Module):
         replace them (golden-check's forced runs), then calls `apply` with the experts to run.
         vl_mask: optional bool [B, T], True at image-span positions (routed with `gate.bias_vl`)."""
         B, T, d = x.shape
-        scores = self.gate.scores(x.reshape(B * T, d), mode)
+        # one oracle call per sequence: [T, E] (for B = 1 the reference's flattened [B*T, E] is the same tensor)
+        scores = self.gate.scores(x, mode).reshape(B * T, -1)
         biased, experts = self.gate.select(scores, None if vl_mask is None else vl_mask.reshape(B * T))
         E = scores.shape[-1]
         return scores.reshape(B, T, E), biased.reshape(B, T, E), experts.reshape(B, T, -1)

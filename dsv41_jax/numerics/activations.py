@@ -43,7 +43,7 @@ def softplus_scalar(x: jax.Array) -> jax.Array:
 def sigmoid(x: jax.Array, mode: str = "fast", tail_dims: int | None = None) -> jax.Array:
     """1 / (1 + exp(-x)) in float32. Exact mode: SLEEF's exp (torch's vector body); with
     `tail_dims`, the elements torch's scalar path computes use glibc's (`with_scalar_tail`).
-    The Engram gate's sigmoid needs that (its [T, hc] call has a tail; not wired yet)."""
+    The Engram gate's sigmoid takes it (its [T, hc] call per sequence has a tail)."""
     if mode == "exact":
         x = x.astype(jnp.float32)
         return with_scalar_tail(x, lambda v: true_divide(jnp.ones_like(v), 1.0 + expf_u10(-v)), sigmoid_scalar,
