@@ -111,6 +111,39 @@ def test_engine_decode_step_returns_the_taps_forward_returns():
         assert all(bool(jnp.array_equal(x, y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
+def test_prefix_cache_stores_the_drafter_rings(tmp_path):
+    """Issue 26 item 2: `save_prefix(rings=)` stores a row of the drafter's rings bit for bit and
+    `load_rings` reads it back; a file without rings gives None (it resumes without speculating);
+    rings of another drafter shape are refused naming the arrays."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsv41_jax.model import dspark
+    from dsv41_jax.serving import prefix_cache
+    from dsv41_jax.serving.buckets import empty_cache
+
+    cfg = _tiny(False)
+    rng = np.random.default_rng(0)
+    state = dspark.init_state(cfg, 3)
+    state["rings"] = [type(r)(*(jnp.asarray(rng.integers(0, 256, a.shape, np.uint8)).view(a.dtype) for a in r))
+                      for r in state["rings"]]
+    cache, fp = empty_cache(cfg, 3, 64), "ab" * 32
+    prefix_cache.save_prefix(tmp_path / "r.dsv41", cfg, cache, [], fingerprint=fp, row=2, rings=state)
+    got = prefix_cache.load_rings(tmp_path / "r.dsv41", cfg, fingerprint=fp)
+    want = jax.tree.map(lambda a: a[2:3], state)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert x.dtype == y.dtype and np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+    prefix_cache.load_prefix(tmp_path / "r.dsv41", cfg, fingerprint=fp)  # the cache loads as before
+    prefix_cache.save_prefix(tmp_path / "n.dsv41", cfg, cache, [], fingerprint=fp)
+    assert prefix_cache.load_rings(tmp_path / "n.dsv41", cfg, fingerprint=fp) is None
+    prefix_cache.save_prefix(tmp_path / "s.dsv41", cfg, cache, [], fingerprint=fp, rings={"rings": state["rings"][:2]})
+    with pytest.raises(prefix_cache.PrefixCacheError, match="dspark.ring2"):
+        prefix_cache.load_rings(tmp_path / "s.dsv41", cfg, fingerprint=fp)
+    with pytest.raises(prefix_cache.PrefixCacheError, match="other weights"):
+        prefix_cache.load_rings(tmp_path / "r.dsv41", cfg, fingerprint="cd" * 32)
+
+
 # ------------------------------------------------------------------------------ in the engine
 @pytest.mark.slow
 def test_engine_with_speculation_equals_the_engine_without():
@@ -183,6 +216,8 @@ def _engine_case():
     reqs = requests(stop)
     assert [r.tokens for r in spec.run(reqs)] == want
 
+    _resume_case(plain, spec, prompts[0], cfg.vocab_size)
+
     # the runtime's finite guard covers the verify positions: NaN logits at the first position of the
     # first request's verify fail that request alone, naming the position; the others go on
     verify = spec._verify
@@ -203,6 +238,43 @@ def _engine_case():
     assert "non-finite logits for position" in got[0].error
     assert got[0].tokens == want[0][:len(got[0].tokens)]
     assert [r.tokens for r in got[1:]] == want[1:]
+
+
+def _resume_case(plain, spec, prompt, vocab):
+    """A follow-up turn resumed from a conversation cache: the speculating engine's file holds the
+    drafter's rings, so the turn speculates from its first decode step; its tokens equal the plain
+    engine's resumed from its own file (which has no rings). The speculating engine resumed from the
+    plain file (no rings: an older file) decodes without speculating, with the same tokens."""
+    import tempfile
+
+    from dsv41_jax.serving import prefix_cache
+    from dsv41_jax.serving.engine import Request
+    from dsv41_jax.serving.sampling import SamplingParams
+
+    kinds = []
+    verify, decode = spec._verify, spec._decode_rings
+    spec._verify = lambda *a: kinds.append("spec") or verify(*a)
+    spec._decode_rings = lambda *a: kinds.append("plain") or decode(*a)
+    with tempfile.TemporaryDirectory() as tmp:
+        files = {e: f"{tmp}/{name}.dsv41" for e, name in ((plain, "plain"), (spec, "spec"))}
+        turn1 = {e: e.run([Request(list(prompt), SamplingParams(max_tokens=9), save_to=files[e])])[0].tokens
+                 for e in (plain, spec)}
+        assert turn1[plain] == turn1[spec]
+        assert "plain" in kinds  # the last step (one token left) was a plain one: the rings kept up with it
+        assert prefix_cache.load_rings(files[plain], plain.cfg, fingerprint=plain.fingerprint) is None
+        assert prefix_cache.load_rings(files[spec], spec.cfg, fingerprint=spec.fingerprint) is not None
+        nxt = [turn1[plain][-1]] + [(7 * t + 3) % vocab for t in prompt[:5]]  # the last sampled token, then a reply
+        turn2 = lambda e, f: e.run([Request(list(nxt), SamplingParams(max_tokens=14), resume_from=f)])[0].tokens
+        want = turn2(plain, files[plain])
+        assert turn2(plain, files[spec]) == want  # a file with rings serves an engine without speculation
+        kinds.clear()
+        before = dict(spec.spec_stats)
+        assert turn2(spec, files[spec]) == want
+        assert kinds[0] == "spec" and kinds.count("spec") == spec.spec_stats["slot_steps"] - before["slot_steps"]
+        kinds.clear()
+        assert turn2(spec, files[plain]) == want
+        assert set(kinds) == {"plain"}  # no rings stored: no speculation
+    spec._verify, spec._decode_rings = verify, decode
 
 
 # ------------------------------------------------------------------ T > 0: rejection sampling

@@ -93,7 +93,7 @@ class _Slot:
     in_cache: int  # how many of them went through the model
     generated: list[int]
     times: dict
-    rings: bool = False  # its DSpark rings hold the sequence (speculation can start)
+    rings: bool = False  # its DSpark rings hold every position in the cache (speculation can start)
 
 
 def pieces(n: int, chunk: int) -> list[int]:
@@ -176,6 +176,7 @@ class Engine:
             self.rings = self.placed(dspark.init_state(cfg, slots))
             self.spec_stats = {"steps": 0, "slot_steps": 0, "drafted": 0, "accepted": 0}  # speculation.summary
         self.table: list[_Slot | None] = [None] * slots
+        self.row_rings = None  # the last `prefill`'s one-row DSpark rings (speculating engines)
         self.waiting: list[tuple[Request, dict]] = []
         self.done: dict[str, Result] = {}
         self._ids = itertools.count()
@@ -260,7 +261,21 @@ class Engine:
             rings = dspark.write_rings(model, rings, dspark.main_x(model, taps, mode), pending["start"], n, mode)
             return fix(commit(model.cfg, cache, pending, n)), rings, speculation.count(history, chunk, n)
 
+        plan = self.decode_plan
+
+        @functools.partial(jit, donate_argnums=(2, 5))
+        def decode_rings(params, tokens, cache, active, ids, rings):
+            """The plain decode step, its taps committed into the rings: a slot's rings then hold every
+            position it has cached (what `save_slot` stores for a conversation's next turn)."""
+            model = nnx.merge(gd, params)
+            start = cache["length"]
+            logits, cache, aux = decode_step(model, tokens, cache, plan, engram_ids=ids, active=active, taps=True)
+            rings = dspark.write_rings(model, rings, dspark.main_x(model, aux["main_hidden"], mode), start,
+                                       active.astype(jnp.int32), mode)
+            return fix(logits[:, -1]), fix(cache), rings
+
         self._full_rings, self._verify, self._commit = full_rings, verify, commit_step
+        self._decode_rings = decode_rings
         self._draft = jit(speculation.draft_fn(gd, mode, K))
         self._draft_sampled = jit(speculation.draft_sampled_fn(gd, mode, K))
         self._reject = jit(speculation.rejection_fn(K))
@@ -356,12 +371,16 @@ class Engine:
 
     def prefill(self, req: Request) -> tuple[jax.Array, dict, list[int], int]:
         """Prefill one request alone: (last-position logits [1,V], one-row cache, all tokens, cached).
-        On a speculating engine, a request without a stored conversation also fills `self._row_rings`
-        (its DSpark rings, one row), else leaves it None."""
+        On a speculating engine, a request that may speculate also fills `self.row_rings` (its DSpark
+        rings, one row: new ones, or those stored with its conversation), else leaves it None: a
+        conversation stored without rings (an older file, or one written without speculation) resumes
+        without speculating (its replayed window cannot rebuild them: `prefix_cache.load_rings`)."""
         cfg, W = self.cfg, self.cfg.window_size
         rings = None
-        if self.K and req.resume_from is None and req.speculate:
-            rings = self.placed(dspark.init_state(cfg, 1))
+        if self.K and req.speculate:
+            rings = (dspark.init_state(cfg, 1) if req.resume_from is None else
+                     prefix_cache.load_rings(req.resume_from, cfg, fingerprint=self.fingerprint))
+            rings = None if rings is None else self.placed(rings)
         tokens: list[int] = []
         cached = 0
         logits = None
@@ -407,7 +426,7 @@ class Engine:
                 logits, cache = self._decoder(self.params, enc_h, enc_pre, cache, floor,
                                               self._engram_ids(tokens + new[:-self.tail], tail_tokens),
                                               None if tail_spans is None else tail_spans[1] >= 0)
-        self._row_rings = rings
+        self.row_rings = rings
         return logits, cache, tokens + new, cached
 
     def _admit(self):
@@ -431,8 +450,8 @@ class Engine:
             self.cache = self._insert(self.cache, row, slot)
             self.history = self._insert(self.history, hist, slot)
             st = _Slot(req, tokens + [first], len(tokens), [first], times)
-            if self.K and self._row_rings is not None:
-                self.rings = self._insert(self.rings, self._row_rings, slot)
+            if self.K and self.row_rings is not None:
+                self.rings = self._insert(self.rings, self.row_rings, slot)
                 st.rings = True
             st.prompt_tokens, st.cached_tokens = len(req.prompt), cached
             self.table[slot] = st
@@ -504,13 +523,16 @@ class Engine:
 
     def save_slot(self, slot: int, path) -> dict:
         """Store a slot's global cache and the tokens that went through the model (not the last
-        sampled one). The next turn's prompt should start with that token."""
+        sampled one), with its DSpark rings when it has them. The next turn's prompt should start
+        with that token."""
         st = self.table[slot]
         row = jax.tree.map(lambda a: a[slot:slot + 1], self.cache)
         tokens = st.tokens[:st.in_cache]
         key = st.request.match_key
         key = None if key is None else list(key[:len(tokens)]) + list(tokens[len(key):])  # generated: text
-        return prefix_cache.save_prefix(path, self.cfg, row, tokens, fingerprint=self.fingerprint, match_key=key)
+        rings = jax.tree.map(lambda a: a[slot:slot + 1], self.rings) if st.rings else None
+        return prefix_cache.save_prefix(path, self.cfg, row, tokens, fingerprint=self.fingerprint, match_key=key,
+                                        rings=rings)
 
     def step(self) -> list[Result]:
         """Admit what fits, run one decode step over the active slots, evict finished. Returns
@@ -524,8 +546,11 @@ class Engine:
         elif any(active):
             last = [st.tokens[-1] if st else 0 for st in self.table]
             ids = self._batch_ids([(st.tokens[:-1], st.tokens[-1]) if st else ([], 0) for st in self.table])
-            logits, self.cache = self._decode(self.params, jnp.asarray(last, jnp.int32)[:, None], self.cache,
-                                              jnp.asarray(active), ids)
+            args = (self.params, jnp.asarray(last, jnp.int32)[:, None], self.cache, jnp.asarray(active), ids)
+            if self.K:  # the rings follow every cached position (`_Slot.rings`, `save_slot`)
+                logits, self.cache, self.rings = self._decode_rings(*args, self.rings)
+            else:
+                logits, self.cache = self._decode(*args)
             # the masks are computed on the host while the device runs the decode step
             masks = self._masks([st.request if st else None for st in self.table])
             a = slot_arrays([st.request.sampling if st else None for st in self.table])

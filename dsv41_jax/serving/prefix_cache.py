@@ -3,7 +3,12 @@
 Only the global parts are stored: each KV source's compressed entries and index keys (the
 packed 288 B / 68 B rows, exactly as cached), its compressor's partial group, and the token
 ids. The window rings are disposable; after a restore they are rebuilt by replaying the last
-window of tokens (`split_prefill.replay_window`).
+window of tokens (`split_prefill.replay_window`). A speculating engine also stores the DSpark
+drafter's rings of the sequence (`dspark.init_state`'s one-row window rings of main_x keys, arrays
+`dspark.ring<i>.<field>`): a replay cannot rebuild them (its window is truncated, so its taps differ
+from the original run's), and with them a resumed request speculates from its first decode step
+(`load_rings`). A file without them (older, or written without speculation) loads as before;
+`load_rings` returns None for it.
 
 File layout (little endian):
     magic b"DSV41PFX" | u32 format version | u64 header length | header (UTF-8 JSON)
@@ -29,6 +34,7 @@ import numpy as np
 from dsv41_jax.checkpoint.atomic import atomic_file
 from dsv41_jax.numerics import kv_layout
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.model import dspark
 from dsv41_jax.serving.buckets import capacity_for, empty_cache
 
 MAGIC = b"DSV41PFX"
@@ -139,12 +145,14 @@ def _global_arrays(cfg: ModelConfig, cache: dict, row: int, n: int) -> dict[str,
 
 
 def save_prefix(path, cfg: ModelConfig, cache: dict, tokens, *, fingerprint: str, row: int = 0,
-                match_key=None) -> dict:
+                match_key=None, rings: dict | None = None) -> dict:
     """Write row `row` of `cache` (holding exactly `tokens`) to `path`, atomically. Returns the header.
 
     fingerprint: `model_fingerprint` of the weights that computed the cache (checked on load).
     match_key: optional int32 [n] that conversation caches match on instead of the token ids (an
     image prompt's positions keyed by the image's pixels: every image position has the same id).
+    rings: the drafter's state (`dspark.init_state` layout) holding this sequence's positions, row
+    `row` is stored (`load_rings` reads it back).
     """
     fingerprint = _checked_fingerprint(fingerprint, "save_prefix")
     path = pathlib.Path(path)
@@ -158,6 +166,8 @@ def save_prefix(path, cfg: ModelConfig, cache: dict, tokens, *, fingerprint: str
         arrays["match_key"] = np.asarray(match_key, np.int32).reshape(-1)
         if arrays["match_key"].size != n:
             raise PrefixCacheError(f"match_key has {arrays['match_key'].size} entries for {n} tokens")
+    if rings is not None:
+        arrays.update(_ring_arrays(rings, row))
     entries, blobs, offset = [], [], 0
     for name, a in arrays.items():
         data = np.ascontiguousarray(a).tobytes()
@@ -242,6 +252,53 @@ def _check_counts(path, header: dict) -> int:
     return n
 
 
+def _arrays(path, header: dict, payload: bytes, prefix: str = "") -> dict[str, np.ndarray]:
+    """The file's arrays whose names start with `prefix`, each checked against its checksum."""
+    arrays = {}
+    for e in header["arrays"]:
+        if not e["name"].startswith(prefix):
+            continue
+        lo, hi = e["offset"], e["offset"] + e["nbytes"]
+        if hi > len(payload):
+            raise PrefixCacheError(f"prefix cache {path} is truncated: array {e['name']} ends at {hi}, payload has {len(payload)} bytes")
+        data = payload[lo:hi]
+        if _sha(data) != e["sha256"]:
+            raise PrefixCacheError(f"prefix cache {path} is corrupt: array {e['name']} fails its checksum")
+        arrays[e["name"]] = np.frombuffer(data, dtype=jnp.dtype(e["dtype"])).reshape(e["shape"])
+    return arrays
+
+
+def _ring_arrays(rings: dict, row: int) -> dict[str, np.ndarray]:
+    return {f"dspark.ring{i}.{name}": np.asarray(jax.device_get(a[row]))
+            for i, ring in enumerate(rings["rings"]) for name, a in zip(ring._fields, ring)}
+
+
+def load_rings(path, cfg: ModelConfig, *, fingerprint: str) -> dict | None:
+    """The DSpark rings stored with a prefix cache (`save_prefix(rings=...)`), one row in
+    `dspark.init_state(cfg, 1)`'s layout, or None when the file has none (written before rings were
+    stored, or by an engine without speculation: such a resumed request decodes without speculating).
+    The file's identity is checked as `load_prefix` checks it."""
+    fingerprint = _checked_fingerprint(fingerprint, "load_prefix")
+    path = pathlib.Path(path)
+    header, payload = _read(path)
+    _check_identity(path, header, cfg, fingerprint)
+    arrays = _arrays(path, header, payload, "dspark.")
+    if not arrays:
+        return None
+    state = dspark.init_state(cfg, 1)
+    expect = _ring_arrays(state, 0)
+    if set(arrays) != set(expect):
+        raise PrefixCacheError(f"prefix cache {path} holds DSpark rings {sorted(arrays)}, expected {sorted(expect)} "
+                               f"for this config's {cfg.n_mtp_layers} drafter stages")
+    for name, ref in expect.items():
+        if arrays[name].shape != ref.shape or arrays[name].dtype != ref.dtype:
+            raise PrefixCacheError(f"prefix cache {path}: array {name} is {arrays[name].dtype}{list(arrays[name].shape)}, "
+                                   f"expected {ref.dtype}{list(ref.shape)}")
+    rings = [type(ring)(*(jnp.asarray(arrays[f"dspark.ring{i}.{f}"])[None] for f in ring._fields))
+             for i, ring in enumerate(state["rings"])]
+    return {**state, "rings": rings}
+
+
 def load_prefix(path, cfg: ModelConfig, *, fingerprint: str, capacity: int | None = None, min_capacity: int = 256):
     """Read a prefix cache into a fresh one-row cache. Returns (cache, tokens int32 [N]).
 
@@ -257,15 +314,7 @@ def load_prefix(path, cfg: ModelConfig, *, fingerprint: str, capacity: int | Non
     capacity = capacity or capacity_for(cfg, n, min_capacity, maximum=max(n, cfg.max_seq_len))
     if n > capacity:
         raise PrefixCacheError(f"prefix cache {path} holds {n} tokens, more than the capacity {capacity}")
-    arrays = {}
-    for e in header["arrays"]:
-        lo, hi = e["offset"], e["offset"] + e["nbytes"]
-        if hi > len(payload):
-            raise PrefixCacheError(f"prefix cache {path} is truncated: array {e['name']} ends at {hi}, payload has {len(payload)} bytes")
-        data = payload[lo:hi]
-        if _sha(data) != e["sha256"]:
-            raise PrefixCacheError(f"prefix cache {path} is corrupt: array {e['name']} fails its checksum")
-        arrays[e["name"]] = np.frombuffer(data, dtype=jnp.dtype(e["dtype"])).reshape(e["shape"])
+    arrays = _arrays(path, header, payload)
     cache = empty_cache(cfg, 1, capacity)
     expect = _global_arrays(cfg, cache, 0, n)
     missing = sorted(set(expect) - set(arrays))

@@ -16,6 +16,8 @@ new tokens plus the replayed window (docs/SERVING.md "Conversation caches").
   extends it. In thinking mode the next turn drops this turn's reasoning and re-renders the
   generation header, so it extends only the prompt without its final `<think>`; that prefix is
   stored too (one extra prefill from the best match, after the reply, off the request's path).
+- Speculation: a speculating engine stores the sequence's DSpark rings in the file too, so the next
+  turn speculates from its first token; a file without them resumes without speculating.
 - Images: a request with images matches on its key (`images.pixel_key`: image positions keyed by
   the image's processed pixels), stored in the file (`save_prefix`'s match_key); a resumed request
   gets the spans of its new tokens and of the stored ones (the replayed window reads them).
@@ -149,11 +151,11 @@ class ConversationStore:
             return path, n
         return None, 0
 
-    def save(self, tokens, cache_row, key=None) -> pathlib.Path:
+    def save(self, tokens, cache_row, key=None, rings=None) -> pathlib.Path:
         key = tokens if key is None else key
         path = self.path_for(key)
         prefix_cache.save_prefix(path, self.engine.cfg, cache_row, tokens, fingerprint=self.engine.fingerprint,
-                                 match_key=None if list(key) == list(tokens) else key)
+                                 match_key=None if list(key) == list(tokens) else key, rings=rings)
         self._add(path, np.asarray(key, np.int32))
         self._evict()
         return path
@@ -219,7 +221,7 @@ class ConversationStore:
             _, row, tokens, _ = self.engine.prefill(Request(
                 prefix[n:], resume_from=None if path is None else str(path), spans=new_spans,
                 history_spans=old_spans if path is not None else None))
-            self.save(tokens, row, key)
+            self.save(tokens, row, key, self.engine.row_rings)  # a speculating engine's drafter rings, or None
         except Exception:  # noqa: BLE001 - a cache that cannot be stored is only a lost speed-up
             traceback.print_exc()
 
