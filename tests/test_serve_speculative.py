@@ -62,6 +62,25 @@ def test_speculation_is_refused_clearly_before_any_weight_is_read(ckpts, capsys)
     assert code == 2 and f"at most dspark_block_size={BLOCK}" in err and f"1 .. {BLOCK}" in err
     code, err = _serve(["--checkpoint", ckpts["dspark"], "--num-draft-tokens", 2], capsys)
     assert code == 2 and "--num-draft-tokens 2 needs --speculative dspark" in err
+    code, err = _serve(["--checkpoint", ckpts["dspark"], "--speculative-acceptance", "match"], capsys)
+    assert code == 2 and "--speculative-acceptance match needs --speculative dspark" in err
+
+
+def test_speculative_acceptance_flag_selects_the_engine_rule(ckpts, capsys):
+    """--speculative-acceptance: 'rejection' by default, 'match' when asked; another value is refused by
+    the parser, naming the choices."""
+    from dsv41_jax.cli.main import build_parser
+    from dsv41_jax.cli.serve import load_server
+
+    base = ["serve", "--checkpoint", str(ckpts["dspark"]), "--quiet", "--no-warm", "--speculative", "dspark"]
+    for extra, rule in (([], "rejection"), (["--speculative-acceptance", "match"], "match"),
+                        (["--speculative-acceptance", "rejection"], "rejection")):
+        _, worker, opts = load_server(build_parser().parse_args(base + extra))
+        assert opts.spec_acceptance == rule and worker.engine.spec_acceptance == rule
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(base + ["--speculative-acceptance", "greedy"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "invalid choice: 'greedy'" in err and "'rejection', 'match'" in err
 
 
 def _metrics(text: str) -> dict:

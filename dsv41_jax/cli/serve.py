@@ -78,7 +78,8 @@ def load_server(args):
                         cache_dir=args.prefix_cache_dir, cache_bytes=args.prefix_cache_bytes,
                         runtime=Runtime(mode=args.numerics, impl=args.impl),
                         max_request_bytes=args.max_request_bytes, warm=not args.no_warm, mesh=mesh,
-                        preset=args.preset, images=image_options(args), speculative=k)
+                        preset=args.preset, images=image_options(args), speculative=k,
+                        spec_acceptance=speculative.acceptance(args))
     app, worker = build(model, tokenizer, opts)
     if not args.quiet:
         worker.warm_progress = _print_warm_progress

@@ -1,5 +1,6 @@
-"""`dsv41 serve --speculative dspark [--num-draft-tokens K]`: the server's engine drafts K tokens
-per step per slot with the checkpoint's DSpark drafter (`serving/speculation.py`).
+"""`dsv41 serve --speculative dspark [--num-draft-tokens K] [--speculative-acceptance RULE]`: the
+server's engine drafts K tokens per step per slot with the checkpoint's DSpark drafter
+(`serving/speculation.py`) and accepts them at T > 0 by RULE (`Engine(spec_acceptance=...)`).
 
 Checked in the order a user can fix them: the flags alone (before the checkpoint is opened), the
 checkpoint's tensor names (an HF folder without `mtp.*` is refused before any weight is read),
@@ -21,6 +22,19 @@ def add_args(s) -> None:
     s.add_argument("--num-draft-tokens", type=positive_int, default=None, metavar="K",
                    help="drafts per step with --speculative (1 .. the drafter's block, dspark_block_size; default: "
                         "the whole block)")
+    s.add_argument("--speculative-acceptance", choices=ACCEPTANCE, default=None, metavar="RULE",
+                   help="with --speculative, how drafts are accepted at temperature > 0: 'rejection' (default: "
+                        "rejection sampling, the target distribution, more drafts accepted) or 'match' (a draft must "
+                        "equal the token plain decoding draws: a seeded request gives the same tokens as a server "
+                        "without speculation). Greedy requests accept the same way under both")
+
+
+ACCEPTANCE = ("rejection", "match")  # Engine(spec_acceptance=...); the first is the default
+
+
+def acceptance(args) -> str:
+    """The acceptance rule for `Engine(spec_acceptance=...)`."""
+    return args.speculative_acceptance or ACCEPTANCE[0]
 
 
 def check_flags(args) -> None:
@@ -29,6 +43,8 @@ def check_flags(args) -> None:
 
     if args.num_draft_tokens is not None and args.speculative is None:
         raise InputError(f"--num-draft-tokens {args.num_draft_tokens} needs --speculative dspark")
+    if args.speculative_acceptance is not None and args.speculative is None:
+        raise InputError(f"--speculative-acceptance {args.speculative_acceptance} needs --speculative dspark")
 
 
 def check_checkpoint(args, folder: pathlib.Path) -> None:

@@ -39,6 +39,7 @@ class ServeOptions:
     test_hooks: bool = False  # tests build the app with this; no `dsv41 serve` flag sets it
     images: object = None  # images.ImageOptions (limits); None = the defaults
     speculative: int = 0  # K DSpark drafts per step (Engine(speculative=K); needs exact_prefill)
+    spec_acceptance: str = "rejection"  # Engine(spec_acceptance=...): "rejection" or "match" at T > 0
 
 
 def banned_ids(cfg, tokenizer) -> list[int]:
@@ -58,7 +59,7 @@ def build(model, tokenizer, opts: ServeOptions):
     engine = Engine(model, slots=opts.max_batch, max_seq_len=max_len, min_capacity=min(opts.min_capacity, max_len),
                     prefill_chunk=opts.prefill_chunk, exact_prefill=opts.exact_prefill, runtime=opts.runtime,
                     banned_ids=banned_ids(cfg, tokenizer), engram=engram, mesh=opts.mesh, preset=opts.preset,
-                    speculative=opts.speculative)
+                    speculative=opts.speculative, spec_acceptance=opts.spec_acceptance)
     metrics = Metrics(opts.max_batch)
     if engine.K:
         metrics.watch_speculation(engine)
