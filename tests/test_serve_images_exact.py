@@ -26,9 +26,8 @@ openai = pytest.importorskip("openai")
 
 from dsv41_jax.checkpoint.hf_writer import save_hf_checkpoint  # noqa: E402
 from dsv41_jax.checkpoint.synthetic import synthetic_model  # noqa: E402
-from dsv41_jax.serving.http.server import free_port  # noqa: E402
 from dsv41_jax.train.data import ByteTokenizer  # noqa: E402
-from serve_process import stop, wait_ready  # noqa: E402
+from serve_process import launch, stop, wait_ready  # noqa: E402
 from test_serve_images import BLUE, RED, image_part, vision_config  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -96,19 +95,17 @@ def test_image_requests_in_exact_numerics_equal_forward_bitwise(tmp_path):
     requests = [[{"type": "text", "text": "look"}, image_part(RED)],
                 [{"type": "text", "text": "compare"}, image_part(RED), {"type": "text", "text": "with"},
                  image_part(BLUE)]]
-    procs = {}
+    procs, urls = {}, {}
+    starts = {name: (lambda port, name=name, chunk=chunk: _serve(folder, port, chunk, tmp_path / f"{name}.log"))
+              for name, chunk in (("one_chunk", 512), ("chunks_of_8", 8))}
     try:
-        urls = {}
-        for name, chunk in (("one_chunk", 512), ("chunks_of_8", 8)):
-            port = free_port()
-            procs[name] = _serve(folder, port, chunk, tmp_path / f"{name}.log")
-            urls[name] = f"http://127.0.0.1:{port}"
+        launch(starts, procs, urls)
         oracle = subprocess.run([sys.executable, "-c", ORACLE, str(folder), json.dumps(requests), str(N_TOKENS)],
                                 env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, capture_output=True,
                                 text=True, timeout=1800)
         assert oracle.returncode == 0, oracle.stderr[-4000:]
         want = json.loads(oracle.stdout.strip().splitlines()[-1])
-        wait_ready(procs, urls, {name: tmp_path / f"{name}.log" for name in urls})
+        wait_ready(procs, urls, {name: tmp_path / f"{name}.log" for name in urls}, starts=starts)
         for name, url in urls.items():
             client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=900)
             served = client.models.list().data[0].id

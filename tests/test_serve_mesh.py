@@ -23,9 +23,8 @@ openai = pytest.importorskip("openai")
 
 from dsv41_jax.checkpoint.hf_writer import save_hf_checkpoint  # noqa: E402
 from dsv41_jax.checkpoint.synthetic import synthetic_model  # noqa: E402
-from dsv41_jax.serving.http.server import free_port  # noqa: E402
 from dsv41_jax.train.data import ByteTokenizer  # noqa: E402
-from serve_process import stop, wait_ready  # noqa: E402
+from serve_process import launch, stop, wait_ready  # noqa: E402
 from test_serve_http import tiny_config  # noqa: E402
 
 MESH = "expert=4,tensor=2"  # the tiny config's 4 experts one per expert shard, its 4 heads 2 per tensor shard
@@ -49,12 +48,12 @@ def servers(tmp_path_factory):
     tok = ByteTokenizer().save_json(root / "tokenizer.json")
     save_hf_checkpoint(synthetic_model(tiny_config(), seed=3), root / "ckpt", tokenizer=tok)
     procs, urls = {}, {}
+    starts = {name: (lambda port, name=name, mesh=mesh: _start(root / "ckpt", port, root / f"conv-{name}", mesh,
+                                                             root / f"{name}.log"))
+              for name, mesh in (("mesh", MESH), ("one", None))}
     try:
-        for name, mesh in (("mesh", MESH), ("one", None)):
-            port = free_port()
-            procs[name] = _start(root / "ckpt", port, root / f"conv-{name}", mesh, root / f"{name}.log")
-            urls[name] = f"http://127.0.0.1:{port}"
-        wait_ready(procs, urls, {name: root / f"{name}.log" for name in urls})
+        launch(starts, procs, urls)
+        wait_ready(procs, urls, {name: root / f"{name}.log" for name in urls}, starts=starts)
         yield urls
     finally:
         stop(procs)

@@ -23,10 +23,10 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from dsv41_jax.checkpoint.hf_writer import save_hf_checkpoint  # noqa: E402
 from dsv41_jax.checkpoint.synthetic import synthetic_model  # noqa: E402
 from dsv41_jax.cli.main import main  # noqa: E402
-from dsv41_jax.serving.http.server import BackgroundServer, ServeOptions, build, free_port  # noqa: E402
+from dsv41_jax.serving.http.server import BackgroundServer, ServeOptions, build  # noqa: E402
 from dsv41_jax.text.tokenizer import load_tokenizer  # noqa: E402
 from dsv41_jax.train.data import ByteTokenizer  # noqa: E402
-from serve_process import stop, wait_ready  # noqa: E402
+from serve_process import launch, stop, wait_ready  # noqa: E402
 from test_serve_http import tiny_config  # noqa: E402
 from test_serve_warmup import count_compiles  # noqa: E402
 
@@ -133,12 +133,11 @@ def test_openai_client_streams_the_same_tokens_with_speculation(ckpts, tmp_path)
     chat and a completion with logprobs (greedy) are equal field by field; /metrics of the
     speculating one shows drafted tokens."""
     procs, urls = {}, {}
+    starts = {name: (lambda port, name=name, extra=extra: _start(ckpts["dspark"], port, tmp_path / f"{name}.log", extra))
+              for name, extra in (("spec", ["--speculative", "dspark", "--num-draft-tokens", "3"]), ("plain", []))}
     try:
-        for name, extra in (("spec", ["--speculative", "dspark", "--num-draft-tokens", "3"]), ("plain", [])):
-            port = free_port()
-            procs[name] = _start(ckpts["dspark"], port, tmp_path / f"{name}.log", extra)
-            urls[name] = f"http://127.0.0.1:{port}"
-        wait_ready(procs, urls, {name: tmp_path / f"{name}.log" for name in urls})
+        launch(starts, procs, urls)
+        wait_ready(procs, urls, {name: tmp_path / f"{name}.log" for name in urls}, starts=starts)
         got = {name: _ask(url) for name, url in urls.items()}
         m = _metrics(httpx.get(urls["spec"] + "/metrics").text)
         assert "dsv41_spec_drafted_tokens" not in _metrics(httpx.get(urls["plain"] + "/metrics").text)
