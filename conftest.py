@@ -36,6 +36,75 @@ if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 
+# Under xdist (`-n 2`, .ci/run): whole test files are the work units, handed out longest first.
+# xdist's default `--dist load` sends runs of consecutive tests, so a file's tests could land on
+# both workers and each would build (compile) the file's module fixtures; and a long file handed out
+# last leaves the other worker idle at the end. Files in one _SHARED_UNIT run on one worker, one
+# after the other, so the second finds the first's programs in the persistent cache (test_model_pallas's
+# impl="xla" prefill-13 and decode steps are test_model.py's fast programs). DSV41_XDIST_SCHEDULE=xdist
+# leaves the scheduling to xdist.
+_SHARED_UNIT = {"tests/test_model_pallas.py": "tests/test_model.py"}
+# Worker-seconds per file on the 2-core CI box, rounded (clean-clone CI /work/notes/ci7.txt and an
+# earlier --durations=80 run); only the order matters, and files not listed go last in collection order.
+_FILE_SECONDS = {
+    "tests/test_golden.py": 95, "tests/test_model.py": 95, "tests/test_model_pallas.py": 125,
+    "tests/test_serve_mesh.py": 130, "tests/test_sharding.py": 130, "tests/test_serving.py": 80,
+    "tests/test_serve_images.py": 80, "tests/test_serve_echo.py": 70, "tests/test_notebooks.py": 45,
+    "pallas_kernels/sparse_attention/test_sparse_attention.py": 65, "tests/test_serve_http.py": 50,
+    "tests/test_train.py": 50, "pallas_kernels/indexer/test_indexer.py": 50,
+    "pallas_kernels/expert_gemm/test_expert_gemm.py": 40, "tests/test_info.py": 37,
+    "tests/test_serve_isolation.py": 31, "tests/test_serve_warmup.py": 23,
+    "tests/test_sparse_attention.py": 20, "tests/test_checkpoint.py": 16, "tests/test_gemm.py": 14,
+    "pallas_kernels/test_bench.py": 14,
+}
+
+
+def _xdist_unit(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return _SHARED_UNIT.get(path, path)
+
+
+def _schedule_by_file() -> bool:
+    return os.environ.get("DSV41_XDIST_SCHEDULE", "files") != "xdist"
+
+
+def pytest_collection_modifyitems(config, items):
+    if not hasattr(config, "workerinput") or not _schedule_by_file():
+        return  # only the xdist workers' collections (identical on every worker: a stable sort)
+    weight, seen = {}, set()
+    for item in items:
+        path, unit = item.nodeid.split("::", 1)[0], _xdist_unit(item.nodeid)
+        weight[unit] = weight.get(unit, 0) + (0 if path in seen else _FILE_SECONDS.get(path, 0))
+        seen.add(path)
+    # heaviest unit first; the unit name keeps a unit's files together; unlisted files keep their order
+    items.sort(key=lambda item: (-weight[_xdist_unit(item.nodeid)],
+                                 _xdist_unit(item.nodeid) if weight[_xdist_unit(item.nodeid)] else ""))
+
+
+class _FileUnits:
+    """The xdist scheduler hook, registered only when xdist is loaded (its hook spec exists then)."""
+
+    @staticmethod
+    def pytest_xdist_make_scheduler(config, log):
+        if config.getoption("dist") != "load" or not _schedule_by_file():
+            return None  # an explicit --dist other than load is kept
+        from xdist.scheduler import LoadScopeScheduling
+
+        class FileScheduling(LoadScopeScheduling):
+            def _split_scope(self, nodeid):
+                return _xdist_unit(nodeid)
+
+        config.option.loadscopereorder = False  # keep the workers' longest-first order
+        return FileScheduling(config, log)
+
+
+def pytest_configure(config):
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_FileUnits(), "dsv41-xdist-file-units")
+    if _COMPILE_REPORT:
+        _install_compile_listeners()
+
+
 def pytest_unconfigure(config):
     if _OWN_CACHE_DIR is not None and not hasattr(config, "workerinput"):
         shutil.rmtree(_OWN_CACHE_DIR, ignore_errors=True)
@@ -99,9 +168,6 @@ def _install_compile_listeners():
 
 
 if _COMPILE_REPORT:
-    def pytest_configure(config):
-        _install_compile_listeners()
-
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(item, call):
         item.user_properties[:] = [p for p in item.user_properties if p[0] != "jax_times"]
