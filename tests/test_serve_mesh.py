@@ -1,6 +1,6 @@
 """`dsv41 serve --mesh expert=4,tensor=2` as a real process on 8 fake CPU devices (the root
-conftest's XLA_FLAGS reach the subprocess), warmed up, answering the real `openai` client: chat,
-streaming and a resumed conversation (issue 24).
+conftest's XLA_FLAGS reach the subprocess), warmed up (every program compiled on the mesh before
+/ready), answering the real `openai` client: chat, streaming and a resumed conversation (issue 24).
 
 Oracle: the same `dsv41 serve` on one device, started from the same checkpoint with the same
 flags, in exact numerics (float64 dots rounded once, so sums split across devices round to the
@@ -38,7 +38,9 @@ def _start(folder, port, cache_dir, mesh, log):
            "--numerics", "exact", "--exact-prefill", "--max-batch", "2", "--prefill-chunk", "4",
            "--max-model-len", "128", "--prefix-cache-dir", str(cache_dir), "--quiet"]
     # stderr to a file: XLA and uvicorn keep writing there, and an undrained pipe would block the server
-    return subprocess.Popen(cmd + (["--mesh", mesh] if mesh else []), env=env, stderr=open(log, "w"))
+    # the one-device reference skips the warm-up (it compiles only the programs the requests use): the
+    # warm-up on one device is tests/test_serve_warmup.py's; here the mesh server's warm-up is the one tested
+    return subprocess.Popen(cmd + (["--mesh", mesh] if mesh else ["--no-warm"]), env=env, stderr=open(log, "w"))
 
 
 @pytest.fixture(scope="module")
