@@ -28,6 +28,16 @@ checked against:
     python bench/decode.py --json decode.json
     python bench/decode.py --config tiny-noengram --wall --contexts 64,128
     python bench/decode.py --golden ../shared/golden --no-flops
+    python bench/decode.py --speculative --checkpoint DEMO_OUT/served --json spec.json
+
+- `--speculative`: the DSpark cost table from shapes (one draft + one verification step vs one
+  plain step: weight bytes and FLOPs at B=1 and B=8, the break-even acceptance length); with
+  `--checkpoint DIR` (a served folder with a trained drafter, e.g. `dsv41 demo`'s `served/`) also
+  measured, in one run, at each batch: greedy decoding of held-out prompts (the standard library's
+  json and email packages; the demo trains on its top-level modules) on the engine with and
+  without speculation: the mean acceptance length, weight bytes read per emitted token (the
+  table's step bytes over the tokens a step emits) and wall-clock decode tokens per second (after a
+  warm-up run that compiles every program).
 """
 from __future__ import annotations
 
@@ -57,27 +67,121 @@ def parse_args(argv=None):
     p.add_argument("--random-length", type=int, default=256, help="random prompt length with --golden")
     p.add_argument("--speculative", action="store_true",
                    help="only the DSpark cost table: one draft + one verification step vs one plain step, "
-                        "bytes read and FLOPs at B=1 and B=8, and the break-even acceptance length")
+                        "bytes read and FLOPs at B=1 and B=8, and the break-even acceptance length; with "
+                        "--checkpoint also the measured acceptance, bytes per token and tokens/s")
+    p.add_argument("--checkpoint", metavar="DIR",
+                   help="with --speculative: a checkpoint folder with a trained drafter (dsv41 demo's served/) to "
+                        "measure speculation on; its config replaces --config")
+    p.add_argument("--num-draft-tokens", type=int, metavar="K",
+                   help="with --checkpoint: drafts per step (default the drafter's block minus one, as the demo)")
+    p.add_argument("--new-tokens", type=int, default=64, help="with --checkpoint: tokens generated per prompt")
+    p.add_argument("--prompts", type=int, default=8, help="with --checkpoint: held-out prompts (at least the largest batch)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     return p.parse_args(argv)
 
 
-def speculative_rows(cfg, batches=(1, 8)) -> list[dict]:
+def speculative_rows(cfg, batches=(1, 8), k: int | None = None) -> list[dict]:
     from dsv41_jax.serving.spec_cost import break_even
 
     rows = []
     for b in batches:
-        r = break_even(cfg, b)
+        r = break_even(cfg, b, k)
         rows.append({"batch": b, **r})
-    print("DSpark draft + verify vs plain decode (weights read; attention over the cache not included)")
+    print(f"DSpark draft + verify of {k or cfg.dspark_block_size} drafts vs plain decode (weights read; attention over "
+          "the cache not included)")
     print(f"{'batch':>5} {'plain GB':>9} {'draft GB':>9} {'verify GB':>9} {'plain GF':>9} {'draft GF':>9} {'verify GF':>9} "
           f"{'break-even (bytes)':>18} {'(FLOPs)':>8}")
     for r in rows:
         G = 1e9
-        print(f"{r['batch']:>5} {r['plain']['bytes'] / G:9.2f} {r['draft']['bytes'] / G:9.2f} {r['verify']['bytes'] / G:9.2f} "
-              f"{r['plain']['flops'] / G:9.1f} {r['draft']['flops'] / G:9.1f} {r['verify']['flops'] / G:9.1f} "
+        print(f"{r['batch']:>5} {r['plain']['bytes'] / G:9.3g} {r['draft']['bytes'] / G:9.3g} {r['verify']['bytes'] / G:9.3g} "
+              f"{r['plain']['flops'] / G:9.3g} {r['draft']['flops'] / G:9.3g} {r['verify']['flops'] / G:9.3g} "
               f"{r['break_even_tokens_per_step']['bytes']:18.2f} {r['break_even_tokens_per_step']['flops']:8.2f}")
     return rows
+
+
+def held_out_prompts(tokenizer, n: int, length: int = 48) -> list[list[int]]:
+    """n prompts of `length` tokens after BOS from standard-library packages the demo does not train on
+    (it reads the top-level modules, `train.demo.stdlib_corpus`)."""
+    import sysconfig
+
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    files = sorted((root / "json").glob("*.py")) + sorted((root / "email").glob("*.py"))
+    out = []
+    for f in files:
+        ids = tokenizer.encode(f.read_text(encoding="utf-8")[:4 * length], split_special_tokens=True)[:length]
+        if len(ids) == length:
+            out.append([tokenizer.bos_id] + ids)
+        if len(out) == n:
+            return out
+    raise ValueError(f"found only {len(out)} held-out prompts of {length} tokens in {root}/json and email; ask for fewer")
+
+
+def measured_speculation(folder, batches, k: int | None, new_tokens: int, n_prompts: int) -> dict:
+    """Greedy decoding of the held-out prompts at each batch on two engines (exact prefill, the
+    model's default runtime), one with Engine(speculative=k): acceptance length, weight bytes read
+    per emitted token (`spec_cost.step_costs`) and decode tokens per second, after a warm-up run."""
+    import numpy as np
+
+    from dsv41_jax.checkpoint import load
+    from dsv41_jax.serving.engine import Engine, Request
+    from dsv41_jax.serving.generate import _engram_tables, banned_ids
+    from dsv41_jax.serving.sampling import SamplingParams
+    from dsv41_jax.serving.spec_cost import step_costs
+    from dsv41_jax.serving.speculation import summary
+    from dsv41_jax.text.tokenizer import load_tokenizer
+
+    if n_prompts < max(batches):
+        raise ValueError(f"--prompts {n_prompts} is fewer than the largest batch {max(batches)}")
+    tokenizer = load_tokenizer(folder)
+    cfg, model, _ = load(folder, progress=False, config_overrides={"max_batch_size": max(batches)})
+    k = cfg.dspark_block_size - 1 if k is None else k
+    prompts = held_out_prompts(tokenizer, n_prompts)
+    engram = _engram_tables(cfg, tokenizer) if cfg.engram_layer_ids else None
+
+    def run(engine, slots):
+        """Every prompt, `slots` at a time: (tokens per prompt, decode tokens, decode seconds). All of a
+        group are admitted (prefilled) in the first step, so its decode runs from the last first token."""
+        tokens, n_dec, secs = [], 0, 0.0
+        for g in range(0, len(prompts), slots):
+            res = engine.run([Request(list(p), SamplingParams(max_tokens=new_tokens)) for p in prompts[g:g + slots]])
+            tokens += [r.tokens for r in res]
+            n_dec += sum(len(r.tokens) - 1 for r in res)
+            # submitted together (microseconds apart): from the last first token to the last finish
+            secs += max(r.timing["total_s"] for r in res) - max(r.timing["time_to_first_token_s"] for r in res)
+        return tokens, n_dec, secs
+
+    rows = []
+    for b in batches:
+        kw = dict(slots=b, max_seq_len=cfg.max_seq_len, exact_prefill=True, banned_ids=banned_ids(cfg, tokenizer),
+                  engram=engram)
+        row = {"batch": b, "k": k, "prompts": len(prompts), "new_tokens": new_tokens}
+        costs = step_costs(cfg, b, k)
+        got = {}
+        for name, engine in (("plain", Engine(model, **kw)), ("speculative", Engine(model, speculative=k, **kw))):
+            run(engine, b)  # warm-up: compiles every program this workload uses
+            if engine.K:
+                engine.spec_stats.update(dict.fromkeys(engine.spec_stats, 0))
+            tokens, n_dec, secs = run(engine, b)
+            got[name] = tokens
+            row[name] = {"decode_tokens": n_dec, "decode_s": secs, "tokens_per_s": n_dec / secs}
+        spec = summary(engine.spec_stats)
+        acc = spec["mean_acceptance_length"]
+        row["speculative"].update(spec)
+        row["acceptance_length"] = acc
+        row["plain"]["weight_bytes_per_token"] = costs["plain"]["bytes"] / b
+        row["speculative"]["weight_bytes_per_token"] = (costs["draft"]["bytes"] + costs["verify"]["bytes"]) / (b * acc)
+        row["speedup"] = row["speculative"]["tokens_per_s"] / row["plain"]["tokens_per_s"]
+        row["same_tokens"] = got["plain"] == got["speculative"]
+        rows.append(row)
+    print(f"measured on {folder} (greedy, {len(prompts)} held-out prompts of 49 tokens, {new_tokens} new tokens each, "
+          f"K={k} drafts per step)")
+    print(f"{'batch':>5} {'accept len':>10} {'plain B/tok':>12} {'spec B/tok':>12} {'plain tok/s':>11} {'spec tok/s':>10} "
+          f"{'speed-up':>8} {'same tokens':>11}")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['acceptance_length']:10.2f} {r['plain']['weight_bytes_per_token']:12.4g} "
+              f"{r['speculative']['weight_bytes_per_token']:12.4g} {r['plain']['tokens_per_s']:11.1f} "
+              f"{r['speculative']['tokens_per_s']:10.1f} {r['speedup']:8.2f} {str(r['same_tokens']):>11}")
+    return {"checkpoint": str(folder), "rows": rows, "config": cfg}
 
 
 def wall_time(cfg, context: int, batch: int, steps: int) -> float:
@@ -195,9 +299,16 @@ def main(argv=None) -> int:
     from dsv41_jax.config import ModelConfig
 
     if args.speculative:
-        rows = speculative_rows(ModelConfig.load(args.config))
+        out = {"config": args.config}
+        cfg, k = None, args.num_draft_tokens
+        if args.checkpoint:
+            measured = measured_speculation(args.checkpoint, (1, 8), k, args.new_tokens, args.prompts)
+            cfg = measured.pop("config")
+            k = measured["rows"][0]["k"]
+            out = {"config": args.checkpoint, "measured": measured}
+        out["speculative"] = speculative_rows(cfg or ModelConfig.load(args.config), k=k)
         if args.json:
-            pathlib.Path(args.json).write_text(json.dumps({"config": args.config, "speculative": rows}, indent=2))
+            pathlib.Path(args.json).write_text(json.dumps(out, indent=2))
         return 0
 
     if args.golden and args.no_flops:

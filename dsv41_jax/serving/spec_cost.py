@@ -34,8 +34,9 @@ def distinct_experts(E: int, k: int, tokens: int) -> float:
     return E * (1.0 - (1.0 - k / E) ** tokens)
 
 
-def step_costs(cfg: ModelConfig, batch: int) -> dict:
-    """{"plain", "verify", "draft"}: bytes and FLOPs of one step for `batch` sequences."""
+def step_costs(cfg: ModelConfig, batch: int, drafts: int | None = None) -> dict:
+    """{"plain", "verify", "draft"}: bytes and FLOPs of one step for `batch` sequences; the verify
+    step checks `drafts` tokens (default the drafter's block: `Engine(speculative=drafts)`)."""
     from dsv41_jax.checkpoint.weights import flat_params
     from dsv41_jax.model.info import abstract_model
 
@@ -71,7 +72,7 @@ def step_costs(cfg: ModelConfig, batch: int) -> dict:
         return {"bytes": b, "flops": f, "tokens": tokens, "distinct_experts_per_layer": hit, "layers": layers}
 
     plain = backbone(batch)
-    verify = backbone(batch * (bs + 1))
+    verify = backbone(batch * ((bs if drafts is None else drafts) + 1))
     out = {"plain": plain, "verify": verify}
     if cfg.has_dspark:
         t = batch * bs
@@ -83,9 +84,9 @@ def step_costs(cfg: ModelConfig, batch: int) -> dict:
     return out
 
 
-def break_even(cfg: ModelConfig, batch: int) -> dict:
+def break_even(cfg: ModelConfig, batch: int, drafts: int | None = None) -> dict:
     """Step costs plus the break-even acceptance length (tokens per speculative step) by bytes and FLOPs."""
-    c = step_costs(cfg, batch)
+    c = step_costs(cfg, batch, drafts)
     if "draft" not in c:
         raise ValueError("the config has no DSpark drafter (n_mtp_layers / dspark_block_size 0)")
     spec = {m: c["draft"][m] + c["verify"][m] for m in ("bytes", "flops")}
