@@ -72,7 +72,8 @@ def test_speculative_acceptance_flag_selects_the_engine_rule(ckpts, capsys):
     from dsv41_jax.cli.main import build_parser
     from dsv41_jax.cli.serve import load_server
 
-    base = ["serve", "--checkpoint", str(ckpts["dspark"]), "--quiet", "--no-warm", "--speculative", "dspark"]
+    base = ["serve", "--checkpoint", str(ckpts["dspark"]), "--quiet", "--no-warm", "--speculative", "dspark",
+            "--exact-prefill"]  # a one-layer model: nothing to split
     for extra, rule in (([], "rejection"), (["--speculative-acceptance", "match"], "match"),
                         (["--speculative-acceptance", "rejection"], "rejection")):
         _, worker, opts = load_server(build_parser().parse_args(base + extra))

@@ -277,6 +277,73 @@ def _resume_case(plain, spec, prompt, vocab):
     spec._verify, spec._decode_rings = verify, decode
 
 
+@pytest.mark.slow
+def test_speculation_after_the_split_prefill():
+    """Issue 26: an engine with the CED split prefill speculates. Its rings after prefill equal those
+    written from `split_prefill`'s own taps of the tail (the oracle: Graph A over the whole prompt in
+    one call, Graph B over the tail), with target layers on both sides of the split (exact numerics,
+    one prefill piece on both sides: bitwise). Requests longer than the tail then give the plain split
+    engine's tokens (greedy), speculating from their first decode step."""
+    import jax
+
+    with jax.enable_x64(True):
+        _split_case()
+
+
+def _split_case():
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dsv41_jax.checkpoint.synthetic import synthetic_model
+    from dsv41_jax.model import dspark
+    from dsv41_jax.runtime import Runtime
+    from dsv41_jax.serving.buckets import empty_cache
+    from dsv41_jax.serving.engine import Engine, Request
+    from dsv41_jax.serving.sampling import SamplingParams
+    from dsv41_jax.serving.split_prefill import split_prefill
+
+    cfg = _tiny(False).replace(dspark_target_layer_ids=(2, 5, 6))  # layer 2 in Graph A, 5 and 6 in Graph B
+    assert cfg.decoder_start == 4
+    model = synthetic_model(cfg, seed=5)
+    K, rt = cfg.dspark_block_size, Runtime(mode="exact")
+    kw = dict(slots=2, runtime=rt, min_capacity=64)
+    spec, plain = Engine(model, speculative=K, **kw), Engine(model, **kw)
+    assert not spec.exact and spec.tail < 32
+    rng = np.random.default_rng(4)
+    prompt = [int(t) for t in rng.integers(3, cfg.vocab_size, 32)]  # one piece of 32 (a power of two)
+    spec.prefill(Request(prompt))
+    got = spec.row_rings
+
+    gd, params = nnx.split(model)
+
+    @jax.jit
+    def oracle(params, tokens):
+        m = nnx.merge(gd, params)
+        _, _, aux = split_prefill(m, tokens, empty_cache(cfg, 1, spec.capacity), tail=spec.tail, runtime=rt, taps=True)
+        start = jnp.full((1,), tokens.shape[1] - spec.tail, jnp.int32)
+        return dspark.write_rings(m, dspark.init_state(cfg, 1), dspark.main_x(m, aux["main_hidden"], "exact"), start,
+                                  jnp.full((1,), spec.tail, jnp.int32), "exact")
+
+    want = oracle(params, jnp.asarray([prompt], jnp.int32))
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+    assert all(np.asarray(leaf).view(np.uint8).any() for leaf in jax.tree.leaves(want))  # the oracle wrote rows
+
+    steps = []
+    step = spec._speculative_step
+
+    def recorded(active, flags):
+        steps.append([(len(st.generated), f) for st, f in zip(spec.table, flags) if st is not None])
+        return step(active, flags)
+
+    spec._speculative_step = recorded
+    other = [int(t) for t in rng.integers(3, cfg.vocab_size, 21)]  # 16 + 4 + 1: three Graph A pieces
+    reqs = lambda: [Request(list(prompt), SamplingParams(max_tokens=12)), Request(list(other), SamplingParams(max_tokens=9))]
+    assert [r.tokens for r in spec.run(reqs())] == [r.tokens for r in plain.run(reqs())]
+    assert steps[0] == [(1, True), (1, True)]  # both speculate from their first decode step
+
+
 # ------------------------------------------------------------------ T > 0: rejection sampling
 SUPPORT = (11, 22, 33)  # a logit bias of +100 keeps (almost) all the mass on these: a 3 x 3 joint to test
 

@@ -74,7 +74,7 @@ def load_server(args):
     k = speculative.draft_tokens(args, model)
     opts = ServeOptions(model_name=args.served_model_name or folder.resolve().name, max_batch=args.max_batch,
                         max_model_len=cfg.max_seq_len, prefill_chunk=args.prefill_chunk,
-                        exact_prefill=args.exact_prefill or bool(k), max_queue=args.max_queue, api_key=args.api_key,
+                        exact_prefill=args.exact_prefill, max_queue=args.max_queue, api_key=args.api_key,
                         cache_dir=args.prefix_cache_dir, cache_bytes=args.prefix_cache_bytes,
                         runtime=Runtime(mode=args.numerics, impl=args.impl),
                         max_request_bytes=args.max_request_bytes, warm=not args.no_warm, mesh=mesh,

@@ -17,8 +17,8 @@ from dsv41_jax.cli.argtypes import positive_int
 def add_args(s) -> None:
     s.add_argument("--speculative", choices=("dspark",), default=None,
                    help="speculative decoding with the checkpoint's DSpark drafter (mtp.* tensors): every step drafts "
-                        "K tokens per request and verifies them in one forward; implies --exact-prefill (the prefill's "
-                        "taps fill the drafter's rings). /metrics reports drafted / accepted tokens")
+                        "K tokens per request and verifies them in one forward (the prefill's taps fill the drafter's "
+                        "rings, with the split prefill too). /metrics reports drafted / accepted tokens")
     s.add_argument("--num-draft-tokens", type=positive_int, default=None, metavar="K",
                    help="drafts per step with --speculative (1 .. the drafter's block, dspark_block_size; default: "
                         "the whole block)")

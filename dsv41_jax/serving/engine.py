@@ -126,7 +126,8 @@ class Engine:
         """mesh: a `jax.sharding.Mesh` (`sharding.mesh.make_mesh("expert=4,tensor=2")`) to serve on,
         laid out by `preset` (the vocabulary of `dsv41 plan`); None = one device, as given.
         speculative: K > 0 drafts K tokens per step with the model's DSpark drafter for every slot
-        that allows it (`serving.speculation`); needs exact_prefill (the prefill's taps fill the rings).
+        that allows it (`serving.speculation`); the prefill's taps fill the drafter's rings (a split
+        prefill's: Graph A's and Graph B's of the tail, whose newest W positions are all a ring holds).
         spec_acceptance at T > 0: "rejection" (rejection sampling, the target distribution) or "match"
         (a draft must equal the target's own draw: the same tokens as without speculation)."""
         cfg = model.cfg
@@ -135,9 +136,6 @@ class Engine:
             if not 1 <= speculative <= cfg.dspark_block_size:
                 raise ValueError(f"speculative={speculative}: the drafter proposes 1 .. {cfg.dspark_block_size} "
                                  f"tokens per block (dspark_block_size)")
-            if not exact_prefill:
-                raise ValueError("speculative decoding needs exact_prefill=True: the split prefill's Graph A does not "
-                                 "return the DSpark taps that fill the drafter's rings")
         if spec_acceptance not in ("rejection", "match"):
             raise ValueError(f"spec_acceptance={spec_acceptance!r}: expected 'rejection' or 'match'")
         self.K, self.spec_acceptance = speculative, spec_acceptance
@@ -274,7 +272,31 @@ class Engine:
                                        active.astype(jnp.int32), mode)
             return fix(logits[:, -1]), fix(cache), rings
 
+        tail = self.tail
+        keep = lambda buf, new: jnp.concatenate([buf, new], 1)[:, -tail:]
+
+        @functools.partial(jit, donate_argnums=(2, 3, 4, 5))
+        def encoder_taps(params, tokens, cache, enc_h, enc_pre, enc_taps, ids, spans=None):
+            """Graph A's piece, keeping the tail's taps of the encoder's target layers too."""
+            h, pre, cache, t = encoder_pass(nnx.merge(gd, params), tokens, cache, runtime=rt, engram_ids=ids,
+                                            spans=spans, taps=True)
+            return fix(cache), keep(enc_h, h), keep(enc_pre, pre), keep(enc_taps, t)
+
+        @functools.partial(jit, donate_argnums=(4, 8))
+        def decoder_rings(params, enc_h, enc_pre, enc_taps, cache, floor, ids, vl, rings):
+            """Graph B, its taps and the encoder's of the tail committed into the rings (the newest W
+            positions: all a ring holds)."""
+            model = nnx.merge(gd, params)
+            start = cache["length"] - tail
+            logits, cache, aux = decoder_pass(model, enc_h, enc_pre, cache, start=start, floor=floor, runtime=rt,
+                                              engram_ids=ids, vl=vl, taps=True)
+            taps = jnp.concatenate([enc_taps, aux["main_hidden"]], -1)
+            n = jnp.full(start.shape, tail, jnp.int32)
+            rings = dspark.write_rings(model, rings, dspark.main_x(model, taps, mode), start, n, mode)
+            return fix(logits[:, -1]), fix(cache), rings
+
         self._full_rings, self._verify, self._commit = full_rings, verify, commit_step
+        self._encoder_taps, self._decoder_rings = encoder_taps, decoder_rings
         self._decode_rings = decode_rings
         self._draft = jit(speculation.draft_fn(gd, mode, K))
         self._draft_sampled = jit(speculation.draft_sampled_fn(gd, mode, K))
@@ -412,22 +434,36 @@ class Engine:
             else:
                 enc_h, enc_pre = self.placed((jnp.zeros((1, self.tail, cfg.hc_mult, cfg.dim), jnp.bfloat16),
                                               jnp.zeros((1, self.tail, cfg.hc_mult), jnp.float32)))
+                if rings is not None:
+                    enc_taps = self.placed(jnp.zeros((1, self.tail, self._encoder_tap_width()), jnp.bfloat16))
                 done = 0
                 for size in pieces(len(new), self.prefill_chunk):
                     chunk = new[done:done + size]
-                    cache, enc_h, enc_pre = self._encoder(self.params, jnp.asarray([chunk], jnp.int32), cache, enc_h,
-                                                          enc_pre, self._engram_ids(tokens + new[:done], chunk),
-                                                          _spans(req.spans, done, done + size))
+                    args = (self.params, jnp.asarray([chunk], jnp.int32), cache, enc_h, enc_pre)
+                    rest = (self._engram_ids(tokens + new[:done], chunk), _spans(req.spans, done, done + size))
+                    if rings is not None:
+                        cache, enc_h, enc_pre, enc_taps = self._encoder_taps(*args, enc_taps, *rest)
+                    else:
+                        cache, enc_h, enc_pre = self._encoder(*args, *rest)
                     done += size
                 end = cached + len(new)
                 floor = jnp.full((1,), end - self.tail, jnp.int32)
                 tail_tokens = new[-self.tail:]
                 tail_spans = _spans(req.spans, len(new) - self.tail, len(new))
-                logits, cache = self._decoder(self.params, enc_h, enc_pre, cache, floor,
-                                              self._engram_ids(tokens + new[:-self.tail], tail_tokens),
-                                              None if tail_spans is None else tail_spans[1] >= 0)
+                ids, vl = (self._engram_ids(tokens + new[:-self.tail], tail_tokens),
+                           None if tail_spans is None else tail_spans[1] >= 0)
+                if rings is not None:
+                    logits, cache, rings = self._decoder_rings(self.params, enc_h, enc_pre, enc_taps, cache, floor, ids,
+                                                               vl, rings)
+                else:
+                    logits, cache = self._decoder(self.params, enc_h, enc_pre, cache, floor, ids, vl)
         self.row_rings = rings
         return logits, cache, tokens + new, cached
+
+    def _encoder_tap_width(self) -> int:
+        """Width of Graph A's taps: the drafter's target layers before the first decoder layer."""
+        cfg = self.cfg
+        return cfg.dim * sum(l < cfg.decoder_start for l in cfg.dspark_target_layer_ids)
 
     def _admit(self):
         while self.waiting and None in self.table:

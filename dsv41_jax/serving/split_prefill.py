@@ -81,31 +81,49 @@ def project_ced(model, h: jax.Array, pre: jax.Array, span: body.Span, cache: dic
     return store.cache
 
 
+def _taps(aux: dict, h: jax.Array) -> jax.Array:
+    """aux's DSpark taps, or an empty [B, T, 0] when none of the target layers ran in this pass."""
+    got = aux.get("main_hidden")
+    return jnp.zeros((*h.shape[:2], 0), h.dtype) if got is None else got
+
+
+def _split_taps(model, taps: bool):
+    return TapProbe(model.cfg.dspark_target_layer_ids) if taps else NO_PROBE
+
+
 def encoder_pass(model, tokens: jax.Array, cache: dict, *, runtime: Runtime = Runtime(), engram_ids=None,
-                 spans=None):
+                 spans=None, taps: bool = False):
     """Graph A over one chunk continuing from cache["length"]: returns (h, pre, cache), the encoder
     output [B,T,hc,d] / pre-mix [B,T,hc] and the cache with its length advanced by T.
-    spans: optional (rows [B,T,dim], token_types [B,T]) image spans, as `model.forward` takes them."""
+    spans: optional (rows [B,T,dim], token_types [B,T]) image spans, as `model.forward` takes them.
+    taps: also return the DSpark taps of the target layers among the encoder's, [B, T, n_enc * d]
+    (n_enc may be 0), as a fourth value: `decoder_pass(taps=True)` gives the others."""
     cfg = model.cfg
     start = cache["length"]
     plan = body.Plan.resolve(runtime)
     span = body.Span.at(start, tokens.shape[1], engram_ids=engram_ids, vl=_vl(spans))
     h, pre = body.embed(model, tokens, spans)
-    h, pre, cache, _ = _layers(model, h, pre, cache, span, plan, range(cfg.decoder_start))
+    h, pre, cache, aux = _layers(model, h, pre, cache, span, plan, range(cfg.decoder_start),
+                                 probe=_split_taps(model, taps))
     cache = project_ced(model, h, pre, span, cache, plan)
     cache["length"] = start + tokens.shape[1]
-    return h, pre, cache
+    return (h, pre, cache, _taps(aux, h)) if taps else (h, pre, cache)
 
 
 def decoder_pass(model, h: jax.Array, pre: jax.Array, cache: dict, *, start: jax.Array, floor: jax.Array,
-                 runtime: Runtime = Runtime(), engram_ids=None, collect_topk: bool = False, vl=None):
+                 runtime: Runtime = Runtime(), engram_ids=None, collect_topk: bool = False, vl=None,
+                 taps: bool = False):
     """Graph B over one piece of the tail (positions start[b]..): returns (logits [B,T,V], cache, aux).
     Window slots below floor[b] are empty; the global caches are only read. vl: the tail's
-    image-span mask [B,T] (or None)."""
+    image-span mask [B,T] (or None). taps: aux["main_hidden"] holds the DSpark taps of the target
+    layers among the decoder's, [B, T, n_dec * d] (n_dec may be 0)."""
     cfg = model.cfg
     plan = body.Plan.resolve(runtime, writes="window")
     span = body.Span.at(start, h.shape[1], engram_ids=engram_ids, floor=floor, vl=vl)
-    h, pre, cache, aux = _layers(model, h, pre, cache, span, plan, range(cfg.decoder_start, cfg.n_layers), collect_topk)
+    h, pre, cache, aux = _layers(model, h, pre, cache, span, plan, range(cfg.decoder_start, cfg.n_layers), collect_topk,
+                                 _split_taps(model, taps))
+    if taps:
+        aux["main_hidden"] = _taps(aux, h)
     return body.head(model, h, pre, plan.numerics)[0], cache, aux
 
 
@@ -118,11 +136,12 @@ def tail_floor(start: jax.Array, n_new: int, tail: int) -> jax.Array:
 
 
 def split_prefill(model, tokens: jax.Array, cache: dict, *, tail: int | None = None, runtime: Runtime = Runtime(),
-                  engram_ids=None, collect_topk: bool = False, spans=None):
+                  engram_ids=None, collect_topk: bool = False, spans=None, taps: bool = False):
     """Graph A over all of `tokens`, Graph B over the last min(T, tail) of them.
 
     tail defaults to the window. Returns (logits of the tail positions [B, min(T, tail), V], cache, aux).
-    With T <= tail the result is exact_prefill's, bit for bit.
+    With T <= tail the result is exact_prefill's, bit for bit. taps: aux["main_hidden"] holds the
+    tail positions' DSpark taps (Graph A's target layers, then Graph B's, in layer order).
     """
     cfg = model.cfg
     check_splittable(cfg)
@@ -132,13 +151,16 @@ def split_prefill(model, tokens: jax.Array, cache: dict, *, tail: int | None = N
                          "would be truncated")
     B, T = tokens.shape
     start = cache["length"]
-    h, pre, cache = encoder_pass(model, tokens, cache, runtime=runtime, engram_ids=engram_ids, spans=spans)
+    h, pre, cache, *enc = encoder_pass(model, tokens, cache, runtime=runtime, engram_ids=engram_ids, spans=spans,
+                                       taps=taps)
     n_t = min(T, tail)
     floor = tail_floor(start, T, tail)
     vl = _vl(spans)
     logits, cache, aux = decoder_pass(model, h[:, T - n_t:], pre[:, T - n_t:], cache, start=start + (T - n_t),
                                       floor=floor, runtime=runtime, engram_ids=_slice_ids(engram_ids, T - n_t, T),
-                                      collect_topk=collect_topk, vl=None if vl is None else vl[:, T - n_t:])
+                                      collect_topk=collect_topk, vl=None if vl is None else vl[:, T - n_t:], taps=taps)
+    if taps:
+        aux["main_hidden"] = jnp.concatenate([enc[0][:, T - n_t:], aux["main_hidden"]], -1)
     return logits, cache, aux
 
 

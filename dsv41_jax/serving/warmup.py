@@ -16,7 +16,8 @@ it no request compiles, whatever its length:
 - one request through the engine's own admit/decode path: the batch-1 and batch-`slots` sampler,
   the slot insert, the decode step, the logprob path;
 - on a speculating engine (`Engine(speculative=K)`): the exact pieces again with the drafter's
-  rings (`_full_rings`), and a greedy and a T = 1 request long enough to speculate (draft, sampled
+  rings (`_full_rings`), the split prefill's with taps (Graph A keeping the tail's, Graph B
+  writing the rings), and a greedy and a T = 1 request long enough to speculate (draft, sampled
   draft, verify, per-position targets, rejection sampling, commit); the engine's `spec_stats` are
   zeroed afterwards.
 
@@ -76,6 +77,9 @@ def program_list(engine: Engine, *, replay: bool = False) -> list[tuple[str, int
         out.append(("replay", engine.cfg.window_size))
     if engine.K:
         out += [("exact_rings", n) for n in piece_sizes(1, exact_hi, engine.prefill_chunk)]
+        out += [("graph_a_rings", n) for n in split]
+        if split:
+            out.append(("graph_b_rings", engine.tail))
         out.append(("speculate", engine.slots))
     out.append(("decode", engine.slots))
     return out
@@ -99,6 +103,15 @@ def _run(engine: Engine, kind: str, n: int):
         enc_h, enc_pre = buffers()
         out = engine._decoder(engine.params, enc_h, enc_pre, engine.empty(1), jnp.full((1,), 0, jnp.int32), ids,
                               None)
+    elif kind == "graph_a_rings":
+        enc_h, enc_pre = buffers()
+        enc_taps = engine.placed(jnp.zeros((1, engine.tail, engine._encoder_tap_width()), jnp.bfloat16))
+        out = engine._encoder_taps(engine.params, tokens, engine.empty(1), enc_h, enc_pre, enc_taps, ids, None)
+    elif kind == "graph_b_rings":
+        enc_h, enc_pre = buffers()
+        enc_taps = engine.placed(jnp.zeros((1, engine.tail, engine._encoder_tap_width()), jnp.bfloat16))
+        out = engine._decoder_rings(engine.params, enc_h, enc_pre, enc_taps, engine.empty(1), jnp.full((1,), 0, jnp.int32),
+                                    ids, None, engine.placed(dspark.init_state(cfg, 1)))
     elif kind == "exact_rings":
         rings = engine.placed(dspark.init_state(cfg, 1))
         out = engine._full_rings(engine.params, tokens, engine.empty(1), ids, None, rings)
