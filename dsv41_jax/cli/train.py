@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 
+from dsv41_jax.cli import distributed
 from dsv41_jax.cli.argtypes import non_negative_float, non_negative_int, positive_float, positive_int
 
 
@@ -65,6 +66,7 @@ def register(subparsers) -> None:
     s.add_argument("--no-progress", action="store_true")
     s.add_argument("--json", action="store_true",
                    help="print a JSON summary of the run on stdout (logs and progress stay on stderr)")
+    distributed.add_arguments(s)
     s.set_defaults(func=_cmd_train)
 
     d = subparsers.add_parser("demo", help="train a tiny V4.1 with QAT on the stdlib's sources, save, generate")
@@ -79,6 +81,8 @@ def register(subparsers) -> None:
 
 
 def _cmd_train(args) -> int:
+    if (rc := distributed.join(args, "dsv41 train")) is not None:  # first: before any other JAX call
+        return rc
     from dsv41_jax.train.ckpt_dir import check_directory
 
     try:  # before the heavy imports and any work: a bad --ckpt-dir costs a second, not a run
@@ -139,22 +143,29 @@ def _cmd_train(args) -> int:
     except (ConfigError, ValueError, OSError) as e:
         print(f"dsv41 train: {e}", file=sys.stderr)
         return 2
+    import jax
+
     start = run.step
+    lead = jax.process_index() == 0  # across processes: one progress bar, one export writer
     print(f"dsv41 train: {len(docs)} documents -> {rows['tokens'].shape[0]} rows of {seq_len}; mesh "
           f"{dict(run.mesh.shape)}; starting at step {start}", file=sys.stderr)
-    history = train(run, data, checkpointer=ckpt, save_every=args.save_every, progress=not args.no_progress,
+    history = train(run, data, checkpointer=ckpt, save_every=args.save_every, progress=not args.no_progress and lead,
                     log_every=args.log_every, peak_tflops=args.peak_tflops)
     if ckpt is not None:
         ckpt.close()
     out = None
     if args.export:
-        out = export_checkpoint(args.export, cfg, run.master(), run.formats, overwrite=args.force, tokenizer=tok)
-        print(f"dsv41 train: exported the served FP8/FP4 checkpoint to {out}", file=sys.stderr)
+        master = run.export_master()  # every process takes part in gathering the shards
+        if lead:
+            out = export_checkpoint(args.export, cfg, master, run.formats, overwrite=args.force, tokenizer=tok)
+            print(f"dsv41 train: exported the served FP8/FP4 checkpoint to {out}", file=sys.stderr)
     if args.json:
         print(json.dumps({"start_step": start, "step": run.step, "documents": len(docs),
                           "rows": int(rows["tokens"].shape[0]), "seq_len": seq_len, "mesh": dict(run.mesh.shape),
                           "checkpoint_dir": str(ckpt.directory) if ckpt else None,
                           "export": str(out) if out else None,
+                          "process": jax.process_index(), "processes": jax.process_count(),
+                          "losses": [m["loss"] for m in history],
                           "first": history[0] if history else None, "last": history[-1] if history else None},
                          indent=1))
     return 0

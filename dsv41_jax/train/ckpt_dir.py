@@ -5,6 +5,7 @@ import os
 import pathlib
 
 _ORBAX_TMP = ".orbax-checkpoint-tmp"
+_PROBE = ".write-test-"
 
 
 def check_directory(directory) -> pathlib.Path:
@@ -25,7 +26,8 @@ def check_directory(directory) -> pathlib.Path:
         raise ValueError(f"--ckpt-dir {path} cannot be created: {e.strerror or e}") from None
     junk = []
     for entry in sorted(path.iterdir()):
-        if _ORBAX_TMP in entry.name:
+        # another process of a multi-process run may be probing the same folder right now
+        if _ORBAX_TMP in entry.name or entry.name.startswith(_PROBE):
             continue
         if entry.name.isdigit() and entry.is_dir():
             missing = [item for item in ("state", "meta") if not (entry / item).is_dir()]
@@ -37,7 +39,7 @@ def check_directory(directory) -> pathlib.Path:
         shown = ", ".join(junk[:5]) + (f" and {len(junk) - 5} more" if len(junk) > 5 else "")
         raise ValueError(f"--ckpt-dir {path} holds things that are not dsv41 training checkpoints: {shown}; "
                          "pass an empty folder, a new one, or one written by dsv41 train")
-    probe = path / f".write-test-{os.getpid()}"
+    probe = path / f"{_PROBE}{os.getpid()}"
     try:
         probe.write_bytes(b"")
         probe.unlink()

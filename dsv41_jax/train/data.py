@@ -336,12 +336,16 @@ class PackedData:
     def tokens_per_batch(self) -> int:
         return self.batch_size * self.rows["tokens"].shape[1]
 
-    def batch(self, index: int) -> dict[str, np.ndarray]:
+    def batch(self, index: int, rows: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
+        """Batch `index`; rows=(lo, hi): only its rows lo..hi-1 (one process's part of the global
+        batch when training across processes; the same rows the whole batch has there)."""
         epoch, j = divmod(int(index), self.batches_per_epoch)
         if self._order[0] != epoch:
             self._order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.rows["tokens"].shape[0]))
         perm = self._order[1]
         pick = perm[j * self.batch_size:(j + 1) * self.batch_size]
+        if rows is not None:
+            pick = pick[rows[0]:rows[1]]
         out = {k: v[pick] for k, v in self.rows.items()}
         if self.engram is not None:
             layout, token_map = self.engram

@@ -44,11 +44,35 @@ class Run:
         return int(jax.device_get(self.state["step"]))
 
     def master(self) -> dict:
-        """fp32 masters with biases and merged adapters (export these)."""
+        """fp32 masters with biases and merged adapters (export these), on the mesh."""
         return full_master(self.state, self.tcfg)
 
+    def export_master(self) -> dict:
+        """`master()` in a form one process can export: across processes each holds only its shards,
+        so they are gathered into host numpy arrays, whole on every process (process_allgather: a
+        collective every process must call; the fp32 masters must fit in one host's memory)."""
+        master = self.master()
+        if jax.process_count() == 1:
+            return master
+        from jax.experimental import multihost_utils
+
+        return multihost_utils.process_allgather(master, tiled=True)
+
+    def batch_rows(self) -> tuple[int, int]:
+        """The rows [lo, hi) of each global batch that this process's devices hold."""
+        return meshlib.process_rows(self.batch_sharding, self.tcfg.batch_size)
+
     def put_batch(self, batch: dict) -> dict:
-        return jax.device_put({k: np.asarray(v) for k, v in batch.items()}, self.batch_sharding)
+        """The global batch from this process's rows of it (`batch_rows`; all rows on one process)."""
+        lo, hi = self.batch_rows()
+        out = {}
+        for k, v in batch.items():
+            v = np.asarray(v)
+            if v.shape[0] != hi - lo:
+                raise ValueError(f"batch item {k!r} has {v.shape[0]} rows; this process feeds rows {lo}:{hi}")
+            out[k] = jax.make_array_from_process_local_data(self.batch_sharding, v,
+                                                            (self.tcfg.batch_size, *v.shape[1:]))
+        return out
 
 
 def _meta(run: Run, next_batch: int) -> dict:
@@ -110,6 +134,9 @@ def prepare(cfg: ModelConfig, tcfg: TrainConfig, *, mesh_spec: str | None = None
         missing = set(master_shapes) ^ set(init_master)
         if missing:
             raise ValueError(f"initial masters do not match the model: {sorted(missing)[:5]}")
+        # host values laid out on the mesh first: across processes jit takes only global arrays
+        # (every process computed the same init_master from the same seed / checkpoint)
+        init_master = {k: meshlib.global_from_host(mesh, k, v) for k, v in init_master.items()}
         state = jax.jit(lambda m: init_state(m, tcfg), out_shardings=shardings)(init_master)
     batch_sh = meshlib.batch_sharding(mesh)
     step_fn = make_train_step(graphdef, formats, cfg, tcfg, state_shardings=shardings, batch_sharding=batch_sh)
@@ -137,7 +164,7 @@ def train(run: Run, data, *, steps: int | None = None, checkpointer: Checkpointe
     history = []
     t_last = time.perf_counter()
     for i in range(start, total):
-        batch = run.put_batch(data.batch(i))
+        batch = run.put_batch(data.batch(i, rows=run.batch_rows()))
         run.state, metrics = run.step_fn(run.state, batch)
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
         now = time.perf_counter()

@@ -99,6 +99,30 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(axes if len(axes) > 1 else (axes[0] if axes else None)))
 
 
+def process_rows(sharding: NamedSharding, batch_size: int) -> tuple[int, int]:
+    """The rows [lo, hi) of a (batch_size, ...) array split by `sharding` that live on this process's
+    devices (all of them on one process). Across processes each process feeds only these rows
+    (`jax.make_array_from_process_local_data`); they must be one contiguous range, which a mesh
+    whose data axes list each process's devices together gives (jax.make_mesh / sharding.mesh do)."""
+    spans = sorted({(idx[0].start or 0, batch_size if idx[0].stop is None else idx[0].stop)
+                    for idx in sharding.addressable_devices_indices_map((batch_size,)).values()})
+    lo, hi = spans[0][0], spans[0][1]
+    for a, b in spans[1:]:
+        if a > hi:
+            raise ValueError(f"this process's devices hold rows {spans} of the batch, not one contiguous range; "
+                             "order the mesh's devices by process")
+        hi = max(hi, b)
+    return lo, hi
+
+
+def global_from_host(mesh: Mesh, key: str, value) -> jax.Array:
+    """A parameter's host value (the same on every process) laid out on `mesh` as `param_spec` says;
+    each process places only its own shards."""
+    value = np.asarray(value)
+    sharding = NamedSharding(mesh, param_spec(mesh, key, value.shape))
+    return jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx])
+
+
 def check_batch(mesh: Mesh, batch_size: int) -> None:
     n = math.prod(_sizes(mesh).get(a, 1) for a in ("data", "expert"))
     if batch_size % n:

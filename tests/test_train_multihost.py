@@ -1,0 +1,155 @@
+"""`dsv41 train` across processes (issue 25 item 2): real processes joined over 127.0.0.1.
+
+Each process runs the CLI with --coordinator/--num-processes/--process-id and a few fake CPU
+devices (cross-process collectives go through gloo, as in sharding.multihost_check); the
+reference is the same command in one process with all the devices.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dsv41_jax.cli.distributed import DistributedFlagError, check_flags
+
+from train_fixtures import micro_config
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _setup(tmp: pathlib.Path) -> list[str]:
+    (tmp / "config.json").write_text(json.dumps(micro_config(32).to_flat_dict()))
+    corpus = tmp / "data.jsonl"
+    if not corpus.exists():
+        corpus.write_text("\n".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i} + {i % 7}\n"})
+                                    for i in range(120)) + "\n")
+    return ["train", "--config", str(tmp / "config.json"), "--data", str(corpus), "--batch-size", "8",
+            "--no-progress", "--log-every", "1", "--lr", "1e-3", "--warmup", "1", "--json"]
+
+
+def _start(args: list[str], processes: int, devices: int, tmp: pathlib.Path, tag: str) -> list[subprocess.Popen]:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    port = _free_port()
+    procs = []
+    for i in range(processes):
+        extra = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(processes),
+                 "--process-id", str(i)] if processes > 1 else []
+        procs.append(subprocess.Popen([sys.executable, "-m", "dsv41_jax.cli", *args, *extra], cwd=REPO, env=env,
+                                      stdout=open(tmp / f"{tag}.{i}.out", "w"),
+                                      stderr=open(tmp / f"{tag}.{i}.err", "w")))
+    return procs
+
+
+def _finish(procs, tmp: pathlib.Path, tag: str, timeout: float = 900) -> list[dict]:
+    out = []
+    try:
+        for i, p in enumerate(procs):
+            p.wait(timeout=timeout)
+            err = (tmp / f"{tag}.{i}.err").read_text()
+            assert p.returncode == 0, f"process {i} of {tag} exited {p.returncode}:\n{err[-4000:]}"
+            out.append(json.loads((tmp / f"{tag}.{i}.out").read_text()))
+    finally:
+        _kill(procs)
+    return out
+
+
+def _kill(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+
+
+def _run(args, processes, devices, tmp, tag) -> list[dict]:
+    return _finish(_start(args, processes, devices, tmp, tag), tmp, tag)
+
+
+def test_flag_checks():
+    assert check_flags(None, None, None) is None
+    assert check_flags("10.0.0.1:8476", 4, 3) == ("10.0.0.1:8476", 4, 3)
+    for flags, message in (((None, 2, 0), "--num-processes 2, --process-id 0 given without --coordinator"),
+                           (("h:1", None, None), "without --num-processes and --process-id"),
+                           (("h", 2, 0), "--coordinator 'h' is not HOST:PORT"),
+                           (("h:70000", 2, 0), "--coordinator 'h:70000' is not HOST:PORT"),
+                           (("h:1", 0, 0), "--num-processes 0: must be at least 1"),
+                           (("h:1", 2, 2), "--process-id 2: must be in 0..1")):
+        with pytest.raises(DistributedFlagError, match=None) as e:
+            check_flags(*flags)
+        assert message in str(e.value), (flags, str(e.value))
+
+
+def test_train_cli_bad_distributed_flags_exit_2(tmp_path):
+    """Refused before JAX starts: exit 2 and one line naming the flag and value."""
+    args = _setup(tmp_path) + ["--steps", "1", "--num-processes", "2", "--process-id", "5", "--coordinator", "x:1"]
+    r = subprocess.run([sys.executable, "-m", "dsv41_jax.cli", *args], cwd=REPO, capture_output=True, text=True,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu",
+                                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")), timeout=120)
+    assert r.returncode == 2 and "dsv41 train: --process-id 5: must be in 0..1" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_two_process_training_equals_one_process(tmp_path):
+    """Two processes x 2 devices train 2 steps on a data=2,tensor=2 mesh; the losses are bitwise
+    those of one process with 4 devices (the same SPMD program; each process fed only its rows),
+    the orbax checkpoint is one step folder, and process 0 exports one HF folder."""
+    args = _setup(tmp_path) + ["--steps", "2", "--mesh", "data=2,tensor=2"]
+    one = _run(args, 1, 4, tmp_path, "one")[0]
+    two = _run(args + ["--ckpt-dir", str(tmp_path / "ck"), "--export", str(tmp_path / "served")], 2, 2, tmp_path,
+               "two")
+    assert [s["process"] for s in two] == [0, 1] and all(s["processes"] == 2 for s in two)
+    assert len(one["losses"]) == 2
+    for s in two:
+        assert s["losses"] == one["losses"], (s["losses"], one["losses"])  # floats from JSON: bitwise
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["2"]
+    assert two[0]["export"] == str(tmp_path / "served") and two[1]["export"] is None
+    assert (tmp_path / "served" / "model.safetensors.index.json").exists()
+
+
+def _complete_steps(ck: pathlib.Path) -> list[int]:
+    if not ck.exists():
+        return []
+    return sorted(int(p.name) for p in ck.iterdir()
+                  if p.name.isdigit() and (p / "state").is_dir() and (p / "meta").is_dir())
+
+
+@pytest.mark.slow
+def test_two_process_training_matches_eight_devices_and_resumes_after_kill(tmp_path):
+    """2 processes x 4 devices vs one process x 8 on data=2,expert=2,tensor=2: equal losses; then a
+    two-process run killed (SIGKILL, both) after its first complete checkpoint resumes from it
+    and continues with the uninterrupted run's losses."""
+    steps = 16
+    args = _setup(tmp_path) + ["--steps", str(steps), "--mesh", "data=2,expert=2,tensor=2"]
+    one = _run(args, 1, 8, tmp_path, "one")[0]
+    two = _run(args, 2, 4, tmp_path, "two")
+    for s in two:
+        assert s["losses"] == one["losses"], (s["losses"], one["losses"])
+    ck = tmp_path / "ck"
+    resumable = args + ["--ckpt-dir", str(ck), "--save-every", "2"]
+    procs = _start(resumable, 2, 4, tmp_path, "killed")
+    try:
+        deadline = time.monotonic() + 900
+        while not _complete_steps(ck) and time.monotonic() < deadline and all(p.poll() is None for p in procs):
+            time.sleep(0.02)
+    finally:
+        _kill(procs)
+    saved = _complete_steps(ck)
+    assert saved, "no checkpoint was completed before the processes ended"
+    resumed = _run(resumable, 2, 4, tmp_path, "resumed")
+    start = resumed[0]["start_step"]
+    assert 2 <= start < steps, f"killed after step {start}: too late to check the continuation"
+    for s in resumed:
+        assert s["start_step"] == start and s["losses"] == one["losses"][start:], (start, s["losses"])
