@@ -3,6 +3,16 @@
 Each process runs the CLI with --coordinator/--num-processes/--process-id and a few fake CPU
 devices (cross-process collectives go through gloo, as in sharding.multihost_check); the
 reference is the same command in one process with all the devices.
+
+How equal: not bitwise. The step is the same SPMD program on the same mesh, but an all-reduce
+of a vector over processes (gloo) adds the 8 participants' values in another order than XLA's
+in-process CPU all-reduce: a probe (psum of 8 rows of 1000 float32 over data x expert) differed
+in 308 of 1000 elements by at most 1.4e-7 of the summed magnitudes (scalar sums agreed). The
+gradients are such sums, so the losses agree to float32 rounding: rtol 1e-5 over two steps (as
+tests/test_train_mesh.py bounds a change of mesh layout), 1e-3 over the slow test's 16 steps, where
+Adam amplifies last-bit gradient differences of near-zero gradients. Feeding the wrong rows or
+losing a shard moves the losses by ~1e-2 and fails both. A resumed two-process run is compared
+with the uninterrupted two-process run bit for bit (same program, same reduction order).
 """
 from __future__ import annotations
 
@@ -15,6 +25,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from dsv41_jax.cli.distributed import DistributedFlagError, check_flags
@@ -103,8 +114,8 @@ def test_train_cli_bad_distributed_flags_exit_2(tmp_path):
 
 
 def test_two_process_training_equals_one_process(tmp_path):
-    """Two processes x 2 devices train 2 steps on a data=2,tensor=2 mesh; the losses are bitwise
-    those of one process with 4 devices (the same SPMD program; each process fed only its rows),
+    """Two processes x 2 devices train 2 steps on a data=2,tensor=2 mesh; the losses are those of one
+    process with 4 devices (each process fed only its rows; to float32 rounding, module docstring),
     the orbax checkpoint is one step folder, and process 0 exports one HF folder."""
     args = _setup(tmp_path) + ["--steps", "2", "--mesh", "data=2,tensor=2"]
     one = _run(args, 1, 4, tmp_path, "one")[0]
@@ -112,8 +123,8 @@ def test_two_process_training_equals_one_process(tmp_path):
                "two")
     assert [s["process"] for s in two] == [0, 1] and all(s["processes"] == 2 for s in two)
     assert len(one["losses"]) == 2
-    for s in two:
-        assert s["losses"] == one["losses"], (s["losses"], one["losses"])  # floats from JSON: bitwise
+    assert two[0]["losses"] == two[1]["losses"]  # every process reports the same (replicated) metrics
+    np.testing.assert_allclose(two[0]["losses"], one["losses"], rtol=1e-5)
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["2"]
     assert two[0]["export"] == str(tmp_path / "served") and two[1]["export"] is None
     assert (tmp_path / "served" / "model.safetensors.index.json").exists()
@@ -128,15 +139,18 @@ def _complete_steps(ck: pathlib.Path) -> list[int]:
 
 @pytest.mark.slow
 def test_two_process_training_matches_eight_devices_and_resumes_after_kill(tmp_path):
-    """2 processes x 4 devices vs one process x 8 on data=2,expert=2,tensor=2: equal losses; then a
-    two-process run killed (SIGKILL, both) after its first complete checkpoint resumes from it
-    and continues with the uninterrupted run's losses."""
+    """2 processes x 4 devices vs one process x 8 on data=2,expert=2,tensor=2: equal losses (to
+    rtol 1e-3, module docstring); then a two-process run killed (SIGKILL, both) after its first
+    complete checkpoint resumes from it and continues with the uninterrupted two-process run's
+    losses bit for bit."""
     steps = 16
     args = _setup(tmp_path) + ["--steps", str(steps), "--mesh", "data=2,expert=2,tensor=2"]
     one = _run(args, 1, 8, tmp_path, "one")[0]
     two = _run(args, 2, 4, tmp_path, "two")
-    for s in two:
-        assert s["losses"] == one["losses"], (s["losses"], one["losses"])
+    assert two[0]["losses"] == two[1]["losses"]
+    rel = np.abs(np.subtract(two[0]["losses"], one["losses"])) / np.abs(one["losses"])
+    print(f"two processes vs one: {int(np.sum(rel > 0))} of {steps} losses differ, max relative {rel.max():.2e}")
+    np.testing.assert_allclose(two[0]["losses"], one["losses"], rtol=1e-3)
     ck = tmp_path / "ck"
     resumable = args + ["--ckpt-dir", str(ck), "--save-every", "2"]
     procs = _start(resumable, 2, 4, tmp_path, "killed")
@@ -152,4 +166,4 @@ def test_two_process_training_matches_eight_devices_and_resumes_after_kill(tmp_p
     start = resumed[0]["start_step"]
     assert 2 <= start < steps, f"killed after step {start}: too late to check the continuation"
     for s in resumed:
-        assert s["start_step"] == start and s["losses"] == one["losses"][start:], (start, s["losses"])
+        assert s["start_step"] == start and s["losses"] == two[0]["losses"][start:], (start, s["losses"])
