@@ -28,7 +28,7 @@ import time
 import numpy as np
 import pytest
 
-from dsv41_jax.cli.distributed import DistributedFlagError, check_flags
+from dsv41_jax.cli.distributed import DistributedFlagError, check_flags, detected_cluster
 
 from train_fixtures import micro_config
 
@@ -101,6 +101,20 @@ def test_flag_checks():
         with pytest.raises(DistributedFlagError, match=None) as e:
             check_flags(*flags)
         assert message in str(e.value), (flags, str(e.value))
+
+
+def test_detected_cluster(monkeypatch):
+    """A SLURM job of more than one task is joined without flags; a one-task job runs alone."""
+    for var in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID",
+                "OMPI_MCA_orte_hnp_uri", "KUBERNETES_SERVICE_HOST"):
+        monkeypatch.delenv(var, raising=False)
+    assert detected_cluster() is None
+    for var, value in (("SLURM_JOB_ID", "1"), ("SLURM_STEP_NODELIST", "node[0-1]"), ("SLURM_NTASKS", "1"),
+                       ("SLURM_PROCID", "0"), ("SLURM_LOCALID", "0")):
+        monkeypatch.setenv(var, value)
+    assert detected_cluster() is None
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    assert detected_cluster() == "slurm"
 
 
 def test_train_cli_bad_distributed_flags_exit_2(tmp_path):

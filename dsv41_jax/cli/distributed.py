@@ -69,8 +69,9 @@ def detected_cluster() -> str | None:
         return None
     single = {"slurm": "SLURM_NTASKS", "ompi": "OMPI_COMM_WORLD_SIZE"}
     for env in getattr(ClusterEnv, "_cluster_types", ()):
-        name = getattr(env, "name", env.__name__)
-        if getattr(env, "opt_in_only_method", False) or name in ("k8s",):
+        name = getattr(env, "name", "") or env.__name__
+        # Kubernetes is detected by any pod (also a one-pod run): join it with the flags instead
+        if getattr(env, "opt_in_only_method", False) or env.__name__ == "K8sCluster":
             continue
         try:
             present = env.is_env_present()
