@@ -72,10 +72,17 @@ def _finish(procs, tmp: pathlib.Path, tag: str, timeout: float = 900) -> list[di
             p.wait(timeout=timeout)
             err = (tmp / f"{tag}.{i}.err").read_text()
             assert p.returncode == 0, f"process {i} of {tag} exited {p.returncode}:\n{err[-4000:]}"
-            out.append(json.loads((tmp / f"{tag}.{i}.out").read_text()))
+            out.append(_summary((tmp / f"{tag}.{i}.out").read_text()))
     finally:
         _kill(procs)
     return out
+
+
+def _summary(stdout: str) -> dict:
+    """The --json summary: gloo (CPU collectives across processes) prints its connection lines on
+    stdout first ("[Gloo] Rank 0 is connected to 1 peer ranks..."); the summary starts at a "{" line."""
+    lines = stdout.splitlines()
+    return json.loads("\n".join(lines[lines.index("{"):]))
 
 
 def _kill(procs) -> None:
