@@ -40,8 +40,8 @@ if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
 # xdist's default `--dist load` sends runs of consecutive tests, so a file's tests could land on
 # both workers and each would build (compile) the file's module fixtures; and a long file handed out
 # last leaves the other worker idle at the end. Files in one _SHARED_UNIT run on one worker, one
-# after the other, so the second finds the first's programs in the persistent cache (test_model_pallas's
-# impl="xla" prefill-13 and decode steps are test_model.py's fast programs). DSV41_XDIST_SCHEDULE=xdist
+# after the other, sharing one compiled step (the tiny_fast_step fixture: test_model_pallas's impl="xla"
+# prefill-13 and decode steps are test_model.py's fast programs). DSV41_XDIST_SCHEDULE=xdist
 # leaves the scheduling to xdist.
 _SHARED_UNIT = {"tests/test_model_pallas.py": "tests/test_model.py"}
 # Worker-seconds per file on the 2-core CI box, rounded (clean-clone CI /work/notes/ci7.txt and an
@@ -138,6 +138,18 @@ def tiny_every_role():
                            candidate_block_size=4, max_seq_len=32, max_batch_size=2)
     graphdef, params = nnx.split(Transformer(cfg, rngs=1))
     return cfg, graphdef, params
+
+
+@pytest.fixture(scope="session")
+def tiny_fast_step(tiny_every_role):
+    """The fast-mode, impl="xla" jitted step of tiny_every_role, one per test process: test_model.py and
+    test_model_pallas.py (its impl="xla" side) run the same (batch, length) programs through it, so each
+    compiles once per worker (xdist runs the two files on one worker, see _SHARED_UNIT). Separate
+    make_step calls did not share them through the persistent cache (measured: 2 hits)."""
+    from dsv41_jax.model.transformer import make_step
+    from dsv41_jax.runtime import Runtime
+
+    return make_step(tiny_every_role[1], Runtime(mode="fast", impl="xla"))
 
 
 # DSV41_COMPILE_REPORT=N: after the run, the N test phases that spent the most time in XLA

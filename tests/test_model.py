@@ -31,9 +31,10 @@ def _rows_of(auxes, key, layer):
 
 
 @pytest.fixture(scope="module")
-def fast_step(tiny):
-    """One jitted step shared by the tests below, so each (batch, length) compiles once."""
-    return make_step(tiny[1], Runtime(mode="fast"))
+def fast_step(tiny_fast_step):
+    """One jitted step (fast, impl="xla") shared by the tests below and test_model_pallas.py (conftest.py),
+    so each (batch, length) compiles once."""
+    return tiny_fast_step
 
 
 def _check_prefill_vs_decode(cfg, step, params, tokens, n, k, bitwise):

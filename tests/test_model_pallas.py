@@ -28,9 +28,8 @@ from dsv41_jax.model.transformer import forward, init_cache, make_step
 from dsv41_jax.runtime import Runtime
 
 LOGIT_TOL = FP32_ACCUMULATION_ROW["main_fp8"]["short_max"]
-# a prefill past the window (4) and the pool capacity, then two decode steps; the impl="xla" runs are
-# then the same programs as test_model.py's fast prefill of 13 and its decode step, compiled once
-# per suite through the persistent compilation cache (conftest.py)
+# a prefill past the window (4) and the pool capacity, then two decode steps; the impl="xla" runs go
+# through conftest's tiny_fast_step, whose prefill of 13 and decode step test_model.py compiled already
 CHUNKS = (13, 1, 1)
 
 
@@ -39,9 +38,8 @@ def tiny(tiny_every_role):
     return tiny_every_role  # conftest.py: every layer role, window/pool/top-k binding early
 
 
-def _run(tiny, runtime, tokens):
+def _run(tiny, step, tokens):
     cfg, graphdef, params = tiny
-    step = make_step(graphdef, runtime)
     cache, out, s = init_cache(cfg, tokens.shape[0]), [], 0
     for n in CHUNKS:
         logits, cache, aux = step(params, jnp.asarray(tokens[:, s:s + n]), cache)
@@ -51,10 +49,10 @@ def _run(tiny, runtime, tokens):
 
 
 @pytest.fixture(scope="module")
-def fast_runs(tiny):
+def fast_runs(tiny, tiny_fast_step):
     tokens = np.random.default_rng(0).integers(0, tiny[0].vocab_size, size=(2, sum(CHUNKS)))
-    xla = _run(tiny, Runtime(mode="fast", impl="xla"), tokens)
-    pallas = _run(tiny, Runtime(mode="fast", impl="pallas"), tokens)
+    xla = _run(tiny, tiny_fast_step, tokens)  # fast, impl="xla"
+    pallas = _run(tiny, make_step(tiny[1], Runtime(mode="fast", impl="pallas")), tokens)
     return xla, pallas
 
 
@@ -111,8 +109,8 @@ def test_exact_mode_pallas_is_bit_identical_to_xla(tiny):
     """Exact mode: the interpreted kernels accumulate in float64 at the oracle's rounding points."""
     tokens = np.random.default_rng(1).integers(0, tiny[0].vocab_size, size=(2, sum(CHUNKS)))
     with jax.enable_x64(True):
-        xla = _run(tiny, Runtime(mode="exact", impl="xla"), tokens)
-        pallas = _run(tiny, Runtime(mode="exact", impl="pallas"), tokens)
+        xla = _run(tiny, make_step(tiny[1], Runtime(mode="exact", impl="xla")), tokens)
+        pallas = _run(tiny, make_step(tiny[1], Runtime(mode="exact", impl="pallas")), tokens)
     for x, p in zip(xla, pallas):
         _compare(x, p, 0.0)
 
