@@ -344,6 +344,35 @@ def _split_case():
     assert steps[0] == [(1, True), (1, True)]  # both speculate from their first decode step
 
 
+@pytest.mark.slow
+def test_warm_split_speculating_engine_never_compiles_again():
+    """The warm-up of a speculating engine on the split prefill (Graph A with taps, Graph B writing
+    the rings, the exact pieces with rings inside the tail, the speculative step): afterwards
+    requests of every prompt length, speculating, run without a compile. NOT YET RUN when it landed
+    (session 8: the heavy queue did not reach it before the stop); run it before relying on it."""
+    from test_serve_warmup import count_compiles
+
+    from dsv41_jax.checkpoint.synthetic import synthetic_model
+    from dsv41_jax.serving.engine import Engine, Request
+    from dsv41_jax.serving.sampling import SamplingParams
+    from dsv41_jax.serving.warmup import program_list, warm
+
+    cfg = _tiny(False).replace(dspark_target_layer_ids=(2, 5, 6), max_seq_len=40)
+    K = cfg.dspark_block_size
+    engine = Engine(synthetic_model(cfg, seed=5), slots=2, max_seq_len=cfg.max_seq_len, min_capacity=8,
+                    prefill_chunk=8, speculative=K)
+    kinds = [k for k, _ in program_list(engine)]
+    assert {"graph_a_rings", "graph_b_rings", "exact_rings", "speculate"} <= set(kinds)
+    warm(engine)
+    engine.spec_stats.update(dict.fromkeys(engine.spec_stats, 0))
+    with count_compiles() as seen:
+        reqs = [Request([(7 * n + i) % cfg.vocab_size for i in range(n)], SamplingParams(max_tokens=K + 3))
+                for n in range(1, cfg.max_seq_len - K - 3)]
+        engine.run(reqs)
+    assert seen == [], f"{len(seen)} programs compiled after warm()"
+    assert engine.spec_stats["slot_steps"] >= len(reqs)
+
+
 # ------------------------------------------------------------------ T > 0: rejection sampling
 SUPPORT = (11, 22, 33)  # a logit bias of +100 keeps (almost) all the mass on these: a 3 x 3 joint to test
 
