@@ -14,6 +14,9 @@ arithmetic exactly:
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 
@@ -23,6 +26,20 @@ from dsv41_jax.numerics.sleef_exp import expf_u10
 from dsv41_jax.numerics.torch_loops import scalar_tail_mask
 
 EXP_IMPLS = ("torch", "sleef", "xla")
+
+# Cost accounting (serving/cost.py) lowers steps with the Sinkhorn rounds unrolled: XLA's cost
+# analysis counts a loop body once, whatever its trip count. Trace-time only; same ops either way.
+_UNROLL_SINKHORN = contextvars.ContextVar("unroll_sinkhorn", default=False)
+
+
+@contextlib.contextmanager
+def unrolled_sinkhorn():
+    """Within it, programs traced write the Sinkhorn rounds out (no `while` in the lowered module)."""
+    token = _UNROLL_SINKHORN.set(True)
+    try:
+        yield
+    finally:
+        _UNROLL_SINKHORN.reset(token)
 
 
 def _exp(x: jax.Array, exp_impl: str) -> jax.Array:
@@ -104,5 +121,5 @@ def sinkhorn_split(
 
     # A loop, not an unrolled chain: one body in the program instead of iters - 1 copies in every
     # layer's two sites (compile time), bit-identical to the unrolled rounds (tests/test_mhc_sinkhorn.py).
-    comb = jax.lax.fori_loop(0, iters - 1, normalise, comb)
+    comb = jax.lax.fori_loop(0, iters - 1, normalise, comb, unroll=True if _UNROLL_SINKHORN.get() else 1)
     return pre, post, comb

@@ -54,7 +54,12 @@ def engram_spec(cfg: ModelConfig, batch: int, T: int):
 
 
 def lowered(fn, *args):
-    return jax.jit(fn, compiler_options=COMPILER_OPTIONS).lower(*args)
+    """The lowered program, mHC's Sinkhorn rounds written out (`mhc.unrolled_sinkhorn`): a `while` would
+    hide all but one round from cost analysis (`loop_probe`)."""
+    from dsv41_jax.layers.mhc import unrolled_sinkhorn
+
+    with unrolled_sinkhorn():
+        return jax.jit(fn, compiler_options=COMPILER_OPTIONS).lower(*args)
 
 
 def flops_of(low) -> float:
