@@ -10,6 +10,10 @@ schedules match and every logprob must be equal, not close.
 A second server prefills in chunks of 8, so chunk boundaries fall inside the image spans: exact mode
 reproduces torch's per-call scalar tails, so that schedule is compared on its decisions (the greedy
 tokens), not bitwise.
+
+Split prefill (CED, the server's default): a server on a splittable vision checkpoint answers as the
+split-prefill driver called directly on the oracle's spans (first token and every top logprob equal),
+and the oracle checks that the driver's first decoder layer selects as exact prefill does.
 """
 from __future__ import annotations
 
@@ -80,11 +84,40 @@ print(json.dumps(out))
 """
 
 
-def _serve(folder, port, chunk, log):
+SPLIT_ORACLE = ORACLE.split("out = []")[0] + r"""
+from dsv41_jax.serving import split_prefill as sp
+split = sp.make_split_prefill(gd, rt, collect_topk=True)
+exact = sp.make_exact_prefill(gd, rt, collect_topk=True)
+out = []
+for content in requests:
+    ids = encode_chat_ids(tok, [{"role": "user", "content": content}], thinking=False, images=True)
+    pictures = [decode_image(base64.b64decode(p["image_url"]["url"].split(",", 1)[1]))
+                for p in content if p["type"] == "image_url"]
+    tokens, types, inputs = expand_prompt(ids, pictures, cfg)
+    embeds = [np.asarray(encode(params, im.patches, im.n_vit_h, im.n_vit_w)[1]) for im in inputs]
+    rows = span_rows(model, np.asarray(types), inputs, embeds)
+    spans = (jnp.asarray(rows[None]), jnp.asarray(np.asarray(types)[None], jnp.int32))
+    t = jnp.asarray([tokens], jnp.int32)
+    logits, _, aux = split(params, t, buckets.empty_cache(cfg, 1, cfg.max_seq_len), None, spans=spans)
+    _, _, e_aux = exact(params, t, buckets.empty_cache(cfg, 1, cfg.max_seq_len), None, spans=spans)
+    d = cfg.decoder_start
+    n = aux["topk"][d].shape[1]
+    row = np.array(logits[0, -1], np.float32)
+    row[banned] = -np.inf
+    lp = np.asarray(jax.nn.log_softmax(jnp.asarray(row)))
+    out.append({"tokens": [int(np.argmax(lp))], "top": [sorted(lp.tolist(), reverse=True)[:5]],
+                "prompt_tokens": len(tokens), "tail": int(n),
+                "first_decoder_layer_equal": bool(np.array_equal(aux["topk"][d], e_aux["topk"][d][:, -n:])
+                                                  and np.array_equal(aux["pool"], e_aux["pool"][:, -n:]))})
+print(json.dumps(out))
+"""
+
+
+def _serve(folder, port, chunk, log, exact_prefill=True):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     cmd = [sys.executable, "-m", "dsv41_jax.cli", "serve", "--checkpoint", str(folder), "--port", str(port),
-           "--numerics", "exact", "--exact-prefill", "--max-batch", "1", "--prefill-chunk", str(chunk),
-           "--max-model-len", "512", "--quiet"]
+           "--numerics", "exact", *(["--exact-prefill"] if exact_prefill else []), "--max-batch", "1",
+           "--prefill-chunk", str(chunk), "--max-model-len", "512", "--quiet"]
     return subprocess.Popen(cmd, env=env, stderr=open(log, "w"))
 
 
@@ -119,5 +152,43 @@ def test_image_requests_in_exact_numerics_equal_forward_bitwise(tmp_path):
                 if name == "one_chunk":  # the same schedule as the oracle: every logprob equal
                     tops = [sorted((t.logprob for t in e.top_logprobs), reverse=True) for e in entries]
                     assert tops == w["top"], (name, len(content))
+    finally:
+        stop(procs)
+
+
+def test_image_requests_through_split_prefill_equal_the_split_driver(tmp_path):
+    from dsv41_jax.config import ModelConfig
+
+    cfg = ModelConfig.tiny_vision(n_layers=5, compress_ratios=(0, 2, 1, 1, 1), kv_source_layers=(1, 2),
+                                  index_source_layers=(1, 2, 3), candidate_source_layer=2, engram_layer_ids=(),
+                                  n_routed_experts=4, max_seq_len=512, max_batch_size=2)
+    folder = tmp_path / "ckpt"
+    tok = ByteTokenizer().save_json(tmp_path / "tokenizer.json", image_token=True)
+    save_hf_checkpoint(synthetic_model(cfg, seed=4), folder, tokenizer=tok)
+    requests = [[{"type": "text", "text": "look"}, image_part(RED)],
+                [{"type": "text", "text": "compare"}, image_part(RED), {"type": "text", "text": "with"},
+                 image_part(BLUE)]]
+    procs, port = {}, free_port()
+    try:
+        procs["split"] = _serve(folder, port, 512, tmp_path / "split.log", exact_prefill=False)
+        url = f"http://127.0.0.1:{port}"
+        oracle = subprocess.run([sys.executable, "-c", SPLIT_ORACLE, str(folder), json.dumps(requests), "1"],
+                                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, capture_output=True,
+                                text=True, timeout=1800)
+        assert oracle.returncode == 0, oracle.stderr[-4000:]
+        want = json.loads(oracle.stdout.strip().splitlines()[-1])
+        wait_ready(procs, {"split": url}, {"split": tmp_path / "split.log"})
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=900)
+        served = client.models.list().data[0].id
+        for content, w in zip(requests, want):
+            assert w["prompt_tokens"] > w["tail"], w  # the prompt is split: Graph A, then Graph B on the tail
+            assert w["first_decoder_layer_equal"], w
+            r = client.chat.completions.create(model=served, messages=[{"role": "user", "content": content}],
+                                               max_tokens=1, temperature=0, logprobs=True, top_logprobs=5)
+            assert r.usage.prompt_tokens == w["prompt_tokens"]
+            entries = r.choices[0].logprobs.content
+            assert [bytes(e.bytes) for e in entries] == [ByteTokenizer().decode([t]).encode() for t in w["tokens"]]
+            tops = [sorted((t.logprob for t in e.top_logprobs), reverse=True) for e in entries]
+            assert tops == w["top"], len(content)
     finally:
         stop(procs)

@@ -314,6 +314,28 @@ def test_image_spans_through_exact_and_split_prefill_equal_forward():
                                  spans=(np.asarray(long_spans[0][0]), long_types)))[0]
     assert same(got, want)
 
+    # issue 27: split prefill's first decoder layer decides as exact prefill over the tail (CED: it reads
+    # the global KV the encoder projected from every position, the image rows included)
+    d, tail = cfg.decoder_start, engine.tail
+    _, _, s_aux = sp.make_split_prefill(gd, tail=tail, collect_topk=True)(params, long_tokens, cache, spans=long_spans)
+    exact_k = sp.make_exact_prefill(gd, collect_topk=True)
+    _, e_cache, e_aux = exact_k(params, long_tokens, cache, spans=long_spans)
+    n = s_aux["topk"][d].shape[1]
+    assert n == tail < long_tokens.shape[1]
+    assert same(s_aux["topk"][d], e_aux["topk"][d][:, -n:]) and same(s_aux["pool"], e_aux["pool"][:, -n:])
+    # a chunk boundary inside a span (between the span's positions 3 and 4): every layer's top-k
+    # decisions equal the one-chunk run's (bits only against the same schedule: not compared)
+    cut = 4
+    assert long_types[cut - 1] >= 0 and long_types[cut] >= 0
+    first = (long_spans[0][:, :cut], long_spans[1][:, :cut])
+    rest = (long_spans[0][:, cut:], long_spans[1][:, cut:])
+    _, c1, a1 = exact_k(params, long_tokens[:, :cut], cache, spans=first)
+    _, c2, a2 = exact_k(params, long_tokens[:, cut:], c1, spans=rest)
+    assert set(a1["topk"]) == set(e_aux["topk"]) and e_aux["topk"]
+    for l in e_aux["topk"]:
+        assert np.array_equal(np.concatenate([a1["topk"][l], a2["topk"][l]], 1), e_aux["topk"][l]), l
+    assert same(c2["length"], e_cache["length"])
+
 
 def test_split_refuses_configs_it_cannot_serve():
     with pytest.raises(ValueError, match="come after the first decoder layer"):

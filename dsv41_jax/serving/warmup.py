@@ -22,8 +22,9 @@ it no request compiles, whatever its length:
   zeroed afterwards.
 
 With a persistent compilation cache (`compile_cache`) a second start loads the programs instead
-of compiling them. Image spans add operands to the prefill programs; they are not warmed because
-the server does not take images yet.
+of compiling them. Image spans add operands to the prefill programs, and the vision tower is its
+own program per image grid: neither is warmed (a grid depends on the image), so a checkpoint's first
+image request compiles them.
 """
 from __future__ import annotations
 
