@@ -129,6 +129,30 @@ def test_bad_effort_table():
         encode_chat([user("q")], thinking=True, effort_table={"max": 100})
 
 
+
+def test_named_effort_tables_and_pairs():
+    from dsv41_jax.serving.http import protocol as P
+    from dsv41_jax.text.chat import EFFORT_TABLES, parse_effort_table
+
+    assert parse_effort_table("deepseek-api") == {"low": 50, "high": 75, "max": 100}
+    # vLLM vllm/tokenizers/deepseek_v41_encoding.py REASONING_EFFORT_MAPPINGS, default "high"
+    assert parse_effort_table(" v41-encoder ") == {"low": 25, "high": 50, "xhigh": 75, "max": 100}
+    assert parse_effort_table("low=10, high=60") == {"low": 10, "high": 60}
+    for text, message in (("nope", r"'nope' is not name=N.*deepseek-api"), ("low=10", "has no 'high'"),
+                          ("high=101", "1-100"), ("high=x", "not name=N"), ("", "not name=N")):
+        with pytest.raises(ValueError, match=message):
+            parse_effort_table(text)
+    # the server resolves a request's effort with its table; names outside it are a 400 naming them
+    v41 = EFFORT_TABLES["v41-encoder"]
+    assert P.chat_mode({"reasoning_effort": "xhigh"}, v41).effort == 75
+    assert P.chat_mode({"chat_template_kwargs": {"thinking": True}}, v41).effort == 50
+    assert P.chat_mode({"chat_template_kwargs": {"thinking": True}}).effort == 75
+    assert P.chat_mode({"reasoning_effort": 30}, v41).effort == 30
+    assert P.chat_mode({"reasoning_effort": "none"}, v41).effort is None
+    with pytest.raises(P.APIError, match="xhigh"):
+        P.chat_mode({"reasoning_effort": "xhigh"})
+
+
 # ---- multi-turn reasoning ------------------------------------------------------------------
 
 # vLLM tests/tokenizers_/fixtures/deepseek_v4/test_input_2.json (vLLM accepts "reasoning" for
@@ -715,3 +739,38 @@ def test_wo_eos_leaves_the_final_reply_open():
     assert encode_chat([dict(user("q"), wo_eos=True)], thinking=False) == encode_chat([user("q")], thinking=False)
     with pytest.raises(ValueError, match=r"messages\[1\]: wo_eos must be true or false, got 'yes'"):
         encode_chat([user("q"), {"role": "assistant", "content": "a", "wo_eos": "yes"}], thinking=False)
+
+
+RF = "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
+
+
+def test_system_and_developer_messages_host_their_tools_and_response_format():
+    # every public copy of DeepSeek's V4.1 encoder (render_message): a system or developer message's own
+    # `tools` block, then its `response_format` as JSON after "## Response Format:", each after a blank line
+    schema = {"type": "object", "properties": {"é": {"type": "string"}}}
+    system = {"role": "system", "content": "S", "response_format": schema}
+    assert encode_chat([system, user("q")], thinking=False) == (
+        BOS + SYS + "S\n\n" + RF + '{"type": "object", "properties": {"é": {"type": "string"}}}' + U + "q" + A + "</think>")
+    dev = {"role": "developer", "content": "D", "tools": [TOOL_GET], "response_format": {"type": "json_object"}}
+    assert encode_chat([dev, user("q")], thinking=False) == (
+        BOS + U + "D\n\n" + TOOLS_BLOCK_FOR_GET + "\n\n" + RF + '{"type": "json_object"}' + U + "q" + A + "</think>")
+    # a message's tools keep earlier reasoning, as request tools do (reference: any message's tools)
+    history = [user("a"), {"role": "assistant", "content": "b", "reasoning_content": "p"}, user("u")]
+    kept = encode_chat(history + [dict(dev, response_format=None)], thinking=True)
+    assert "p</think>b" in kept and encode_chat(history, thinking=True).count("p</think>") == 0
+    # request tools join the first system message after its own
+    own = {"role": "system", "content": "S", "tools": [TOOL_GET]}
+    assert encode_chat([own, user("q")], thinking=False) == encode_chat(
+        [{"role": "system", "content": "S"}, user("q")], thinking=False, tools=[TOOL_GET])
+    with pytest.raises(ValueError, match=r"messages\[0\]: response_format must be a JSON object, got int"):
+        encode_chat([dict(system, response_format=3), user("q")], thinking=False)
+    with pytest.raises(ValueError, match=r"messages\[0\]: tools\[0\] must be"):
+        encode_chat([dict(system, tools=[{"type": "function"}]), user("q")], thinking=False)
+    # the reference renders them on system and developer messages only
+    assert encode_chat([dict(user("q"), response_format=schema)], thinking=False) == encode_chat([user("q")], thinking=False)
+    # the server parses tool calls when a message hosts tools, unless tool_choice is "none"
+    from dsv41_jax.serving.http import protocol as P
+
+    assert P.chat_mode({"messages": [dev, user("q")]}).parse_tools
+    assert not P.chat_mode({"messages": [dev, user("q")], "tool_choice": "none"}).parse_tools
+    assert not P.chat_mode({"messages": [system, user("q")]}).parse_tools

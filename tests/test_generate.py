@@ -84,6 +84,11 @@ def test_messages_file_and_effort_reach_the_chat_encoder(ckpt, tmp_path):
     assert _prompt_ids(args, tok) == encode_chat_ids(tok, messages, thinking=True, effort=42)
     args = Namespace(messages=None, prompt="hi", thinking=False, effort="low", image=[])
     assert _prompt_ids(args, tok) == encode_chat_ids(tok, [{"role": "user", "content": "hi"}], thinking=False, effort=50)
+    from dsv41_jax.text.chat import EFFORT_TABLES
+
+    args = Namespace(messages=None, prompt="hi", thinking=True, effort="xhigh", image=[],
+                     effort_table=EFFORT_TABLES["v41-encoder"])
+    assert _prompt_ids(args, tok) == encode_chat_ids(tok, [{"role": "user", "content": "hi"}], thinking=True, effort=75)
 
 
 # ------------------------------------------------------------------------------ bad inputs
@@ -106,6 +111,7 @@ def test_bad_inputs_fail_clearly_before_loading(ckpt, tmp_path, capsys):
         (base + ["--prompt", " ".join(["hi"] * 40), "--max-seq-len", "16"], "the prompt is 4[0-9] tokens but the cache holds max_seq_len=16"),
         (base + ["--prompt", "hi", "--effort", "extreme"], "effort 'extreme' is not accepted"),
         (base + ["--prompt", "hi", "--effort", "101"], "effort 101 is not accepted"),
+        (base + ["--prompt", "hi", "--effort", "xhigh"], "--effort: effort 'xhigh' is not accepted"),
         (base + ["--messages", tmp_path / "missing.json"], "missing.json: no such file"),
         (base + ["--messages", tmp_path / "bad.json"], "bad.json: not valid JSON"),
         (base + ["--messages", tmp_path / "obj.json"], "expected a JSON list of messages"),
@@ -126,7 +132,8 @@ def test_bad_inputs_fail_clearly_before_loading(ckpt, tmp_path, capsys):
     for argv, message in ((["--prompt", "hi", "--messages", "x.json"], "not allowed with argument --prompt"),
                           (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens: must be >= 1"),
                           (["--prompt", "hi", "--max-new-tokens", "abc"], "--max-new-tokens: expected a whole number >= 1, got 'abc'"),
-                          (["--prompt", "hi", "--seed", "-1"], "--seed: must be >= 0, got -1")):
+                          (["--prompt", "hi", "--seed", "-1"], "--seed: must be >= 0, got -1"),
+                          (["--prompt", "hi", "--effort-table", "huge"], "--effort-table: effort table 'huge'")):
         with pytest.raises(SystemExit) as e:  # argparse: usage and exit code 2
             main(["generate", "--checkpoint", str(ckpt), *argv])
         assert e.value.code == 2 and message in capsys.readouterr().err

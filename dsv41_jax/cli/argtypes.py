@@ -34,3 +34,13 @@ def positive_float(text: str) -> float:
 
 def non_negative_float(text: str) -> float:
     return _number(text, float, 0.0, strict=False)
+
+
+def effort_table(text: str):
+    """--effort-table: a name in chat.EFFORT_TABLES or name=N pairs (chat.parse_effort_table)."""
+    from dsv41_jax.text.chat import parse_effort_table
+
+    try:
+        return parse_effort_table(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

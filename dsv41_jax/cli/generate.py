@@ -11,7 +11,7 @@ import json
 import pathlib
 import sys
 
-from dsv41_jax.cli.argtypes import non_negative_int, positive_int
+from dsv41_jax.cli.argtypes import effort_table, non_negative_int, positive_int
 
 
 class InputError(ValueError):
@@ -23,6 +23,16 @@ def parse_effort(text: str | None):
     if text is None:
         return None
     return int(text) if text.strip().lstrip("+-").isdigit() else text.strip()
+
+
+def _effort(args) -> int:
+    """The budget --effort means under --effort-table (checked before any weights are read)."""
+    from dsv41_jax.text.chat import resolve_effort
+
+    try:
+        return resolve_effort(parse_effort(args.effort), getattr(args, "effort_table", None))
+    except ValueError as e:
+        raise InputError(f"--effort: {e}") from None
 
 
 def read_messages(path: str) -> tuple[list, list | None]:
@@ -76,7 +86,7 @@ def _prompt_ids(args, tokenizer, cfg=None) -> list[int]:
     from dsv41_jax.text.chat import encode_chat_ids
 
     messages, tools = _messages(args)
-    chat = dict(thinking=args.thinking, effort=parse_effort(args.effort), tools=tools)
+    chat = dict(thinking=args.thinking, effort=_effort(args), tools=tools)
     try:
         if has_images(messages):
             return image_prompt(tokenizer, messages, cfg, _image_options(), **chat)[0]
@@ -226,7 +236,7 @@ def _spans(args, gen, tokenizer, prompt):
 
     messages, tools = _messages(args)
     made = ImagePrompter(gen.engine, _image_options()).build(tokenizer, messages, thinking=args.thinking,
-                                                             effort=parse_effort(args.effort), tools=tools)
+                                                             effort=_effort(args), tools=tools)
     if made.tokens != prompt:  # both from the same files: only a file changed in between could do this
         raise InputError("an --image file changed while the model was loading; run again")
     return made.spans
@@ -256,7 +266,11 @@ def register(subparsers) -> None:
     s.add_argument("--image", action="append", metavar="PATH", default=[],
                    help="an image file (PNG, JPEG, WebP, GIF) before the --prompt text; repeatable, in order. Needs a "
                         "checkpoint with a vision tower (docs/VISION.md)")
-    s.add_argument("--effort", metavar="low|high|max|N", help="reasoning effort for thinking mode: a name (low/high/max = 50/75/100) or 1-100")
+    s.add_argument("--effort", metavar="low|high|max|N", help="reasoning effort for thinking mode: a name from "
+                   "--effort-table (default low/high/max = 50/75/100) or 1-100")
+    s.add_argument("--effort-table", type=effort_table, default=None, metavar="NAME|name=N,...",
+                   help="what --effort names mean: deepseek-api (the default) or v41-encoder (low/high/xhigh/max = "
+                        "25/50/75/100, as vLLM's and SGLang's V4.1 encoders), or pairs like low=25,high=50,max=100")
     s.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=False,
                    help="thinking mode (<think>) or chat mode (</think>, the default)")
     s.add_argument("--max-new-tokens", type=positive_int, default=256)

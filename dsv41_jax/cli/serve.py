@@ -12,7 +12,7 @@ import pathlib
 import sys
 
 from dsv41_jax.cli import speculative
-from dsv41_jax.cli.argtypes import positive_int
+from dsv41_jax.cli.argtypes import effort_table, positive_int
 from dsv41_jax.cli.generate import InputError, add_mesh_args, load_on, mesh_of
 
 
@@ -79,7 +79,7 @@ def load_server(args):
                         runtime=Runtime(mode=args.numerics, impl=args.impl),
                         max_request_bytes=args.max_request_bytes, warm=not args.no_warm, mesh=mesh,
                         preset=args.preset, images=image_options(args), speculative=k,
-                        spec_acceptance=speculative.acceptance(args))
+                        spec_acceptance=speculative.acceptance(args), effort_table=args.effort_table)
     app, worker = build(model, tokenizer, opts)
     if not args.quiet:
         worker.warm_progress = _print_warm_progress
@@ -131,6 +131,10 @@ def register(subparsers) -> None:
     s.add_argument("--prefix-cache-dir", metavar="DIR", help="keep conversation caches in this folder")
     s.add_argument("--prefix-cache-bytes", type=_byte_size, default=1 << 30,
                    help="byte budget of the conversation caches, LRU-evicted (default 1G)")
+    s.add_argument("--effort-table", type=effort_table, default=None, metavar="NAME|name=N,...",
+                   help="what reasoning_effort names mean: deepseek-api (low/high/max = 50/75/100, the default) or "
+                        "v41-encoder (low/high/xhigh/max = 25/50/75/100, as vLLM's and SGLang's V4.1 encoders), "
+                        "or pairs like low=25,high=50,max=100 (must name 'high')")
     s.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1/*")
     s.add_argument("--max-request-bytes", type=_byte_size, default=32 << 20,
                    help="largest request body; a larger one gets HTTP 413 before it is read (default 32M)")

@@ -43,9 +43,17 @@ from dsv41_jax.text import dsml as chat_dsml
 from dsv41_jax.text import pieces as P
 from dsv41_jax.text import special_tokens as st
 
-# The reference encoder's table (checkpoint encoding.py, as pinned by vLLM's conformance test)
-# and the DeepSeek API's; SGLang ships 25/50/75/100 with "xhigh", hence `effort_table`.
+# Two named-effort tables circulate (the project's design notes, SPEC.md "Reasoning effort"):
+# the DeepSeek API's low/high/max = 50/75/100 (our default), and the one vLLM and SGLang ship in
+# their V4.1 encoders (vLLM vllm/tokenizers/deepseek_v41_encoding.py REASONING_EFFORT_MAPPINGS:
+# low/high/xhigh/max = 25/50/75/100, default "high" = 50). Integers 1-100 mean the same in both.
+# `effort_table` / `dsv41 serve --effort-table` choose; which one the checkpoint's encoder at
+# dba1be0 has cannot be read here.
 DEFAULT_EFFORT_TABLE: Mapping[str, int] = types.MappingProxyType({"low": 50, "high": 75, "max": 100})
+EFFORT_TABLES: Mapping[str, Mapping[str, int]] = types.MappingProxyType({
+    "deepseek-api": DEFAULT_EFFORT_TABLE,
+    "v41-encoder": types.MappingProxyType({"low": 25, "high": 50, "xhigh": 75, "max": 100}),
+})
 DEFAULT_EFFORT_NAME = "high"  # reference DEFAULT_REASONING_EFFORT, used when effort is None
 EFFORT_MIN, EFFORT_MAX = 1, 100
 IMAGE_ESCAPED = "<|deepseek_image|>"
@@ -75,6 +83,27 @@ def _checked_table(effort_table) -> Mapping[str, int]:
         if not isinstance(name, str) or not _is_int(budget) or not EFFORT_MIN <= budget <= EFFORT_MAX:
             raise ValueError(f"effort_table entry {name!r}: {budget!r} must map a str to an int in 1-100")
     return table
+
+
+def parse_effort_table(text: str) -> Mapping[str, int]:
+    """A table from its name in EFFORT_TABLES or from `name=N,name=N,...` (N in 1-100; it must
+    name "high", the budget used when a thinking request gives no effort)."""
+    text = text.strip()
+    if text in EFFORT_TABLES:
+        return EFFORT_TABLES[text]
+    table = {}
+    for item in text.split(","):
+        name, sep, value = item.partition("=")
+        name, value = name.strip(), value.strip()
+        if not sep or not name or not value.lstrip("+").isdigit():
+            raise ValueError(f"effort table {text!r}: {item!r} is not name=N; give one of "
+                             f"{sorted(EFFORT_TABLES)} or name=N pairs like low=25,high=50,max=100")
+        table[name] = int(value)
+    table = dict(_checked_table(table))
+    if DEFAULT_EFFORT_NAME not in table:
+        raise ValueError(f"effort table {text!r} has no {DEFAULT_EFFORT_NAME!r}: it is the budget of a thinking "
+                         "request without an effort; add it")
+    return types.MappingProxyType(table)
 
 
 def resolve_effort(effort, effort_table=None) -> int:
@@ -125,7 +154,8 @@ class _Turn:
     blocks: tuple[_Block, ...] = ()
     reasoning: str = ""
     calls: tuple[tuple[str | None, str, dict], ...] = ()  # (id, name, arguments)
-    functions: tuple[Mapping, ...] = ()  # tool definitions hosted by this system turn
+    functions: tuple[Mapping, ...] = ()  # tool definitions hosted by this system (or developer) turn
+    response_format: object = None  # a system/developer message's own `response_format`, rendered after its tools
     task: str | None = None  # a quick-instruction task marker after this turn (st.TASKS)
     wo_eos: bool = False  # an assistant turn left open: no EOS after it (the reply continues)
 
@@ -221,6 +251,21 @@ def _wo_eos(msg: Mapping, where: str) -> bool:
     return value
 
 
+def _hosted(msg: Mapping, where: str) -> dict:
+    """A system or developer message's own `tools` and `response_format`: DeepSeek's encoder renders
+    them after that message's text (render_message: "\n\n" + the tools block, then "\n\n## Response
+    Format:..." with the value as JSON), and any message's tools keep earlier reasoning (as request
+    tools do). Other roles carry neither (the reference ignores them there)."""
+    try:
+        functions = _functions(msg.get("tools") or None)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    rf = msg.get("response_format")
+    if rf and not isinstance(rf, (Mapping, list, str)):
+        raise ValueError(f"{where}: response_format must be a JSON object, got {type(rf).__name__}")
+    return {"functions": functions, "response_format": rf or None}
+
+
 def _mask(msg: Mapping, where: str) -> None:
     """A message's `mask`: DeepSeek's official encoder keeps it on every message (its
     merge_tool_messages carries "task", "wo_eos" and "mask" over to merged user turns) and no
@@ -244,13 +289,15 @@ def _validated(messages, images: bool = False) -> list[_Turn]:
         _mask(msg, where)
         if role != "assistant":
             _wo_eos(msg, where)
-        if role in ("system", "latest_reminder"):
+        if role == "latest_reminder":
             turns.append(_Turn(role, content=_required_text(msg, where), task=task))
+        elif role == "system":
+            turns.append(_Turn(role, content=_required_text(msg, where), task=task, **_hosted(msg, where)))
         elif role == "developer":  # rendered `<｜User｜>text` but its own turn (reference: content required)
             text = _required_text(msg, where)
             if not text:
                 raise ValueError(f"{where}: a developer message needs non-empty content")
-            turns.append(_Turn("developer", blocks=(_Block(text),), task=task))
+            turns.append(_Turn("developer", blocks=(_Block(text),), task=task, **_hosted(msg, where)))
         elif role == "user":
             turns.append(_Turn("user", blocks=(_block(msg, where, images),), task=task))
         elif role == "tool":
@@ -312,8 +359,8 @@ def _attach_tools(turns: list[_Turn], functions: tuple[Mapping, ...]) -> list[_T
     """Tool definitions live in the first system turn; an empty one is added if needed (as vLLM does)."""
     if not functions:
         return turns
-    if turns[0].role == "system":
-        return [dataclasses.replace(turns[0], functions=functions)] + turns[1:]
+    if turns[0].role == "system":  # after the message's own tools, if it has some
+        return [dataclasses.replace(turns[0], functions=turns[0].functions + functions)] + turns[1:]
     return [_Turn("system", functions=functions)] + turns
 
 
@@ -329,6 +376,22 @@ def _drop_before_last_user(turns: list[_Turn]) -> list[_Turn]:
     return [t for i, t in enumerate(turns) if i >= last_user or t.role != "developer"]
 
 
+RESPONSE_FORMAT_HEAD = "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
+
+
+def _hosted_pieces(turn: _Turn) -> list[P.Piece]:
+    """The tools block and the response-format block a system or developer turn hosts (reference
+    render_message: each after a blank line, tools first; the schemas are the caller's text)."""
+    out = []
+    if turn.functions:
+        out.append(P.encoder("\n\n"))
+        out += chat_dsml.render_tool_definitions(turn.functions, escape_image_placeholder)
+    if turn.response_format:
+        out += [P.encoder("\n\n" + RESPONSE_FORMAT_HEAD),
+                P.caller(escape_image_placeholder(chat_dsml.to_json(turn.response_format)))]
+    return out
+
+
 def _render(turns: list[_Turn], *, thinking: bool, budget: int, keep_reasoning: bool, add_bos: bool) -> list[P.Piece]:
     """The prompt as pieces: the encoder's markers and instructions, and the callers' text."""
     drop = thinking and not keep_reasoning
@@ -342,14 +405,12 @@ def _render(turns: list[_Turn], *, thinking: bool, budget: int, keep_reasoning: 
         if i == 0 and thinking:
             out.append(P.encoder(effort_line(budget)))
         if turn.role == "system":
-            out += [P.encoder(st.SYSTEM if i > 0 else ""), P.caller(turn.content)]
-            if turn.functions:
-                out.append(P.encoder("\n\n"))
-                out += chat_dsml.render_tool_definitions(turn.functions, escape_image_placeholder)
+            out += [P.encoder(st.SYSTEM if i > 0 else ""), P.caller(turn.content)] + _hosted_pieces(turn)
         elif turn.role in USER_LIKE:
             out.append(P.encoder(st.USER))
             for j, block in enumerate(turn.blocks):
                 out += ([P.encoder("\n\n")] if j else []) + block.render()
+            out += _hosted_pieces(turn)
         elif turn.role == "latest_reminder":
             out += [P.encoder(st.LATEST_REMINDER), P.caller(turn.content)]
         else:
@@ -405,7 +466,7 @@ def encode_chat_pieces(
     functions = _functions(tools)
     turns = _sort_tool_results(_merge_user_turns(_validated(messages, images)))
     turns = _attach_tools(turns, functions)
-    keep = bool(functions) or not drop_thinking
+    keep = any(t.functions for t in turns) or not drop_thinking  # reference: any message's tools
     return _render(turns, thinking=thinking, budget=budget, keep_reasoning=keep, add_bos=add_bos)
 
 

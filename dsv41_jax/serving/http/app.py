@@ -47,6 +47,7 @@ class ServerConfig:
     test_hooks: bool = False  # accept the `dsv41_test` request field (forced tokens, faults); tests only
     conversations: object = None  # a ConversationStore, or None for no conversation caches
     images: object = None  # an images.ImagePrompter when the checkpoint has a vision tower, else None
+    effort_table: object = None  # reasoning_effort names -> budgets (--effort-table); None: DEFAULT_EFFORT_TABLE
 
 
 class _Stops:
@@ -481,7 +482,7 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
         with_images = has_images(messages)
         if with_images and cfg.images is None:
             P.check_images(messages, cfg.has_vision)
-        mode = P.chat_mode(body)
+        mode = P.chat_mode(body, cfg.effort_table)
         sp = P.sampling_fields(body, chat=True)
         spec = P.constraint_spec(body, chat=True)
         _precheck("messages", messages)
@@ -601,7 +602,7 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
         if ("prompt" in body) == ("messages" in body):
             raise P.bad("prompt", "send exactly one of 'prompt' (completions) and 'messages' (chat)")
         if "messages" in body:
-            mode = P.chat_mode(body)
+            mode = P.chat_mode(body, cfg.effort_table)
             _precheck("messages", body["messages"])
             with_images = has_images(body["messages"])
             if with_images and cfg.images is None:

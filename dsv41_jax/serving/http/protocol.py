@@ -17,7 +17,7 @@ import secrets
 from collections.abc import Mapping
 
 from dsv41_jax.serving.sampling import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY
-from dsv41_jax.text.chat import DEFAULT_EFFORT_TABLE, EFFORT_MAX, EFFORT_MIN, IMAGE_PART_TYPES
+from dsv41_jax.text.chat import DEFAULT_EFFORT_TABLE, EFFORT_MAX, EFFORT_MIN, IMAGE_PART_TYPES, resolve_effort
 
 
 class APIError(Exception):
@@ -227,7 +227,7 @@ class ChatMode:
     that reply is left open: DeepSeek's encoder writes no EOS and no new `<｜Assistant｜>` header)."""
 
     thinking: bool
-    effort: int | str | None
+    effort: int | None  # the resolved budget 1-100 (None: reasoning_effort "none")
     tools: list | None
     parse_tools: bool
     continues: bool = False
@@ -239,11 +239,13 @@ class ChatMode:
         return self.thinking and not self.continues
 
 
-def chat_mode(body: Mapping) -> ChatMode:
+def chat_mode(body: Mapping, effort_table: Mapping[str, int] | None = None) -> ChatMode:
     """Thinking is on when `reasoning_effort` names a budget (not "none") or
-    `chat_template_kwargs.thinking` is true; an explicit `thinking` wins over the effort."""
+    `chat_template_kwargs.thinking` is true; an explicit `thinking` wins over the effort.
+    Names are those of `effort_table` (the server's --effort-table; default DEFAULT_EFFORT_TABLE);
+    the mode carries the resolved budget (an int), so rendering needs no table."""
     effort = body.get("reasoning_effort")
-    names = dict(DEFAULT_EFFORT_TABLE)
+    names = dict(DEFAULT_EFFORT_TABLE if effort_table is None else effort_table)
     if effort is not None and not (effort == "none" or (isinstance(effort, str) and effort in names) or
                                    (_is_int(effort) and EFFORT_MIN <= effort <= EFFORT_MAX)):
         raise bad("reasoning_effort", f"expected one of {sorted(names)}, 'none' or an integer 1-100, got {effort!r:.80}")
@@ -273,7 +275,11 @@ def chat_mode(body: Mapping) -> ChatMode:
     messages = body.get("messages")
     continues = (isinstance(messages, list) and bool(messages) and isinstance(messages[-1], Mapping)
                  and messages[-1].get("role") == "assistant")
-    return ChatMode(thinking, None if effort == "none" else effort, tools or None, bool(tools), continues)
+    budget = None if effort == "none" else resolve_effort(effort, names)
+    # a system or developer message's own tools are rendered too (the reference encoder): parse calls
+    hosted = isinstance(messages, list) and any(isinstance(m, Mapping) and m.get("role") in ("system", "developer")
+                                                and m.get("tools") for m in messages)
+    return ChatMode(thinking, budget, tools or None, bool(tools) or (hosted and choice != "none"), continues)
 
 
 def check_images(messages, has_vision: bool):

@@ -40,6 +40,7 @@ class ServeOptions:
     images: object = None  # images.ImageOptions (limits); None = the defaults
     speculative: int = 0  # K DSpark drafts per step (Engine(speculative=K); needs exact_prefill)
     spec_acceptance: str = "rejection"  # Engine(spec_acceptance=...): "rejection" or "match" at T > 0
+    effort_table: object = None  # reasoning_effort names -> budgets (chat.EFFORT_TABLES); None: the default
 
 
 def banned_ids(cfg, tokenizer) -> list[int]:
@@ -85,7 +86,7 @@ def build(model, tokenizer, opts: ServeOptions):
         images = ImagePrompter(engine, opts.images or ImageOptions())
     scfg = ServerConfig(opts.model_name, max_len, api_key=opts.api_key, test_hooks=opts.test_hooks,
                         conversations=conversations, has_vision=has_vision, images=images,
-                        max_request_bytes=opts.max_request_bytes)
+                        max_request_bytes=opts.max_request_bytes, effort_table=opts.effort_table)
     app = build_app(worker, tokenizer, scfg)
     app.state.conversations = conversations
     return app, worker
