@@ -168,17 +168,17 @@ def test_image_requests_through_split_prefill_equal_the_split_driver(tmp_path):
     requests = [[{"type": "text", "text": "look"}, image_part(RED)],
                 [{"type": "text", "text": "compare"}, image_part(RED), {"type": "text", "text": "with"},
                  image_part(BLUE)]]
-    procs, port = {}, free_port()
+    procs, urls = {}, {}
+    starts = {"split": lambda port: _serve(folder, port, 512, tmp_path / "split.log", exact_prefill=False)}
     try:
-        procs["split"] = _serve(folder, port, 512, tmp_path / "split.log", exact_prefill=False)
-        url = f"http://127.0.0.1:{port}"
+        launch(starts, procs, urls)
         oracle = subprocess.run([sys.executable, "-c", SPLIT_ORACLE, str(folder), json.dumps(requests), "1"],
                                 env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, capture_output=True,
                                 text=True, timeout=1800)
         assert oracle.returncode == 0, oracle.stderr[-4000:]
         want = json.loads(oracle.stdout.strip().splitlines()[-1])
-        wait_ready(procs, {"split": url}, {"split": tmp_path / "split.log"})
-        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=900)
+        wait_ready(procs, urls, {"split": tmp_path / "split.log"}, starts=starts)
+        client = openai.OpenAI(base_url=urls["split"] + "/v1", api_key="x", max_retries=0, timeout=900)
         served = client.models.list().data[0].id
         for content, w in zip(requests, want):
             assert w["prompt_tokens"] > w["tail"], w  # the prompt is split: Graph A, then Graph B on the tail
