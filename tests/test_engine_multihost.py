@@ -33,10 +33,9 @@ from dsv41_jax.serving.sampling import SamplingParams
 from sharding.mesh import make_mesh
 cfg = ModelConfig.tiny(max_seq_len=64, n_routed_experts=8, vocab_size=256, engram_layer_ids=())
 model = random_model(cfg, seed=7)
-# fingerprint given: the engine's own reads the placed parameters to host, which a mesh across
-# processes does not allow (the next step of issue 25: fingerprint the host model before placing it)
+# the engine's own fingerprint: on a mesh across processes each tensor's digest is taken on the devices
 eng = Engine(model, slots=2, min_capacity=64, prefill_chunk=8, mesh=make_mesh("expert=4,tensor=2"),
-             preset="inference", fingerprint="test")
+             preset="inference")
 reqs = [Request([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], SamplingParams(max_tokens=5), request_id="a", want_logprobs=True),
         Request([7, 8, 9], SamplingParams(max_tokens=5, temperature=1.0, seed=3), request_id="b", want_logprobs=True)]
 seen, out = {}, {}
@@ -54,7 +53,7 @@ if pid == 0:
         for res in eng.step():
             out[res.request_id] = res.tokens
     if ch: ch.publish(("stop",))
-    print(json.dumps({"tokens": out, "top_logprob": seen}), flush=True)
+    print(json.dumps({"tokens": out, "top_logprob": seen, "fingerprint": eng.fingerprint}), flush=True)
 else:
     steps = 0
     while True:
@@ -66,7 +65,7 @@ else:
             steps += 1
         else:
             break
-    print(json.dumps({"steps": steps}), flush=True)
+    print(json.dumps({"steps": steps, "fingerprint": eng.fingerprint}), flush=True)
 os._exit(0)  # not jax.distributed.shutdown's barrier
 '''
 
@@ -102,5 +101,7 @@ def _run(processes: int, devices: int, tmp: pathlib.Path) -> list[dict]:
 def test_engine_across_two_processes_equals_one_process(tmp_path):
     one = _run(1, 8, tmp_path)[0]
     leader, follower = _run(2, 4, tmp_path)
-    assert leader == one  # tokens and top log-probabilities, floats through JSON: bitwise
+    assert leader == one  # tokens, top log-probabilities (floats through JSON: bitwise) and the fingerprint
     assert follower["steps"] >= 4 and set(one["tokens"]) == {"a", "b"}
+    # every process names the weights as one process does (conversation caches are keyed on it)
+    assert follower["fingerprint"] == one["fingerprint"]

@@ -84,12 +84,17 @@ _GOLDEN = 0x9E3779B1
 def tensor_digest(x) -> tuple[int, int]:
     """A cheap 64-bit digest of every byte of one array, computed where the array lives.
 
-    On an accelerator: one fused reduction over the tensor's bytes (no copy to the host), so
-    the digests of a whole checkpoint cost about one read of the weights. Host arrays (numpy, or
-    jax arrays on CPU) take the same sums in numpy, chunk by chunk, to skip a compile per shape.
+    On an accelerator, or for a tensor spread over several processes: one fused reduction over the
+    tensor's bytes (no copy to the host), so the digests of a whole checkpoint cost about one read
+    of the weights; the sums are integer (mod 2^32), so any reduction order gives the same pair.
+    Host arrays (numpy, or jax arrays on CPU) take the same sums in numpy, chunk by chunk, to skip
+    a compile per shape.
     """
-    if isinstance(x, jax.Array) and any(d.platform != "cpu" for d in x.devices()):
-        return tuple(int(v) for v in jax.device_get(_digest(x)))
+    if isinstance(x, jax.Array) and (not x.is_fully_addressable or any(d.platform != "cpu" for d in x.devices())):
+        out = _digest(x)  # a mesh across processes: no process can read the tensor, each gets the sums
+        if not out.is_fully_addressable:  # replicated: every process holds the whole pair
+            out = out.addressable_data(0)
+        return tuple(int(v) for v in jax.device_get(out))
     data = np.ascontiguousarray(np.asarray(x)).reshape(-1).view(np.uint8)
     first = second = np.uint32(0)
     with np.errstate(over="ignore"):
