@@ -59,15 +59,21 @@ rt = Runtime(mode="exact")
 gd, params = nnx.split(model)
 step, encode = make_step(gd, rt), make_image_encoder(gd, rt)
 banned = banned_ids(cfg, tok)
-out = []
-for content in requests:
+
+
+def prompt_and_spans(content):  # the message's ids with each image's span expanded, and the spans
     ids = encode_chat_ids(tok, [{"role": "user", "content": content}], thinking=False, images=True)
     pictures = [decode_image(base64.b64decode(p["image_url"]["url"].split(",", 1)[1]))
                 for p in content if p["type"] == "image_url"]
     tokens, types, inputs = expand_prompt(ids, pictures, cfg)
     embeds = [np.asarray(encode(params, im.patches, im.n_vit_h, im.n_vit_w)[1]) for im in inputs]
     rows = span_rows(model, np.asarray(types), inputs, embeds)
-    spans = (jnp.asarray(rows[None]), jnp.asarray(np.asarray(types)[None], jnp.int32))
+    return tokens, (jnp.asarray(rows[None]), jnp.asarray(np.asarray(types)[None], jnp.int32))
+
+
+out = []
+for content in requests:
+    tokens, spans = prompt_and_spans(content)
     cache = buckets.empty_cache(cfg, 1, cfg.max_seq_len)
     logits, cache, _ = step(params, jnp.asarray([tokens], jnp.int32), cache, None, None, None, spans)
     got, tops = [], []
@@ -90,13 +96,7 @@ split = sp.make_split_prefill(gd, rt, collect_topk=True)
 exact = sp.make_exact_prefill(gd, rt, collect_topk=True)
 out = []
 for content in requests:
-    ids = encode_chat_ids(tok, [{"role": "user", "content": content}], thinking=False, images=True)
-    pictures = [decode_image(base64.b64decode(p["image_url"]["url"].split(",", 1)[1]))
-                for p in content if p["type"] == "image_url"]
-    tokens, types, inputs = expand_prompt(ids, pictures, cfg)
-    embeds = [np.asarray(encode(params, im.patches, im.n_vit_h, im.n_vit_w)[1]) for im in inputs]
-    rows = span_rows(model, np.asarray(types), inputs, embeds)
-    spans = (jnp.asarray(rows[None]), jnp.asarray(np.asarray(types)[None], jnp.int32))
+    tokens, spans = prompt_and_spans(content)
     t = jnp.asarray([tokens], jnp.int32)
     logits, _, aux = split(params, t, buckets.empty_cache(cfg, 1, cfg.max_seq_len), None, spans=spans)
     _, _, e_aux = exact(params, t, buckets.empty_cache(cfg, 1, cfg.max_seq_len), None, spans=spans)
