@@ -285,10 +285,8 @@ def _validated(messages, images: bool = False) -> list[_Turn]:
         role = msg.get("role") if isinstance(msg, Mapping) else None
         if role not in ROLES:
             raise ValueError(f"{where}: unknown role {role!r}; accepted roles are {ROLES}")
-        task = _task(msg, where)
+        task, wo_eos = _task(msg, where), _wo_eos(msg, where)
         _mask(msg, where)
-        if role != "assistant":
-            _wo_eos(msg, where)
         if role == "latest_reminder":
             turns.append(_Turn(role, content=_required_text(msg, where), task=task))
         elif role == "system":
@@ -304,7 +302,7 @@ def _validated(messages, images: bool = False) -> list[_Turn]:
             call_id = msg.get("tool_call_id") or ""
             turns.append(_Turn("user", blocks=(_block(msg, where, images, str(call_id)),)))
         else:
-            turns.append(dataclasses.replace(_assistant(msg, where), task=task, wo_eos=_wo_eos(msg, where)))
+            turns.append(dataclasses.replace(_assistant(msg, where), task=task, wo_eos=wo_eos))
     return turns
 
 

@@ -17,7 +17,7 @@ import secrets
 from collections.abc import Mapping
 
 from dsv41_jax.serving.sampling import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY
-from dsv41_jax.text.chat import DEFAULT_EFFORT_TABLE, EFFORT_MAX, EFFORT_MIN, IMAGE_PART_TYPES, resolve_effort
+from dsv41_jax.text.chat import DEFAULT_EFFORT_TABLE, IMAGE_PART_TYPES, resolve_effort
 
 
 class APIError(Exception):
@@ -246,9 +246,10 @@ def chat_mode(body: Mapping, effort_table: Mapping[str, int] | None = None) -> C
     the mode carries the resolved budget (an int), so rendering needs no table."""
     effort = body.get("reasoning_effort")
     names = dict(DEFAULT_EFFORT_TABLE if effort_table is None else effort_table)
-    if effort is not None and not (effort == "none" or (isinstance(effort, str) and effort in names) or
-                                   (_is_int(effort) and EFFORT_MIN <= effort <= EFFORT_MAX)):
-        raise bad("reasoning_effort", f"expected one of {sorted(names)}, 'none' or an integer 1-100, got {effort!r:.80}")
+    try:  # chat.resolve_effort is the one check of a name or a number
+        budget = None if effort == "none" else resolve_effort(effort, names)
+    except ValueError:
+        raise bad("reasoning_effort", f"expected one of {sorted(names)}, 'none' or an integer 1-100, got {effort!r:.80}") from None
     kwargs = _get(body, "chat_template_kwargs", lambda v: isinstance(v, Mapping), "an object", {})
     thinking = kwargs.get("thinking", kwargs.get("enable_thinking"))
     if thinking is not None and not isinstance(thinking, bool):
@@ -275,7 +276,6 @@ def chat_mode(body: Mapping, effort_table: Mapping[str, int] | None = None) -> C
     messages = body.get("messages")
     continues = (isinstance(messages, list) and bool(messages) and isinstance(messages[-1], Mapping)
                  and messages[-1].get("role") == "assistant")
-    budget = None if effort == "none" else resolve_effort(effort, names)
     # a system or developer message's own tools are rendered too (the reference encoder): parse calls
     hosted = isinstance(messages, list) and any(isinstance(m, Mapping) and m.get("role") in ("system", "developer")
                                                 and m.get("tools") for m in messages)
