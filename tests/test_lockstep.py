@@ -27,10 +27,11 @@ ch = Channel()
 dead = []
 wd = Watchdog(lambda ids: dead.extend(ids), timeout=3.0, interval=0.2).start()
 if pid == 0:
-    for n, cmd in enumerate([("submit", {"prompt": [1, 2, 3], "seed": 7}), ("step",), ("cancel", "r0")]):
+    big = ("file", bytes(range(256)) * 12289)  # over 3 MiB: stored in parts (lockstep.CHUNK each)
+    for n, cmd in enumerate([("submit", {"prompt": [1, 2, 3], "seed": 7}), ("step",), big, ("cancel", "r0")]):
         assert ch.publish(cmd) == n
-    deadline = time.monotonic() + 120  # process 1 acknowledges all three, then the store is empty
-    while ch._deleted < 3 and time.monotonic() < deadline:
+    deadline = time.monotonic() + 120  # process 1 acknowledges all four, then the store is empty
+    while ch._deleted < 4 and time.monotonic() < deadline:
         time.sleep(0.05)
         ch._collect()
     time.sleep(4.0)  # longer than the watchdog's timeout: a live process is not reported
@@ -43,8 +44,9 @@ if pid == 0:
     import os
     os._exit(0)  # not jax.distributed.shutdown: its barrier would wait for the dead process
 else:
-    got = [ch.receive(timeout=120) for _ in range(3)]
-    print(json.dumps({"got": got}), flush=True)
+    got = [ch.receive(timeout=120) for _ in range(4)]
+    assert got[2] == ("file", bytes(range(256)) * 12289), "the command stored in parts came back whole"
+    print(json.dumps({"got": got[:2] + got[3:]}), flush=True)
     ch.receive(timeout=120)
     print("waiting to be killed", flush=True)
     time.sleep(600)
@@ -68,7 +70,7 @@ def test_commands_in_order_and_a_killed_process_is_named(tmp_path):
         follower = procs[1]
         assert json.loads(follower.stdout.readline()) == {"got": [["submit", {"prompt": [1, 2, 3], "seed": 7}],
                                                                   ["step"], ["cancel", "r0"]]}
-        assert json.loads(procs[0].stdout.readline()) == {"deleted": 3, "dead": []}
+        assert json.loads(procs[0].stdout.readline()) == {"deleted": 4, "dead": []}
         assert follower.stdout.readline().strip() == "waiting to be killed"
         follower.send_signal(signal.SIGKILL)
         follower.wait()

@@ -3,15 +3,25 @@
 Cheap checks first (folder, tokenizer.json, options), so a bad input fails with exit code 2
 before any weights are read. Then the checkpoint is loaded, the engine thread started and
 uvicorn serves until interrupted.
+
+Across processes (`--coordinator HOST:PORT --num-processes N --process-id I`, or a TPU pod slice /
+SLURM job detected by JAX; docs/SERVING.md "Across hosts"): every process runs the same command,
+joins JAX's distributed runtime first, and loads its own shards of the checkpoint onto a mesh over
+every process's devices. Process 0 serves HTTP and publishes each engine call
+(`serving.lockstep.LeaderEngine`); the others warm up the same way, then make the same calls
+(`serving.lockstep.follow`) and serve nothing. A watchdog (`--process-timeout`) ends every process
+when one stops answering.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
+import time
 
-from dsv41_jax.cli import speculative
+from dsv41_jax.cli import distributed, speculative
 from dsv41_jax.cli.argtypes import effort_table, positive_int
 from dsv41_jax.cli.generate import InputError, add_mesh_args, load_on, mesh_of
 
@@ -37,8 +47,10 @@ def _port(text: str) -> int:
     return value
 
 
-def load_server(args):
-    """(app, worker, options) for the parsed arguments; raises InputError on bad input."""
+def load_server(args, lockstep=None, follower: bool = False):
+    """(app, worker, options) for the parsed arguments; raises InputError on bad input.
+    lockstep: process 0's (Channel, Watchdog) across processes. follower: a process other than 0
+    across processes: (None, engine, options), the engine warmed up (when the server warms)."""
     from dsv41_jax.checkpoint import checkpoint_format
     from dsv41_jax.runtime import Runtime
     from dsv41_jax.serving import warmup
@@ -71,6 +83,9 @@ def load_server(args):
     cfg, model, report = load_on(folder, mesh, args.preset, progress=not args.quiet, config_overrides=overrides)
     if not args.quiet:
         print(report.summary(), file=sys.stderr)
+    if mesh is not None and not args.quiet and jax_processes() > 1:
+        print(f"dsv41 serve: mesh {dict(mesh.shape)} over {mesh.devices.size} devices of {jax_processes()} processes "
+              "(each loads its own shards)", file=sys.stderr)
     k = speculative.draft_tokens(args, model)
     opts = ServeOptions(model_name=args.served_model_name or folder.resolve().name, max_batch=args.max_batch,
                         max_model_len=cfg.max_seq_len, prefill_chunk=args.prefill_chunk,
@@ -79,7 +94,21 @@ def load_server(args):
                         runtime=Runtime(mode=args.numerics, impl=args.impl),
                         max_request_bytes=args.max_request_bytes, warm=not args.no_warm, mesh=mesh,
                         preset=args.preset, images=image_options(args), speculative=k,
-                        spec_acceptance=speculative.acceptance(args), effort_table=args.effort_table)
+                        spec_acceptance=speculative.acceptance(args), effort_table=args.effort_table,
+                        lockstep=lockstep)
+    if follower:
+        from dsv41_jax.serving.http.server import make_engine
+
+        engine = make_engine(model, tokenizer, opts)
+        if opts.warm:  # the same programs in the same order as process 0's warm-up: their collectives pair up
+            try:
+                warmup.warm(engine, replay=opts.cache_dir is not None)
+            except Exception:  # noqa: BLE001 - as process 0's worker does: go on cold (its reset follows)
+                import traceback
+
+                traceback.print_exc()
+                engine.reset()
+        return None, engine, opts
     app, worker = build(model, tokenizer, opts)
     if not args.quiet:
         worker.warm_progress = _print_warm_progress
@@ -96,9 +125,20 @@ def _print_warm_progress(done: int, total: int, name: str, seconds: float) -> No
         print("dsv41 serve: ready", file=sys.stderr, flush=True)
 
 
+def jax_processes() -> int:
+    import jax
+
+    return jax.process_count()
+
+
 def _cmd_serve(args) -> int:
     from dsv41_jax.serving.http.server import serve
 
+    code = distributed.join(args, "dsv41 serve")
+    if code is not None:
+        return code
+    if jax_processes() > 1:
+        return _serve_across(args)
     try:
         app, worker, opts = load_server(args)
     except (ValueError, FileNotFoundError) as e:
@@ -110,6 +150,81 @@ def _cmd_serve(args) -> int:
           f"(max batch {opts.max_batch}, max model length {opts.max_model_len})", file=sys.stderr)
     serve(app, worker, args.host, args.port)
     return 0
+
+
+FLUSH_S = 1.0  # process 0, after a process died: time for uvicorn to send the error answers before exiting
+
+
+def _serve_across(args) -> int:
+    """One of several processes: process 0 serves HTTP (its engine publishes every call), the others
+    follow. Every exit is os._exit: jax.distributed.shutdown's barrier would wait for a dead process."""
+    import jax
+
+    from dsv41_jax.serving.http.server import serve
+    from dsv41_jax.serving.lockstep import Channel, Watchdog, follow
+
+    me, n = jax.process_index(), jax.process_count()
+    name = f"dsv41 serve (process {me} of {n})"
+    holder = {}
+
+    def on_dead(ids):
+        if me != 0:
+            print(f"{name}: process 0 is gone (its coordination service stopped answering); exiting",
+                  file=sys.stderr, flush=True)
+            os._exit(1)
+        msg = (f"process {', '.join(map(str, ids))} of {n} stopped answering (no heartbeat for "
+               f"{args.process_timeout:g} s); serving across processes cannot go on, so this server exits")
+        print(f"{name}: {msg}", file=sys.stderr, flush=True)
+        worker = holder.get("worker")
+        if worker is not None:
+            answered = worker.fail_open(503, msg)
+            print(f"{name}: answered {answered} open request(s) with HTTP 503", file=sys.stderr, flush=True)
+            time.sleep(FLUSH_S)
+        os._exit(1)
+
+    channel = Channel()
+    watchdog = Watchdog(on_dead, timeout=args.process_timeout, interval=min(0.5, args.process_timeout / 4)).start()
+    try:
+        app, worker, opts = load_server(args, lockstep=(channel, watchdog) if me == 0 else None, follower=me != 0)
+    except (ValueError, FileNotFoundError) as e:
+        # every process reads the same folder and flags, so each refuses them alike
+        print(f"{name}: {e}", file=sys.stderr, flush=True)
+        os._exit(2)
+    if me != 0:
+        print(f"{name}: following process 0 (this process serves nothing)", file=sys.stderr, flush=True)
+        try:
+            code = follow(worker, channel)
+        except Exception as e:  # noqa: BLE001 - the channel failed: process 0 (the coordination service) is gone
+            print(f"{name}: lost process 0: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            code = 1
+        sys.stderr.flush()
+        os._exit(code)
+    holder["worker"] = worker
+    info = {"url": f"http://{args.host}:{args.port}", "model": opts.model_name, "max_model_len": opts.max_model_len,
+            "max_batch": opts.max_batch, "processes": n}
+    print(json.dumps(info) if args.json else f"{name}: {opts.model_name} on {info['url']} (max batch {opts.max_batch}, "
+          f"max model length {opts.max_model_len}, {n} processes)", file=sys.stderr, flush=True)
+    code = 0
+    try:
+        serve(app, worker, args.host, args.port)
+    except BaseException:  # noqa: BLE001 - the followers still stop
+        code = 1
+    finally:
+        channel.publish(("stop",))
+        channel.drained(timeout=30)  # the followers read it before the coordination service goes
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 1 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"must be 1..3600 seconds, got {text!r}")
+    return value
 
 
 def register(subparsers) -> None:
@@ -148,6 +263,11 @@ def register(subparsers) -> None:
 
     add_image_args(s)
     speculative.add_args(s)
+    distributed.add_arguments(s)
+    s.add_argument("--process-timeout", type=_seconds, default=10.0, metavar="S",
+                   help="across processes: a process whose heartbeat stops for S seconds ends serving: process 0 "
+                        "answers its open requests with HTTP 503 naming it and exits 1 within about S + 2 s "
+                        "(default 10; below JAX's own 100 s heartbeat timeout)")
     s.add_argument("--json", action="store_true", help="print the start-up line as JSON")
     s.add_argument("--quiet", action="store_true", help="no progress bar or load summary on stderr")
     s.set_defaults(func=_cmd_serve)

@@ -1,9 +1,11 @@
 """Process 0's host decisions, in order, on every process; and a watchdog for a process that dies.
 
-The building block for serving across processes (issue 25 item 1; not yet wired into
-`dsv41 serve`): process 0 owns HTTP and the scheduler, and every engine call it makes (a submit
-with its sampling seed fixed, a cancel, a step, a reset) must reach the other processes before
-the step's collectives run, so that they run the same jitted programs on their shards.
+Serving across processes (`dsv41 serve --coordinator ...`, docs/SERVING.md "Across hosts"):
+process 0 owns HTTP and the scheduler, and every engine call it makes (a submit with its sampling
+seed fixed, a cancel, a step, a reset, a conversation-cache prefill) must reach the other
+processes before the step's collectives run, so that they run the same jitted programs on their
+shards. `LeaderEngine` is the engine process 0's worker drives (it publishes each call, then makes
+it); `follow` is the other processes' loop (it makes the same calls, and serves nothing).
 
 `Channel` carries those commands through the coordination service's key-value store (the one
 `jax.distributed.initialize` starts on process 0): command n is the pickled object under
@@ -21,9 +23,16 @@ can answer its open requests with an error naming the process and exit non-zero.
 """
 from __future__ import annotations
 
+import dataclasses
+import os
+import pathlib
 import pickle
+import sys
 import threading
 import time
+import traceback
+
+CHUNK = 1 << 20  # a command's pickle larger than this goes into the store in parts (a conversation's cache)
 
 
 def _client():
@@ -46,13 +55,21 @@ class Channel:
         self.sent = 0  # leader: next command number
         self.taken = 0  # follower: next command number to receive
         self._deleted = 0  # leader: commands below this are gone from the store
+        self._parts: dict[int, int] = {}  # leader: command number -> how many parts it was stored in
 
     def publish(self, command) -> int:
         """Leader only: append `command` (picklable; no callables); returns its number."""
         if self.process != 0:
             raise RuntimeError(f"only process 0 publishes commands; this is process {self.process}")
         n = self.sent
-        self.client.key_value_set_bytes(f"{self.prefix}/cmd/{n}", pickle.dumps(command))
+        data = pickle.dumps(command)
+        parts = [data[i:i + CHUNK] for i in range(0, len(data), CHUNK)] if len(data) > CHUNK else []
+        for i, part in enumerate(parts):  # the parts first: a follower reads them once it sees the head
+            self.client.key_value_set_bytes(f"{self.prefix}/cmd/{n}/{i}", part)
+        if parts:
+            self._parts[n] = len(parts)
+        head = pickle.dumps(("__parts__", len(parts))) if parts else data
+        self.client.key_value_set_bytes(f"{self.prefix}/cmd/{n}", head)
         self.sent += 1
         self._collect()
         return n
@@ -66,9 +83,25 @@ class Channel:
             if "DEADLINE_EXCEEDED" in str(e) or "timed out" in str(e).lower():
                 raise TimeoutError(f"no command {self.taken} from process 0 within {timeout} s") from None
             raise
+        command = pickle.loads(data)
+        if isinstance(command, tuple) and len(command) == 2 and command[0] == "__parts__":
+            command = pickle.loads(b"".join(self.client.blocking_key_value_get_bytes(f"{key}/{i}", 60_000)
+                                            for i in range(command[1])))
         self.taken += 1
         self.client.key_value_set(f"{self.prefix}/ack/{self.process}", str(self.taken), allow_overwrite=True)
-        return pickle.loads(data)
+        return command
+
+    def drained(self, timeout: float) -> bool:
+        """Leader: wait up to `timeout` s until every follower has taken every command published (so a
+        last "stop" is read before process 0, and with it the coordination service, goes away)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._collect()
+            if self._deleted >= self.sent:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
 
     def _collect(self) -> None:
         """Delete the commands every follower has taken."""
@@ -84,6 +117,8 @@ class Channel:
             low = min(acks)
         for n in range(self._deleted, low):
             self.client.key_value_delete(f"{self.prefix}/cmd/{n}")
+            for i in range(self._parts.pop(n, 0)):
+                self.client.key_value_delete(f"{self.prefix}/cmd/{n}/{i}")
         self._deleted = max(self._deleted, low)
 
 
@@ -99,6 +134,7 @@ class Watchdog:
         self.process, self.processes = jax.process_index(), jax.process_count()
         self.on_dead, self.timeout, self.interval = on_dead, timeout, interval
         self.dead: list[int] = []
+        self.seen: dict[int, tuple] = {}  # process 0: process -> (its last counter, when it last moved)
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="dsv41-watchdog", daemon=True)
 
@@ -110,6 +146,15 @@ class Watchdog:
         self._stop.set()
         self.thread.join(timeout=5)
 
+    def status(self) -> list[dict]:
+        """Process 0's view, one entry per process: {"process", "alive", "heartbeat_age_s"} (the seconds
+        since its counter last moved; None for this process)."""
+        now = time.monotonic()
+        out = [{"process": self.process, "alive": True, "heartbeat_age_s": None}]
+        for p, (_, since) in sorted(dict(self.seen).items()):
+            out.append({"process": p, "alive": p not in self.dead, "heartbeat_age_s": round(now - since, 1)})
+        return sorted(out, key=lambda e: e["process"])
+
     def _beat(self) -> None:
         self.client.key_value_increment(f"{self.prefix}/{self.process}", 1)
 
@@ -120,7 +165,8 @@ class Watchdog:
             return None
 
     def _run(self) -> None:
-        seen = {p: (None, time.monotonic()) for p in range(self.processes) if p != self.process}
+        seen = self.seen
+        seen.update({p: (None, time.monotonic()) for p in range(self.processes) if p != self.process})
         while not self._stop.is_set():
             try:
                 self._beat()
@@ -143,3 +189,176 @@ class Watchdog:
                         self.on_dead(late)
                     return
             self._stop.wait(self.interval)
+
+
+# ---------------------------------------------------------------------------------- serving
+
+# What a request may not use across processes, and why: its work runs outside the engine's lockstep
+# steps, on process 0 only. The server refuses each with HTTP 400 before any compute (app.py);
+# LeaderEngine.submit refuses the engine-level ones again (docs/SERVING.md "Across hosts (processes)").
+NOT_ACROSS = {
+    "image input": "the vision tower runs outside the engine's lockstep steps",
+    "echo (the prompt's logprobs)": "its scoring pass runs outside the engine's lockstep steps",
+    "constrained decoding": "the grammar matcher lives on process 0 only",
+}
+
+
+def refusal(feature: str, processes: int) -> str:
+    """The 400's message for a feature of NOT_ACROSS."""
+    return (f"{feature} is not available across processes ({processes} serve this model): {NOT_ACROSS[feature]}; "
+            "serve it on one process")
+
+
+def portable(req):
+    """The request as a command carries it: no callables, no host-only state (the files it names are
+    sent along by `LeaderEngine`, since another host cannot read process 0's disk)."""
+    return dataclasses.replace(req, on_token=None, constraint=None)
+
+
+def _file(path) -> bytes | None:
+    return None if path is None else pathlib.Path(path).read_bytes()
+
+
+class LeaderEngine:
+    """Process 0's engine across processes: every call that runs device code (or queues work for a
+    step) is published on `channel` before it is made, so the followers (`follow`) make it too.
+
+    Everything else (occupancy, the done table, the config, `idle`) is the engine's own: those
+    read host state that every process keeps identically. A conversation's stored cache file
+    (`resume_from`) travels with its submit (another host cannot read process 0's disk); the
+    followers write what they save to scratch files (the gather inside `prefix_cache.save_prefix`
+    is a collective every process must join) and delete them.
+
+    A step that raises while the watchdog is deciding whether a process died waits for its verdict
+    (`watchdog.timeout` plus a margin): the watchdog then answers the open requests naming the
+    process and ends this one, rather than the step's bare collective error."""
+
+    def __init__(self, engine, channel: Channel, watchdog: "Watchdog | None" = None):
+        self.engine, self.channel, self.watchdog = engine, channel, watchdog
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    @property
+    def local(self):
+        """The engine itself (warm-up runs it on every process without publishing)."""
+        return self.engine
+
+    def submit(self, req) -> str:
+        if req.constraint is not None:
+            raise ValueError(refusal("constrained decoding", self.channel.processes))
+        if req.spans is not None or req.history_spans is not None:
+            raise ValueError(refusal("image input", self.channel.processes))
+        rid = self.engine.submit(req)  # refused here (ValueError, 400) before anything is published
+        self.channel.publish(("submit", portable(req), _file(req.resume_from)))
+        return rid
+
+    def cancel(self, request_id: str) -> bool:
+        self.channel.publish(("cancel", request_id))
+        return self.engine.cancel(request_id)
+
+    def reset(self) -> list[str]:
+        self.channel.publish(("reset",))
+        return self.engine.reset()
+
+    def step(self):
+        self.channel.publish(("step",))
+        try:
+            results = self.engine.step()
+        except Exception:
+            self._await_watchdog()
+            raise
+        for r in results:
+            if r.finish_reason == "error":  # failed on process 0 alone (its token callback): drop the copies
+                self.channel.publish(("cancel", r.request_id))
+        return results
+
+    def prefill(self, req):
+        """A conversation-cache prefill (`ConversationStore._store_prefix`): the followers prefill too,
+        and save the row to a scratch file, as process 0's store then saves it (`save_prefix`'s gather)."""
+        self.channel.publish(("prefill", portable(req), _file(req.resume_from)))
+        return self.engine.prefill(req)
+
+    def _await_watchdog(self) -> None:
+        wd = self.watchdog
+        if wd is None:
+            return
+        deadline = time.monotonic() + wd.timeout + 4 * wd.interval + 1.0
+        while not wd.dead and time.monotonic() < deadline:
+            time.sleep(wd.interval)
+        while wd.dead:  # the watchdog's on_dead answers the open requests and ends the process
+            time.sleep(1.0)
+
+
+def follow(engine, channel: Channel, *, poll: float = 60.0, log=None) -> int:
+    """A follower's loop: make process 0's engine calls in order until it says stop (returns 0).
+    Raises what the channel raises when process 0 is gone (the caller exits non-zero)."""
+    import tempfile
+
+    from dsv41_jax.serving import prefix_cache
+
+    log = log or (lambda msg: print(f"dsv41 serve (process {channel.process}): {msg}", file=sys.stderr, flush=True))
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix=f"dsv41-follower{channel.process}-"))
+    owned: dict[str, list[pathlib.Path]] = {}  # request id -> its scratch files
+
+    def local(req, data, tag):
+        rid = req.request_id
+        files = owned.setdefault(rid, [])
+        if data is not None:  # process 0's stored conversation, written where this process reads it
+            path = scratch / f"resume-{tag}-{len(files)}.dsv41"
+            path.write_bytes(data)
+            files.append(path)
+            req.resume_from = str(path)
+        if req.save_to is not None:  # saved here too (its gather is a collective), then deleted
+            req.save_to = str(scratch / f"save-{tag}.dsv41")
+            files.append(pathlib.Path(req.save_to))
+        return req
+
+    def forget(rid):
+        for path in owned.pop(rid, []):
+            path.unlink(missing_ok=True)
+
+    prefills = 0
+    try:
+        while True:
+            try:
+                cmd = channel.receive(timeout=poll)
+            except TimeoutError:
+                continue
+            kind = cmd[0]
+            try:
+                if kind == "submit":
+                    req = local(cmd[1], cmd[2], cmd[1].request_id)
+                    engine.submit(req)
+                elif kind == "step":
+                    for r in engine.step():
+                        engine.done.pop(r.request_id, None)
+                        forget(r.request_id)
+                elif kind == "cancel":
+                    engine.cancel(cmd[1])
+                    forget(cmd[1])
+                elif kind == "reset":
+                    engine.reset()
+                    for rid in list(owned):
+                        forget(rid)
+                elif kind == "prefill":
+                    prefills += 1
+                    tag = f"prefill{prefills}"
+                    req = local(dataclasses.replace(cmd[1], request_id=tag), cmd[2], tag)
+                    _, row, tokens, _ = engine.prefill(req)
+                    prefix_cache.save_prefix(scratch / f"{tag}.dsv41", engine.cfg, row, tokens,
+                                             fingerprint=engine.fingerprint, rings=engine.row_rings)
+                    (scratch / f"{tag}.dsv41").unlink(missing_ok=True)
+                    forget(tag)
+                elif kind == "stop":
+                    return 0
+                else:
+                    raise ValueError(f"unknown command {kind!r} from process 0")
+            except Exception:  # noqa: BLE001 - process 0 made the same call: it fails there too, and resets
+                log(f"the {kind} command failed here:\n{traceback.format_exc()}")
+    finally:
+        for rid in list(owned):
+            forget(rid)
+        for path in scratch.iterdir():
+            path.unlink(missing_ok=True)
+        os.rmdir(scratch)

@@ -132,6 +132,17 @@ def model_fingerprint(params) -> str:
     return h.hexdigest()
 
 
+def _host(a) -> np.ndarray:
+    """One (sliced) cache array as numpy. On a mesh across processes no process holds it whole: it is
+    gathered, a collective every process joins (the engines save the same row at the same point of
+    their lockstep steps: `serving.lockstep`)."""
+    if isinstance(a, jax.Array) and not a.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+    return np.asarray(jax.device_get(a))
+
+
 def _global_arrays(cfg: ModelConfig, cache: dict, row: int, n: int) -> dict[str, np.ndarray]:
     """The persistent parts of one cache row, cut to the n cached positions."""
     out = {}
@@ -142,10 +153,10 @@ def _global_arrays(cfg: ModelConfig, cache: dict, row: int, n: int) -> dict[str,
             if container is None:
                 continue
             for name, a in zip(container._fields, container):
-                out[f"{part}.{key}.{name}"] = np.asarray(jax.device_get(a[row, :g]))
+                out[f"{part}.{key}.{name}"] = _host(a[row, :g])
         if key in cache["compressor"]:
             for name, a in cache["compressor"][key].items():
-                out[f"compressor.{key}.{name}"] = np.asarray(jax.device_get(a[row]))
+                out[f"compressor.{key}.{name}"] = _host(a[row])
     return out
 
 
@@ -162,7 +173,7 @@ def save_prefix(path, cfg: ModelConfig, cache: dict, tokens, *, fingerprint: str
     fingerprint = _checked_fingerprint(fingerprint, "save_prefix")
     path = pathlib.Path(path)
     tokens = np.asarray(tokens, np.int32).reshape(-1)
-    n = int(jax.device_get(cache["length"][row]))
+    n = int(_host(cache["length"][row]))
     if n != tokens.size:
         raise PrefixCacheError(f"the cache row holds {n} positions but {tokens.size} token ids were given; "
                                "pass exactly the tokens that went through the model")
@@ -182,7 +193,7 @@ def save_prefix(path, cfg: ModelConfig, cache: dict, tokens, *, fingerprint: str
         offset += len(data)
     header = {"format": "dsv41-prefix-cache", "version": VERSION, "config": config_fields(cfg),
               "model_fingerprint": fingerprint, "n_tokens": n,
-              "published": int(jax.device_get(cache["published"][row])), "payload_bytes": offset, "arrays": entries}
+              "published": int(_host(cache["published"][row])), "payload_bytes": offset, "arrays": entries}
     hb = json.dumps(header, sort_keys=True).encode()
     if path.is_dir():
         raise PrefixCacheError(f"prefix cache path {path} is a folder; give a file path (e.g. {path / 'prefix.dsv41'})")
@@ -274,7 +285,7 @@ def _arrays(path, header: dict, payload: bytes, prefix: str = "") -> dict[str, n
 
 
 def _ring_arrays(rings: dict, row: int) -> dict[str, np.ndarray]:
-    return {f"dspark.ring{i}.{name}": np.asarray(jax.device_get(a[row]))
+    return {f"dspark.ring{i}.{name}": _host(a[row])
             for i, ring in enumerate(rings["rings"]) for name, a in zip(ring._fields, ring)}
 
 

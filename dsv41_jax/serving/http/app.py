@@ -48,6 +48,7 @@ class ServerConfig:
     conversations: object = None  # a ConversationStore, or None for no conversation caches
     images: object = None  # an images.ImagePrompter when the checkpoint has a vision tower, else None
     effort_table: object = None  # reasoning_effort names -> budgets (--effort-table); None: DEFAULT_EFFORT_TABLE
+    processes: object = None  # serving across processes: callable() -> [{"process", "alive", ...}] (/health)
 
 
 class _Stops:
@@ -184,6 +185,14 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
     max_token_bytes = 2 * max(max_token_bytes, 4)  # byte-level pieces can decode to a whole UTF-8 character
     test_fields = frozenset({"dsv41_test"}) if cfg.test_hooks else frozenset()
 
+    def _single_process(param: str, feature: str):
+        """Across processes (`dsv41 serve --coordinator ...`), a feature whose work runs outside the
+        engine's lockstep steps (`lockstep.NOT_ACROSS`) is refused (400) before any compute."""
+        if cfg.processes is not None:
+            from dsv41_jax.serving.lockstep import refusal
+
+            raise P.bad(param, refusal(feature, len(cfg.processes())))
+
     def _precheck(param: str, value):
         n = _text_bytes(value)
         if n > cfg.max_model_len * max_token_bytes:
@@ -206,8 +215,13 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
     async def health():
         """Liveness: 200 while the engine thread runs, warming included (readiness is /ready)."""
         alive = worker.thread.is_alive()
-        return JSONResponse({"status": "ok" if alive else "engine thread stopped", "ready": worker.ready.is_set()},
-                            status_code=200 if alive else 503)
+        body = {"status": "ok" if alive else "engine thread stopped", "ready": worker.ready.is_set()}
+        if cfg.processes is not None:  # across processes: every process's heartbeat, as process 0 sees it
+            body["processes"] = cfg.processes()
+            dead = [p["process"] for p in body["processes"] if not p["alive"]]
+            if dead:
+                alive, body["status"] = False, f"process {', '.join(map(str, dead))} stopped answering"
+        return JSONResponse(body, status_code=200 if alive else 503)
 
     @app.get("/ready")
     async def ready():
@@ -482,9 +496,13 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
         with_images = has_images(messages)
         if with_images and cfg.images is None:
             P.check_images(messages, cfg.has_vision)
+        if with_images:
+            _single_process("messages", "image input")
         mode = P.chat_mode(body, cfg.effort_table)
         sp = P.sampling_fields(body, chat=True)
         spec = P.constraint_spec(body, chat=True)
+        if spec:
+            _single_process(spec.param, "constrained decoding")
         _precheck("messages", messages)
         spans = key = None
         try:  # off the event loop: a long conversation must not stall the other clients
@@ -653,6 +671,10 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
         sp = P.sampling_fields(body, chat=False)
         echo = _get_bool(body, "echo", False)
         spec = P.constraint_spec(body, chat=False)
+        if echo:
+            _single_process("echo", "echo (the prompt's logprobs)")
+        if spec:
+            _single_process(spec.param, "constrained decoding")
         if sp.max_tokens == 0:  # score the prompt only (sampling_fields allows 0 with echo alone)
             if len(ids) > cfg.max_model_len:
                 raise P.APIError(400, f"the prompt has {len(ids)} tokens but the maximum model length is "

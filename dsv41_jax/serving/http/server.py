@@ -41,6 +41,8 @@ class ServeOptions:
     speculative: int = 0  # K DSpark drafts per step (Engine(speculative=K); needs exact_prefill)
     spec_acceptance: str = "rejection"  # Engine(spec_acceptance=...): "rejection" or "match" at T > 0
     effort_table: object = None  # reasoning_effort names -> budgets (chat.EFFORT_TABLES); None: the default
+    # across processes, on process 0: (lockstep.Channel, lockstep.Watchdog); its engine publishes every call
+    lockstep: object = None
 
 
 def banned_ids(cfg, tokenizer) -> list[int]:
@@ -50,17 +52,31 @@ def banned_ids(cfg, tokenizer) -> list[int]:
     return banned(cfg, tokenizer)
 
 
-def build(model, tokenizer, opts: ServeOptions):
-    """(FastAPI app, EngineWorker) for a loaded model; the worker thread is not started."""
+def make_engine(model, tokenizer, opts: ServeOptions) -> Engine:
+    """The engine `build` serves with (every process serving across processes builds the same one)."""
     from dsv41_jax.serving.generate import _engram_tables
 
     cfg = model.cfg
     max_len = opts.max_model_len or cfg.max_seq_len
     engram = _engram_tables(cfg, tokenizer) if cfg.engram_layer_ids else None
-    engine = Engine(model, slots=opts.max_batch, max_seq_len=max_len, min_capacity=min(opts.min_capacity, max_len),
-                    prefill_chunk=opts.prefill_chunk, exact_prefill=opts.exact_prefill, runtime=opts.runtime,
-                    banned_ids=banned_ids(cfg, tokenizer), engram=engram, mesh=opts.mesh, preset=opts.preset,
-                    speculative=opts.speculative, spec_acceptance=opts.spec_acceptance)
+    return Engine(model, slots=opts.max_batch, max_seq_len=max_len, min_capacity=min(opts.min_capacity, max_len),
+                  prefill_chunk=opts.prefill_chunk, exact_prefill=opts.exact_prefill, runtime=opts.runtime,
+                  banned_ids=banned_ids(cfg, tokenizer), engram=engram, mesh=opts.mesh, preset=opts.preset,
+                  speculative=opts.speculative, spec_acceptance=opts.spec_acceptance)
+
+
+def build(model, tokenizer, opts: ServeOptions):
+    """(FastAPI app, EngineWorker) for a loaded model; the worker thread is not started."""
+    cfg = model.cfg
+    max_len = opts.max_model_len or cfg.max_seq_len
+    engine = make_engine(model, tokenizer, opts)
+    processes = None
+    if opts.lockstep is not None:  # process 0 of several: publish every engine call (serving/lockstep.py)
+        from dsv41_jax.serving.lockstep import LeaderEngine
+
+        channel, watchdog = opts.lockstep
+        engine = LeaderEngine(engine, channel, watchdog)
+        processes = watchdog.status
     metrics = Metrics(opts.max_batch)
     if engine.K:
         metrics.watch_speculation(engine)
@@ -75,8 +91,8 @@ def build(model, tokenizer, opts: ServeOptions):
 
         replay = conversations is not None
 
-        def warm(engine, progress):
-            return warmup.warm(engine, replay=replay, progress=progress)
+        def warm(engine, progress):  # across processes every process warms its own engine, unpublished
+            return warmup.warm(getattr(engine, "local", engine), replay=replay, progress=progress)
     worker = EngineWorker(engine, metrics, max_queue=opts.max_queue, warm=warm)
     has_vision = bool(getattr(cfg, "vision_enabled", False))
     images = None
@@ -86,7 +102,8 @@ def build(model, tokenizer, opts: ServeOptions):
         images = ImagePrompter(engine, opts.images or ImageOptions())
     scfg = ServerConfig(opts.model_name, max_len, api_key=opts.api_key, test_hooks=opts.test_hooks,
                         conversations=conversations, has_vision=has_vision, images=images,
-                        max_request_bytes=opts.max_request_bytes, effort_table=opts.effort_table)
+                        max_request_bytes=opts.max_request_bytes, effort_table=opts.effort_table,
+                        processes=processes)
     app = build_app(worker, tokenizer, scfg)
     app.state.conversations = conversations
     return app, worker

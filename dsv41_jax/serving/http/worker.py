@@ -95,6 +95,25 @@ class EngineWorker:
     def cancel(self, request_id: str):
         self.inbox.put(("cancel", request_id))
 
+    def fail_open(self, status: int, message: str) -> int:
+        """Answer every open request (in a slot, queued, or not yet taken from the inbox) with an
+        error, from any thread (the serving-across-processes watchdog: the engine thread may be stuck
+        in a collective whose peer is gone). Returns how many were answered."""
+        jobs = list(self.jobs.values())
+        while True:
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item[0] == "submit":
+                jobs.append(item[1])
+            elif item[0] == "call":
+                item[2].call_soon_threadsafe(
+                    lambda f=item[3]: f.done() or f.set_exception(RuntimeError(message)))
+        for job in jobs:
+            self._post(job, ("error", status, message))
+        return len(jobs)
+
     async def call(self, fn):
         """`fn(engine)` run in the engine thread between steps (e.g. scoring a prompt); its result."""
         loop = asyncio.get_running_loop()
