@@ -61,8 +61,9 @@ def servers(tmp_path_factory):
         stop(procs)
 
 
-def _conversation(url):
-    """What the client sees over one chat, its streamed copy, its resumed second turn and a completion."""
+def _conversation(url, echo: bool = True):
+    """What the client sees over one chat, its streamed copy, its resumed second turn and a completion
+    (with `echo`, an echoed prompt's logprobs too: refused across processes, tests/test_serve_multihost.py)."""
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
     kw = dict(model="ckpt", temperature=0, logit_bias=LETTERS)
     q1 = [{"role": "user", "content": "what is the weather in paris"}]
@@ -76,16 +77,17 @@ def _conversation(url):
     # sampled, seeded: the sampler's softmax and top-p sums over the whole row, as on one device
     t1 = client.chat.completions.create(messages=q1, max_tokens=8, logprobs=True, top_logprobs=3,
                                         **{**kw, "temperature": 1.0}, top_p=0.9, seed=7)
-    # echo: the prompt's own logprobs (serving/prompt_logprobs.py's log-softmax on the device)
-    e = client.completions.create(model="ckpt", prompt="def f", max_tokens=1, temperature=0, echo=True, logprobs=2)
     lp = lambda r: [(e.token, e.logprob) for e in r.choices[0].logprobs.content]  # noqa: E731
     top = lambda r: [[(t.token, t.logprob) for t in e.top_logprobs] for e in r.choices[0].logprobs.content]  # noqa: E731
-    return {"r1": (r1.choices[0].message.content, lp(r1), r1.choices[0].finish_reason, r1.usage.model_dump()),
-            "streamed": "".join(streamed),
-            "r2": (r2.choices[0].message.content, lp(r2), r2.usage.model_dump()),
-            "completion": (c.choices[0].text, c.choices[0].logprobs.model_dump()),
-            "sampled": (t1.choices[0].message.content, lp(t1), top(t1)),
-            "echo": (e.choices[0].text, e.choices[0].logprobs.model_dump())}
+    out = {"r1": (r1.choices[0].message.content, lp(r1), r1.choices[0].finish_reason, r1.usage.model_dump()),
+           "streamed": "".join(streamed),
+           "r2": (r2.choices[0].message.content, lp(r2), r2.usage.model_dump()),
+           "completion": (c.choices[0].text, c.choices[0].logprobs.model_dump()),
+           "sampled": (t1.choices[0].message.content, lp(t1), top(t1))}
+    if echo:  # the prompt's own logprobs (serving/prompt_logprobs.py's log-softmax on the device)
+        e = client.completions.create(model="ckpt", prompt="def f", max_tokens=1, temperature=0, echo=True, logprobs=2)
+        out["echo"] = (e.choices[0].text, e.choices[0].logprobs.model_dump())
+    return out
 
 
 def test_server_on_a_mesh_answers_as_on_one_device(servers):

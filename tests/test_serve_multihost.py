@@ -38,6 +38,7 @@ from dsv41_jax.train.data import ByteTokenizer  # noqa: E402
 from serve_process import launch, reserve_port, stop, wait_ready  # noqa: E402
 from test_serve_http import tiny_config  # noqa: E402
 from test_serve_mesh import LETTERS, MESH  # noqa: E402
+from test_serve_mesh import _conversation as mesh_conversation  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -102,32 +103,17 @@ def _stop(procs: dict) -> None:
 
 
 def _conversation(url):
-    """What the client sees over one chat, its streamed copy, its resumed second turn, a completion and
-    a seeded sampled reply (as tests/test_serve_mesh.py's, less echo: refused across processes)."""
+    """tests/test_serve_mesh.py's conversation (less echo: refused across processes), then a
+    thinking-mode question asked twice: after the first reply the server also stores the prompt less
+    its final <think> (a conversation-cache prefill on process 0's store, published to process 1), and
+    the second resumes from that file."""
+    out = mesh_conversation(url, echo=False)
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
-    kw = dict(model="ckpt", temperature=0, logit_bias=LETTERS)
     q1 = [{"role": "user", "content": "what is the weather in paris"}]
-    r1 = client.chat.completions.create(messages=q1, max_tokens=8, logprobs=True, **kw)
-    streamed = [c.choices[0].delta.content or "" for c in
-                client.chat.completions.create(messages=q1, max_tokens=8, stream=True, **kw) if c.choices]
-    q2 = q1 + [{"role": "assistant", "content": r1.choices[0].message.content},
-               {"role": "user", "content": "and tomorrow"}]
-    r2 = client.chat.completions.create(messages=q2, max_tokens=6, logprobs=True, **kw)
-    c = client.completions.create(model="ckpt", prompt="def f", max_tokens=6, temperature=0, logprobs=2)
-    t1 = client.chat.completions.create(messages=q1, max_tokens=8, logprobs=True, top_logprobs=3,
-                                        **{**kw, "temperature": 1.0}, top_p=0.9, seed=7)
-    # thinking mode: after the reply the server also stores the prompt less its final <think> (one
-    # conversation-cache prefill on process 0's store, published to process 1); the same question
-    # asked again resumes from that file
-    th = [client.chat.completions.create(messages=q1, max_tokens=6, reasoning_effort="high", **kw) for _ in range(2)]
-    lp = lambda r: [(e.token, e.logprob) for e in r.choices[0].logprobs.content]  # noqa: E731
-    top = lambda r: [[(t.token, t.logprob) for t in e.top_logprobs] for e in r.choices[0].logprobs.content]  # noqa: E731
-    return {"r1": (r1.choices[0].message.content, lp(r1), r1.choices[0].finish_reason, r1.usage.model_dump()),
-            "streamed": "".join(streamed),
-            "r2": (r2.choices[0].message.content, lp(r2), r2.usage.model_dump()),
-            "completion": (c.choices[0].text, c.choices[0].logprobs.model_dump()),
-            "sampled": (t1.choices[0].message.content, lp(t1), top(t1)),
-            "thinking": [(t.choices[0].message.model_dump(), t.usage.model_dump()) for t in th]}
+    th = [client.chat.completions.create(model="ckpt", messages=q1, max_tokens=6, reasoning_effort="high",
+                                         temperature=0, logit_bias=LETTERS) for _ in range(2)]
+    out["thinking"] = [(t.choices[0].message.model_dump(), t.usage.model_dump()) for t in th]
+    return out
 
 
 @pytest.mark.slow
