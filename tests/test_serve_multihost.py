@@ -109,8 +109,8 @@ def _conversation(url):
     the second resumes from that file."""
     out = mesh_conversation(url, echo=False)
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
-    q1 = [{"role": "user", "content": "what is the weather in paris"}]
-    th = [client.chat.completions.create(model="ckpt", messages=q1, max_tokens=6, reasoning_effort="high",
+    q = [{"role": "user", "content": "hi"}]  # short: the effort instruction makes a long prompt (model length 128)
+    th = [client.chat.completions.create(model="ckpt", messages=q, max_tokens=4, reasoning_effort="high",
                                          temperature=0, logit_bias=LETTERS) for _ in range(2)]
     out["thinking"] = [(t.choices[0].message.model_dump(), t.usage.model_dump()) for t in th]
     return out
