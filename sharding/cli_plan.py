@@ -87,8 +87,8 @@ def serve_command(plan: dict, args) -> str:
 
     cmd = (f"dsv41 serve --checkpoint DIR --mesh {format_mesh_spec(plan['mesh'])} --preset {args.preset} "
            f"--max-batch {args.batch} --max-model-len {plan['context']} --prefill-chunk {args.prefill_chunk}")
-    if args.engram == "host":  # the engine keeps the tables in HBM; host tables are a sharding/ API only
-        cmd += "  (Engram in host memory is not a dsv41 serve option yet: this serves with the tables in HBM)"
+    if args.engram == "host":
+        cmd += " --engram host"
     return cmd
 
 

@@ -217,3 +217,48 @@ def compact_params(params, compact: dict[int, tuple[jax.Array, jax.Array]]):
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
+
+
+def unpadded_tables(params, cfg):
+    """The params with Engram tables cut back to their stored rows (`pad_tables` undone), so a
+    model's fingerprint is the same whether its tables are padded, on a mesh or in host memory."""
+    from dsv41_jax.model.transformer import engram_table_rows
+
+    rows = dict(zip(cfg.engram_layer_ids, engram_table_rows(cfg)))
+
+    def cut(jax_path, leaf):
+        path = _path_tuple(jax_path)
+        return leaf[: rows[path[1]]] if _is_table(path) and leaf.shape[0] > rows[path[1]] else leaf
+
+    return jax.tree_util.tree_map_with_path(cut, params)
+
+
+def split_host_tables(model, cfg, **kwargs):
+    """(the model with empty Engram tables, `HostEngramTables` holding them) for an engine that keeps
+    the tables in host memory (`Engine(engram_host=True)`). The empty tables are zero-row
+    placeholders, replicated where the other weights live: every step gets `compact_params` in
+    their place, so they are never indexed, and the devices hold none of the tables. kwargs go to
+    `HostEngramTables` (storage=...)."""
+    graphdef, state = nnx.split(model)
+    host = HostEngramTables.from_params(unpadded_tables(state, cfg), cfg, **kwargs)
+    flat = jax.tree_util.tree_leaves_with_path(state)
+    home = next(leaf.sharding for p, leaf in flat if not _is_table(_path_tuple(p)) and isinstance(leaf, jax.Array))
+    if isinstance(home, NamedSharding):
+        home = replicated(home.mesh)
+
+    def empty(jax_path, leaf):
+        if not _is_table(_path_tuple(jax_path)):
+            return leaf
+        return jax.device_put(np.zeros((0,) + tuple(leaf.shape[1:]), leaf.dtype), home)
+
+    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(empty, state)), host
+
+
+def host_table_sharding(path: tuple, shape: tuple, dtype):
+    """A load hook's answer for an Engram table kept in host memory: the host's CPU device (the
+    table then lives in host RAM, and `HostEngramTables` reads it without a copy); None when the
+    CPU backend is not available (JAX_PLATFORMS without cpu: the engine copies the table out)."""
+    try:
+        return jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    except RuntimeError:
+        return None

@@ -14,7 +14,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sharding.engram_shard import _is_table, pad_tables
+from sharding.engram_shard import pad_tables, unpadded_tables
 from sharding.load import table_row_shards
 from sharding.mesh import format_mesh_spec, mesh_shape
 from sharding.rules import cache_shardings, get_rules, param_shardings
@@ -24,14 +24,17 @@ from sharding.step import distribute
 class MeshPlacement:
     """Where an engine's arrays live on `mesh` under `preset` (see the module doc)."""
 
-    def __init__(self, model, mesh: Mesh, preset: str = "inference"):
+    def __init__(self, model, mesh: Mesh, preset: str = "inference", *, engram_host: bool = False):
+        """engram_host: the model's Engram tables are empty placeholders (`engram_shard.split_host_tables`);
+        each step brings its compact tables replicated, so the lookups stay plain gathers."""
         get_rules(preset)  # an unknown preset is refused here, naming the choices
         self.mesh, self.preset = mesh, preset
         graphdef, state = nnx.split(model)
         state = pad_tables(state, table_row_shards(mesh, preset))  # no-op when already padded / divisible
         self.param_shardings = param_shardings(state, mesh, preset)
         self.params = jax.device_put(state, self.param_shardings)
-        self.graphdef, _ = nnx.split(distribute(nnx.merge(graphdef, self.params), mesh, preset))
+        self.graphdef, _ = nnx.split(distribute(nnx.merge(graphdef, self.params), mesh, preset,
+                                                sharded_engram=not engram_host))
 
     def describe(self) -> str:
         return f"mesh {format_mesh_spec(mesh_shape(self.mesh))} ({self.mesh.devices.size} devices), preset {self.preset}"
@@ -58,17 +61,7 @@ class MeshPlacement:
     def unpadded(self, params, cfg):
         """The params with Engram tables cut back to their stored rows (the model's fingerprint is
         the same on a mesh as on one device, so prefix-cache files move between them)."""
-        from dsv41_jax.model.transformer import engram_table_rows
-
-        rows = dict(zip(cfg.engram_layer_ids, engram_table_rows(cfg)))
-
-        def cut(jax_path, leaf):
-            from sharding.rules import _path_tuple
-
-            path = _path_tuple(jax_path)
-            return leaf[: rows[path[1]]] if _is_table(path) and leaf.shape[0] > rows[path[1]] else leaf
-
-        return jax.tree_util.tree_map_with_path(cut, params)
+        return unpadded_tables(params, cfg)
 
 
 def bytes_per_device(tree) -> dict:

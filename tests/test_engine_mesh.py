@@ -122,9 +122,9 @@ def _engine_on_mesh_equals_one_device(model, spec, mode, tmp_path):
             else:
                 np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=2e-2, rtol=2e-2)
     # the decode step is one SPMD program with the expert all-to-all
-    hlo = mesh_eng._decode.lower(mesh_eng.params, jax.numpy.zeros((SLOTS, 1), jax.numpy.int32), mesh_eng.cache,
-                                 jax.numpy.ones((SLOTS,), bool),
-                                 mesh_eng._batch_ids([([], 0)] * SLOTS)).compile().as_text()
+    params, ids = mesh_eng._step_params(mesh_eng._batch_ids([([], 0)] * SLOTS))
+    hlo = mesh_eng._decode.lower(params, jax.numpy.zeros((SLOTS, 1), jax.numpy.int32), mesh_eng.cache,
+                                 jax.numpy.ones((SLOTS,), bool), ids).compile().as_text()
     assert "all-to-all" in hlo
 
 

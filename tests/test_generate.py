@@ -133,7 +133,8 @@ def test_bad_inputs_fail_clearly_before_loading(ckpt, tmp_path, capsys):
                           (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens: must be >= 1"),
                           (["--prompt", "hi", "--max-new-tokens", "abc"], "--max-new-tokens: expected a whole number >= 1, got 'abc'"),
                           (["--prompt", "hi", "--seed", "-1"], "--seed: must be >= 0, got -1"),
-                          (["--prompt", "hi", "--effort-table", "huge"], "--effort-table: effort table 'huge'")):
+                          (["--prompt", "hi", "--effort-table", "huge"], "--effort-table: effort table 'huge'"),
+                          (["--prompt", "hi", "--engram", "disk"], "--engram: invalid choice: 'disk' (choose from")):
         with pytest.raises(SystemExit) as e:  # argparse: usage and exit code 2
             main(["generate", "--checkpoint", str(ckpt), *argv])
         assert e.value.code == 2 and message in capsys.readouterr().err
@@ -216,6 +217,15 @@ def test_generate_greedy_equals_a_greedy_loop_over_the_forward_step(ckpt, greedy
     code, out, err = greedy_on_one_device
     assert code == 0, err
     assert out.rstrip("\n") == tok.decode([t for t in want if t != tok.eos_id])
+
+
+def test_generate_with_engram_in_host_memory(ckpt, greedy_on_one_device, capsys):
+    """--engram host: the tables load into host memory (never onto the device) and each step
+    sends the rows it reads; the reply is the HBM run's, token for token."""
+    code, out, err = run(["--checkpoint", ckpt, "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", "6",
+                          "--max-seq-len", "64", "--engram", "host", "--json", "--quiet"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["text"] == greedy_on_one_device[1].rstrip("\n")
 
 
 @pytest.mark.slow

@@ -128,18 +128,29 @@ def mesh_of(args):
         raise InputError(f"{flag} {spec}: {e}") from None
 
 
-def load_on(folder, mesh, preset: str, **kwargs):
+def load_on(folder, mesh, preset: str, engram: str = "hbm", **kwargs):
     """(cfg, model, report) of a checkpoint on one device (mesh None) or laid out on `mesh` by
-    `preset`, each device reading only its slices (`sharding.load`)."""
+    `preset`, each device reading only its slices (`sharding.load`). engram "host": the Engram
+    tables go to host memory instead (`engram_shard.host_table_sharding`), unpadded, for an engine
+    with `engram_host=True`; the devices never hold them."""
     from dsv41_jax.checkpoint import checkpoint_format, load
+    from dsv41_jax.checkpoint.placement import first_device
 
+    if mesh is not None:
+        from sharding.load import load_sharded, preset_sharding
+    where = first_device if mesh is None else preset_sharding(mesh, preset)
+    if engram == "host":
+        from sharding.engram_shard import _is_table, host_table_sharding
+
+        def where(path, shape, dtype, device=where):  # noqa: F811 (the tables' placement over the other one)
+            return (_is_table(tuple(path)) and host_table_sharding(path, shape, dtype)) or device(path, shape, dtype)
+
+        return load(folder, shardings=where, **kwargs)
     if mesh is None:
         return load(folder, **kwargs)
-    from sharding.load import load_sharded, preset_sharding
-
     if checkpoint_format(folder) == "hf":
         return load_sharded(folder, mesh, preset, **kwargs)
-    return load(folder, shardings=preset_sharding(mesh, preset), **kwargs)  # orbax: tables padded by the engine
+    return load(folder, shardings=where, **kwargs)  # orbax: tables padded by the engine
 
 
 def add_mesh_args(s) -> None:
@@ -150,6 +161,14 @@ def add_mesh_args(s) -> None:
                    help="sharding preset for --mesh (inference, inference-indexer-replicated, training; default inference)")
     s.add_argument("--devices", type=positive_int, default=None, metavar="N",
                    help="short for --mesh data=N (the first N devices)")
+    add_engram_arg(s)
+
+
+def add_engram_arg(s) -> None:
+    s.add_argument("--engram", choices=("hbm", "host"), default="hbm",
+                   help="where the Engram tables live: hbm (on the devices, row-sharded over --mesh; the default) or "
+                        "host (host memory: each step sends the devices only the rows it reads; as `dsv41 plan "
+                        "--engram host` counts it, for a model whose tables do not fit in HBM)")
 
 
 def _run(args) -> int:
@@ -192,7 +211,7 @@ def _run(args) -> int:
         raise InputError(f"the prompt is {len(prompt)} tokens but the cache holds max_seq_len={cfg.max_seq_len}, "
                          "which leaves no room for a reply; shorten the prompt or pass a larger --max-seq-len")
     mesh = mesh_of(args)
-    cfg, model, report = load_on(folder, mesh, args.preset, progress=not args.quiet,
+    cfg, model, report = load_on(folder, mesh, args.preset, args.engram, progress=not args.quiet,
                                  config_overrides=overrides, check_values=not args.no_value_check,
                                  language_model_only=args.language_model_only)
     if not args.quiet:
@@ -209,7 +228,8 @@ def _run(args) -> int:
     # --speculative dspark: the engine drafts a whole block per step (serving/speculation.py); it
     # refuses a model without the drafter, naming the missing mtp.* tensors, before compiling
     K = cfg.dspark_block_size if args.speculative == "dspark" else 0
-    gen = Generator(cfg, model, tokenizer, runtime=runtime, mesh=mesh, preset=args.preset, speculative=K)
+    gen = Generator(cfg, model, tokenizer, runtime=runtime, mesh=mesh, preset=args.preset, speculative=K,
+                    engram_host=args.engram == "host")
     spans = _spans(args, gen, tokenizer, prompt) if images else None
     result = gen.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, on_token=show, spans=spans)
     if K:

@@ -80,7 +80,8 @@ def load_server(args, lockstep=None, follower: bool = False):
 
         jax.config.update("jax_enable_x64", True)
     mesh = mesh_of(args)
-    cfg, model, report = load_on(folder, mesh, args.preset, progress=not args.quiet, config_overrides=overrides)
+    cfg, model, report = load_on(folder, mesh, args.preset, args.engram, progress=not args.quiet,
+                                 config_overrides=overrides)
     if not args.quiet:
         print(report.summary(), file=sys.stderr)
     if mesh is not None and not args.quiet and jax_processes() > 1:
@@ -93,7 +94,7 @@ def load_server(args, lockstep=None, follower: bool = False):
                         cache_dir=args.prefix_cache_dir, cache_bytes=args.prefix_cache_bytes,
                         runtime=Runtime(mode=args.numerics, impl=args.impl),
                         max_request_bytes=args.max_request_bytes, warm=not args.no_warm, mesh=mesh,
-                        preset=args.preset, images=image_options(args), speculative=k,
+                        preset=args.preset, engram_host=args.engram == "host", images=image_options(args), speculative=k,
                         spec_acceptance=speculative.acceptance(args), effort_table=args.effort_table,
                         lockstep=lockstep)
     if follower:

@@ -122,14 +122,19 @@ class Engine:
     def __init__(self, model, *, slots: int = 4, max_seq_len: int | None = None, min_capacity: int = 256,
                  prefill_chunk: int = 512, exact_prefill: bool = False, tail_slack: int = 0,
                  runtime: Runtime = Runtime(), banned_ids=(), engram=None, fingerprint: str | None = None,
-                 mesh=None, preset: str = "inference", speculative: int = 0, spec_acceptance: str = "rejection"):
+                 mesh=None, preset: str = "inference", speculative: int = 0, spec_acceptance: str = "rejection",
+                 engram_host: bool = False):
         """mesh: a `jax.sharding.Mesh` (`sharding.mesh.make_mesh("expert=4,tensor=2")`) to serve on,
         laid out by `preset` (the vocabulary of `dsv41 plan`); None = one device, as given.
         speculative: K > 0 drafts K tokens per step with the model's DSpark drafter for every slot
         that allows it (`serving.speculation`); the prefill's taps fill the drafter's rings (a split
         prefill's: Graph A's and Graph B's of the tail, whose newest W positions are all a ring holds).
         spec_acceptance at T > 0: "rejection" (rejection sampling, the target distribution) or "match"
-        (a draft must equal the target's own draw: the same tokens as without speculation)."""
+        (a draft must equal the target's own draw: the same tokens as without speculation).
+        engram_host: keep the Engram tables in host memory (`sharding.engram_shard.HostEngramTables`,
+        `dsv41 serve --engram host`): each step's hash ids are known before it runs, so only the rows
+        it reads go to the device, as a compact table per layer (`_step_params`); the numbers are the
+        HBM engine's, bit for bit."""
         cfg = model.cfg
         if speculative:
             dspark.require_dspark(model)
@@ -140,14 +145,31 @@ class Engine:
             raise ValueError(f"spec_acceptance={spec_acceptance!r}: expected 'rejection' or 'match'")
         self.K, self.spec_acceptance = speculative, spec_acceptance
         self.cfg, self.runtime = cfg, runtime
+        self.host_engram = None
+        if engram_host:
+            if not cfg.engram_layer_ids:
+                raise ValueError("engram_host=True (--engram host) but this model has no Engram layers "
+                                 "(engram_layer_ids is empty); drop the option")
+            from sharding.engram_shard import split_host_tables, unpadded_tables
+
+            # the fingerprint of the whole model (tables included), as an HBM engine computes it
+            fingerprint = fingerprint or prefix_cache.model_fingerprint(unpadded_tables(nnx.state(model), cfg))
+            model, self.host_engram = split_host_tables(model, cfg)
         self.placement = None
         if mesh is not None:
             from sharding.serving import MeshPlacement
 
-            self.placement = MeshPlacement(model, mesh, preset)
+            self.placement = MeshPlacement(model, mesh, preset, engram_host=engram_host)
             self.graphdef, self.params = self.placement.graphdef, self.placement.params
         else:
             self.graphdef, self.params = nnx.split(model)
+        # where replicated inputs go (`placed`, the compact Engram tables): over the params' devices
+        home = mesh if mesh is not None else next(l.sharding for l in jax.tree.leaves(self.params)
+                                                  if isinstance(l, jax.Array))
+        if isinstance(home, jax.sharding.NamedSharding):
+            home = home.mesh
+        self.replicated = (jax.sharding.NamedSharding(home, jax.sharding.PartitionSpec())
+                           if isinstance(home, jax.sharding.Mesh) else home)
         self.slots = slots
         self.max_seq_len = max_seq_len or cfg.max_seq_len
         self.min_capacity = min_capacity
@@ -305,7 +327,9 @@ class Engine:
         self._targets = jit(speculation.targets_fn(K))
 
     # ------------------------------------------------------------------ host helpers
-    def _engram_ids(self, history: list[int], new: list[int]):
+    def _engram_ids(self, history: list[int], new: list[int]) -> np.ndarray | None:
+        """The Engram hash ids of `new` after `history`: host int64 [1, len(new), n_layers, C]
+        (None without Engram). `_step_params` turns them into what a step takes."""
         if self.engram is None:
             return None
         from dsv41_jax.engram.hashing import hash_ids
@@ -313,13 +337,30 @@ class Engine:
         layout, token_map = self.engram
         depth = layout.max_ngram_size - 1
         hist = np.asarray(history[-depth:], np.int64)[None] if history else None
-        ids = hash_ids(layout, token_map, np.asarray(new, np.int64)[None], hist)
-        return jnp.asarray(ids.astype(np.int32))
+        return hash_ids(layout, token_map, np.asarray(new, np.int64)[None], hist)
 
-    def _batch_ids(self, rows: list[tuple[list[int], int]]):
+    def _batch_ids(self, rows: list[tuple[list[int], int]]) -> np.ndarray | None:
+        """`_engram_ids` of one new token per (history, token) row, stacked: [len(rows), 1, ...]."""
         if self.engram is None:
             return None
-        return jnp.concatenate([self._engram_ids(hist, [tok]) for hist, tok in rows], 0)
+        return np.concatenate([self._engram_ids(hist, [tok]) for hist, tok in rows], 0)
+
+    def _step_params(self, ids: np.ndarray | None):
+        """(params, Engram ids) for one compiled step over the tokens whose host hash ids are `ids`
+        (`_engram_ids`, `_batch_ids`). With the tables in HBM: the engine's params and the ids on
+        the device. With `engram_host`: the rows those ids read, gathered on the host and sent as
+        a compact table per layer (`HostEngramTables.prefetch`, replicated where the params live),
+        swapped into the params, and the ids remapped into it. The compact tables have B*T*C rows
+        for a step of B rows of T tokens, so each step shape still compiles once. Every step that
+        reads Engram ids gets its params here."""
+        if ids is None:
+            return self.params, None
+        if self.host_engram is None:
+            return self.params, jnp.asarray(ids.astype(np.int32))
+        from sharding.engram_shard import compact_params
+
+        compact, remapped = self.host_engram.prefetch(ids, sharding=self.replicated)
+        return compact_params(self.params, compact), remapped
 
     def placed(self, tree):
         """`tree` committed where the params live (replicated over their mesh, if any). A fresh array
@@ -329,10 +370,7 @@ class Engine:
         (`mesh=`), caches are laid out by the preset and everything else is replicated."""
         if self.placement is not None:
             return self.placement.place(tree)
-        sharding = jax.tree.leaves(self.params)[0].sharding
-        if isinstance(sharding, jax.sharding.NamedSharding):
-            sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-        return jax.device_put(tree, sharding)
+        return jax.device_put(tree, self.replicated)
 
     def empty(self, batch: int) -> dict:
         """An empty cache for `batch` sequences at the engine's capacity, placed (`placed`)."""
@@ -413,8 +451,8 @@ class Engine:
             tokens = [int(t) for t in stored]
             cached = len(tokens)
             n = min(W, cached)
-            logits, cache = self._replay(self.params, jnp.asarray([tokens[-n:]], jnp.int32), cache,
-                                         self._engram_ids(tokens[:-n], tokens[-n:]),
+            params, ids = self._step_params(self._engram_ids(tokens[:-n], tokens[-n:]))
+            logits, cache = self._replay(params, jnp.asarray([tokens[-n:]], jnp.int32), cache, ids,
                                          _spans(req.history_spans, cached - n, cached))
         else:
             cache = self.empty(1)
@@ -424,8 +462,8 @@ class Engine:
                 done = 0
                 for size in pieces(len(new), self.prefill_chunk):
                     chunk = new[done:done + size]
-                    args = (self.params, jnp.asarray([chunk], jnp.int32), cache,
-                            self._engram_ids(tokens + new[:done], chunk), _spans(req.spans, done, done + size))
+                    params, ids = self._step_params(self._engram_ids(tokens + new[:done], chunk))
+                    args = (params, jnp.asarray([chunk], jnp.int32), cache, ids, _spans(req.spans, done, done + size))
                     if rings is not None:
                         logits, cache, rings = self._full_rings(*args, rings)
                     else:
@@ -439,8 +477,9 @@ class Engine:
                 done = 0
                 for size in pieces(len(new), self.prefill_chunk):
                     chunk = new[done:done + size]
-                    args = (self.params, jnp.asarray([chunk], jnp.int32), cache, enc_h, enc_pre)
-                    rest = (self._engram_ids(tokens + new[:done], chunk), _spans(req.spans, done, done + size))
+                    params, ids = self._step_params(self._engram_ids(tokens + new[:done], chunk))
+                    args = (params, jnp.asarray([chunk], jnp.int32), cache, enc_h, enc_pre)
+                    rest = (ids, _spans(req.spans, done, done + size))
                     if rings is not None:
                         cache, enc_h, enc_pre, enc_taps = self._encoder_taps(*args, enc_taps, *rest)
                     else:
@@ -450,13 +489,13 @@ class Engine:
                 floor = jnp.full((1,), end - self.tail, jnp.int32)
                 tail_tokens = new[-self.tail:]
                 tail_spans = _spans(req.spans, len(new) - self.tail, len(new))
-                ids, vl = (self._engram_ids(tokens + new[:-self.tail], tail_tokens),
-                           None if tail_spans is None else tail_spans[1] >= 0)
+                params, ids = self._step_params(self._engram_ids(tokens + new[:-self.tail], tail_tokens))
+                vl = None if tail_spans is None else tail_spans[1] >= 0
                 if rings is not None:
-                    logits, cache, rings = self._decoder_rings(self.params, enc_h, enc_pre, enc_taps, cache, floor, ids,
+                    logits, cache, rings = self._decoder_rings(params, enc_h, enc_pre, enc_taps, cache, floor, ids,
                                                                vl, rings)
                 else:
-                    logits, cache = self._decoder(self.params, enc_h, enc_pre, cache, floor, ids, vl)
+                    logits, cache = self._decoder(params, enc_h, enc_pre, cache, floor, ids, vl)
         self.row_rings = rings
         return logits, cache, tokens + new, cached
 
@@ -581,8 +620,9 @@ class Engine:
             self._speculative_step(active, spec)
         elif any(active):
             last = [st.tokens[-1] if st else 0 for st in self.table]
-            ids = self._batch_ids([(st.tokens[:-1], st.tokens[-1]) if st else ([], 0) for st in self.table])
-            args = (self.params, jnp.asarray(last, jnp.int32)[:, None], self.cache, jnp.asarray(active), ids)
+            params, ids = self._step_params(
+                self._batch_ids([(st.tokens[:-1], st.tokens[-1]) if st else ([], 0) for st in self.table]))
+            args = (params, jnp.asarray(last, jnp.int32)[:, None], self.cache, jnp.asarray(active), ids)
             if self.K:  # the rings follow every cached position (`_Slot.rings`, `save_slot`)
                 logits, self.cache, self.rings = self._decode_rings(*args, self.rings)
             else:
@@ -638,10 +678,11 @@ class Engine:
                 chunk[i, 1:] = drafts[i]
         ids = None
         if self.engram is not None:
-            ids = jnp.concatenate([self._engram_ids(st.tokens[:-1] if st else [], [int(t) for t in chunk[i]])
-                                   for i, st in enumerate(self.table)], 0)
+            ids = np.concatenate([self._engram_ids(st.tokens[:-1] if st else [], [int(t) for t in chunk[i]])
+                                  for i, st in enumerate(self.table)], 0)
+        params, ids = self._step_params(ids)
         tokens = jnp.asarray(chunk)
-        logits, pending, taps = self._verify(self.params, tokens, self.cache, ids)
+        logits, pending, taps = self._verify(params, tokens, self.cache, ids)
         targets = np.asarray(self._targets(logits, a, drawn, self.history, tokens, jnp.asarray(active), self.banned,
                                            masks))
         if any(reject):

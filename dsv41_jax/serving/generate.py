@@ -50,15 +50,17 @@ def banned_ids(cfg: ModelConfig, tokenizer: Tokenizer) -> list[int]:
 
 
 def one_slot_engine(model, *, runtime: Runtime = Runtime(), banned_ids=(), engram=None, mesh=None,
-                    preset: str = "inference", prefill_chunk: int = 512, speculative: int = 0) -> Engine:
+                    preset: str = "inference", prefill_chunk: int = 512, speculative: int = 0,
+                    engram_host: bool = False) -> Engine:
     """The engine `generate` runs on: one slot, exact prefill, the config's max_seq_len.
     engram: (layout, token map) for models with Engram layers; prefill_chunk 1 compiles a single
     prefill shape (the demo's short prompt: compile time dominates on CPU); speculative: K DSpark
-    drafts per step (`serving.speculation`; the model must carry the drafter)."""
+    drafts per step (`serving.speculation`; the model must carry the drafter); engram_host: the
+    Engram tables in host memory (`Engine(engram_host=True)`)."""
     cfg = model.cfg
     return Engine(model, slots=1, max_seq_len=cfg.max_seq_len, min_capacity=min(256, cfg.max_seq_len),
                   prefill_chunk=prefill_chunk, exact_prefill=True, runtime=runtime, banned_ids=banned_ids,
-                  engram=engram, mesh=mesh, preset=preset, speculative=speculative)
+                  engram=engram, mesh=mesh, preset=preset, speculative=speculative, engram_host=engram_host)
 
 
 def generate(engine: Engine, prompt_ids, *, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
@@ -92,11 +94,11 @@ class Generator:
     """One checkpoint's one-slot engine, with the tokenizer's banned ids and Engram tables."""
 
     def __init__(self, cfg: ModelConfig, model, tokenizer: Tokenizer, *, runtime: Runtime = Runtime(), mesh=None,
-                 preset: str = "inference", speculative: int = 0):
+                 preset: str = "inference", speculative: int = 0, engram_host: bool = False):
         self.cfg, self.tokenizer = cfg, tokenizer
         self.engine = one_slot_engine(model, runtime=runtime, banned_ids=banned_ids(cfg, tokenizer), mesh=mesh,
                                       preset=preset, engram=_engram_tables(cfg, tokenizer) if cfg.engram_layer_ids else None,
-                                      speculative=speculative)
+                                      speculative=speculative, engram_host=engram_host)
 
     def generate(self, prompt_ids, *, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                  on_token: Callable[[int], None] | None = None, spans=None) -> Generation:

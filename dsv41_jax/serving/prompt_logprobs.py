@@ -61,8 +61,9 @@ def prompt_logprobs(engine: Engine, prompt: list[int]) -> tuple[list[float | Non
         chunk = prompt[done:done + size]
         targets = prompt[done + 1:done + size + 1]
         targets = targets + [-1] * (size - len(targets))  # the prompt's last position predicts no prompt token
-        target, top_lp, top_ids, cache = step(engine.params, jnp.asarray([chunk], jnp.int32), cache,
-                                              engine._engram_ids(prompt[:done], chunk), jnp.asarray(targets, jnp.int32))
+        params, ids = engine._step_params(engine._engram_ids(prompt[:done], chunk))
+        target, top_lp, top_ids, cache = step(params, jnp.asarray([chunk], jnp.int32), cache, ids,
+                                              jnp.asarray(targets, jnp.int32))
         target, top_lp, top_ids = np.asarray(target), np.asarray(top_lp), np.asarray(top_ids)
         for j, t in enumerate(targets):
             if t >= 0:

@@ -92,30 +92,30 @@ def _run(engine: Engine, kind: str, n: int):
     # (an omitted default argument is another jit signature, compiled again)
     cfg = engine.cfg
     tokens = jnp.asarray([[0] * n], jnp.int32)
-    ids = engine._engram_ids([], [0] * n)
+    params, ids = engine._step_params(engine._engram_ids([], [0] * n))  # host Engram: compact tables
     buffers = lambda: engine.placed((jnp.zeros((1, engine.tail, cfg.hc_mult, cfg.dim), jnp.bfloat16),
                                      jnp.zeros((1, engine.tail, cfg.hc_mult), jnp.float32)))
     if kind == "exact":
-        out = engine._full(engine.params, tokens, engine.empty(1), ids, None)
+        out = engine._full(params, tokens, engine.empty(1), ids, None)
     elif kind == "graph_a":
         enc_h, enc_pre = buffers()
-        out = engine._encoder(engine.params, tokens, engine.empty(1), enc_h, enc_pre, ids, None)
+        out = engine._encoder(params, tokens, engine.empty(1), enc_h, enc_pre, ids, None)
     elif kind == "graph_b":
         enc_h, enc_pre = buffers()
-        out = engine._decoder(engine.params, enc_h, enc_pre, engine.empty(1), jnp.full((1,), 0, jnp.int32), ids,
+        out = engine._decoder(params, enc_h, enc_pre, engine.empty(1), jnp.full((1,), 0, jnp.int32), ids,
                               None)
     elif kind == "graph_a_rings":
         enc_h, enc_pre = buffers()
         enc_taps = engine.placed(jnp.zeros((1, engine.tail, engine._encoder_tap_width()), jnp.bfloat16))
-        out = engine._encoder_taps(engine.params, tokens, engine.empty(1), enc_h, enc_pre, enc_taps, ids, None)
+        out = engine._encoder_taps(params, tokens, engine.empty(1), enc_h, enc_pre, enc_taps, ids, None)
     elif kind == "graph_b_rings":
         enc_h, enc_pre = buffers()
         enc_taps = engine.placed(jnp.zeros((1, engine.tail, engine._encoder_tap_width()), jnp.bfloat16))
-        out = engine._decoder_rings(engine.params, enc_h, enc_pre, enc_taps, engine.empty(1), jnp.full((1,), 0, jnp.int32),
+        out = engine._decoder_rings(params, enc_h, enc_pre, enc_taps, engine.empty(1), jnp.full((1,), 0, jnp.int32),
                                     ids, None, engine.placed(dspark.init_state(cfg, 1)))
     elif kind == "exact_rings":
         rings = engine.placed(dspark.init_state(cfg, 1))
-        out = engine._full_rings(engine.params, tokens, engine.empty(1), ids, None, rings)
+        out = engine._full_rings(params, tokens, engine.empty(1), ids, None, rings)
     elif kind == "speculate":  # K + 3 tokens: speculating steps, then the plain step near max_tokens;
         # greedy (greedy drafts), then at T = 1 (sampled drafts and rejection sampling)
         for t in (0.0, 1.0):
@@ -124,7 +124,7 @@ def _run(engine: Engine, kind: str, n: int):
                                 on_token=lambda token, logprobs: None)])
         return
     elif kind == "replay":
-        out = engine._replay(engine.params, tokens, engine.empty(1), ids)
+        out = engine._replay(params, tokens, engine.empty(1), ids)
     else:  # one request through admit, the samplers, insert, decode and logprobs
         req = Request([0], SamplingParams(max_tokens=2), request_id="dsv41-warmup", want_logprobs=True,
                       on_token=lambda token, logprobs: None)

@@ -36,6 +36,7 @@ class ServeOptions:
     warm: bool = False  # compile every program before /ready says ready (`dsv41 serve` turns it on)
     mesh: object = None  # a jax.sharding.Mesh to serve on (Engine(mesh=...)); None = one device
     preset: str = "inference"  # its sharding preset (the vocabulary of `dsv41 plan`)
+    engram_host: bool = False  # Engram tables in host memory (Engine(engram_host=True), --engram host)
     test_hooks: bool = False  # tests build the app with this; no `dsv41 serve` flag sets it
     images: object = None  # images.ImageOptions (limits); None = the defaults
     speculative: int = 0  # K DSpark drafts per step (Engine(speculative=K); needs exact_prefill)
@@ -62,7 +63,7 @@ def make_engine(model, tokenizer, opts: ServeOptions) -> Engine:
     return Engine(model, slots=opts.max_batch, max_seq_len=max_len, min_capacity=min(opts.min_capacity, max_len),
                   prefill_chunk=opts.prefill_chunk, exact_prefill=opts.exact_prefill, runtime=opts.runtime,
                   banned_ids=banned_ids(cfg, tokenizer), engram=engram, mesh=opts.mesh, preset=opts.preset,
-                  speculative=opts.speculative, spec_acceptance=opts.spec_acceptance)
+                  speculative=opts.speculative, spec_acceptance=opts.spec_acceptance, engram_host=opts.engram_host)
 
 
 def build(model, tokenizer, opts: ServeOptions):
