@@ -94,6 +94,7 @@ class Experts(nnx.Module):
         Gathers each row's expert weights: cost and bytes grow with the active experts only,
         which suits decode; prefill-sized batches go through `grouped`.
         """
+        @gemm.fp8_kernel(None)  # a row's gathered expert (never the whole stack) through the XLA math: no kernel under vmap
         def one(xr, e, wr):
             g = lambda a: None if a is None else a[...][e]
             h = swiglu(self._lin(xr[None], g(self.w1), g(self.w1_scale), mode),
@@ -103,20 +104,33 @@ class Experts(nnx.Module):
 
         return jax.vmap(one)(x, experts, weights)
 
-    def dense_weights(self):
+    def dense_weights(self, which=None):
+        """(w1, w2, w3) as bf16 [E', out, in]: the experts `which` [E'] (default all), gathered in
+        their stored format before they are dequantized, so that only those are dequantized."""
         deq = {"fp4": quant.dequant_fp4_weight, "fp8": quant.dequant_fp8_weight}.get(self.kind)
+        take = (lambda a: a[...]) if which is None else (lambda a: a[...][which])
         if deq is None:
-            return self.w1[...], self.w2[...], self.w3[...]
-        return tuple(jax.vmap(deq)(w[...], s[...]).astype(jnp.bfloat16)
+            return take(self.w1), take(self.w2), take(self.w3)
+        return tuple(jax.vmap(deq)(take(w), take(s)).astype(jnp.bfloat16)
                      for w, s in ((self.w1, self.w1_scale), (self.w2, self.w2_scale), (self.w3, self.w3_scale)))
 
     def grouped(self, x, experts, weights, mode):
-        """Sort rows by expert and run ragged GEMMs over dequantized weights (XLA fallback for prefill)."""
-        E = self.w1.shape[0]
+        """Sort rows by expert and run ragged GEMMs over the active experts' dequantized weights
+        (XLA fallback for prefill-sized batches).
+
+        Only the distinct experts of the rows are gathered and dequantized: at most min(E, n), a
+        static bound; the padding slots repeat the smallest active expert with no rows, so no
+        inactive expert is ever dequantized. When n >= E (the released 384 experts x 6 at batch 64)
+        the bound is every expert: a static shape cannot shrink further, only the expert kernel
+        (impl "pallas") dequantizes inside each group's tiles."""
+        E, n = self.w1.shape[0], x.shape[0]
         order = jnp.argsort(experts, stable=True)
         xs, es, ws = x[order], experts[order], weights[order]
-        sizes = jnp.bincount(es, length=E).astype(jnp.int32)
-        w1, w2, w3 = self.dense_weights()
+        U = min(E, n)
+        active = jnp.unique(es, size=U, fill_value=es[0])  # ascending, padded at the end
+        n_active = 1 + jnp.sum(es[1:] != es[:-1])
+        sizes = jnp.where(jnp.arange(U) < n_active, jnp.bincount(es, length=E)[active], 0).astype(jnp.int32)
+        w1, w2, w3 = self.dense_weights(active)
         quantize = self.kind != "dense"
         xq = quant.fake_fp8_act(xs, 32) if quantize else xs
         up1 = jax.lax.ragged_dot(xq, jnp.swapaxes(w1, 1, 2), sizes, preferred_element_type=jnp.float32).astype(x.dtype)

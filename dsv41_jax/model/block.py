@@ -29,7 +29,7 @@ from dsv41_jax.layers.mhc_site import collapse, expand
 from dsv41_jax.layers.rope import apply_rope, cos_sin, layer_rope
 from dsv41_jax.model.cache import index_keys_for, scatter_container, window_indices, write_ring
 from dsv41_jax.model.probe import NO_PROBE, Probe, _merge
-from dsv41_jax.numerics import kv_layout, quant
+from dsv41_jax.numerics import gemm, kv_layout, quant
 from dsv41_jax.runtime import Runtime
 from dsv41_jax.serving import fast_index  # the packed scoring variant (Plan.packed_scoring)
 from pallas_kernels.sparse_attention.dense_reference import sparse_attention
@@ -544,11 +544,23 @@ def run_layers(model, h, pre, store: QuantStore, span: Span, plan: Plan, layers,
     records = {kind: {layer: value}} and the probes' traces merged into records["trace"]."""
     carry = Carry({}) if carry is None else carry
     records: dict = {}
-    for l in layers:
-        h, pre, store, carry, rec = block_step(model.layers[l], h, pre, store, carry, span, plan, probe, pin)
-        for k, v in rec.items():
-            if k == "trace":
-                records.setdefault("trace", {}).update(v)
-            else:
-                records.setdefault(k, {})[l] = v
+    with gemm.fp8_kernel(_fp8_kernel(plan)):
+        for l in layers:
+            h, pre, store, carry, rec = block_step(model.layers[l], h, pre, store, carry, span, plan, probe, pin)
+            for k, v in rec.items():
+                if k == "trace":
+                    records.setdefault("trace", {}).update(v)
+                else:
+                    records.setdefault(k, {})[l] = v
     return h, pre, store, carry, records
+
+
+def _fp8_kernel(plan: Plan):
+    """The dense FP8 linears' GEMM for `plan`: the FP8 block GEMM kernel (it reads the stored E4M3
+    tiles and dequantizes in registers) when the plan runs kernels in fast numerics, else None (the
+    XLA math, which dequantizes the whole weight per call; exact mode always: the kernel has none)."""
+    if plan.impl != "pallas" or plan.numerics != "fast":
+        return None
+    from pallas_kernels import fp8_block_gemm  # noqa: WPS433 (optional dependency on the kernels)
+
+    return lambda x, w, s: fp8_block_gemm(x, w, s, impl="pallas", interpret=plan.interpret)

@@ -14,6 +14,9 @@ per 32), as the reference's `linear()` does for either weight format.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 
@@ -22,6 +25,25 @@ from dsv41_jax.numerics import quant
 BLOCK = 32
 KINDS = ("dense", "fp8", "fp4")
 MODES = ("fast", "exact")
+
+
+# The FP8 block GEMM kernel for fast-mode FP8 linears, set while the layer body traces a plan
+# with impl "pallas" (`fp8_kernel`); None runs the XLA math below, which dequantizes the whole
+# weight on every call. A trace-time switch (as `mhc.unrolled_sinkhorn`) rather than an argument:
+# every QLinear call site of the body would otherwise thread the plan's kernel choice through.
+_FP8_KERNEL: contextvars.ContextVar = contextvars.ContextVar("fp8_kernel", default=None)
+
+
+@contextlib.contextmanager
+def fp8_kernel(fn):
+    """While tracing inside, fast-mode FP8 linears run ``fn(x2 [M, K], weight, scale) -> f32 [M, N]``
+    (e.g. `pallas_kernels.fp8_block_gemm` with impl "pallas"), which reads the stored E4M3 tiles and
+    dequantizes them inside the kernel. Exact mode never uses it: the kernel has no exact mode."""
+    token = _FP8_KERNEL.set(fn)
+    try:
+        yield
+    finally:
+        _FP8_KERNEL.reset(token)
 
 
 def _require_x64() -> None:
@@ -56,8 +78,7 @@ def _quantised_activation(x2: jax.Array, k_padded: int) -> tuple[jax.Array, jax.
     return quant.quant_fp8_act(x2, BLOCK)
 
 
-def _weight_fp8(weight, scale, n: int, k: int):
-    """E4M3 weight values zero-padded to whole K blocks, and per-(row, K block) f32 scales."""
+def _check_fp8(weight, scale, n: int, k: int) -> None:
     nb, kb = -(-n // BLOCK), -(-k // BLOCK)
     if weight.dtype != jnp.float8_e4m3fn:
         raise TypeError(f"linear(kind='fp8'): weight must be float8_e4m3fn, got {weight.dtype}")
@@ -67,6 +88,12 @@ def _weight_fp8(weight, scale, n: int, k: int):
             f"linear(kind='fp8'): weight {tuple(weight.shape)} needs an E8M0 scale of shape "
             f"({nb}, {kb}) (one per 32x32 tile), got {got}"
         )
+
+
+def _weight_fp8(weight, scale, n: int, k: int):
+    """E4M3 weight values zero-padded to whole K blocks, and per-(row, K block) f32 scales."""
+    _check_fp8(weight, scale, n, k)
+    kb = -(-k // BLOCK)
     values = jnp.pad(weight.astype(jnp.float32), ((0, 0), (0, kb * BLOCK - k)))
     row_scale = jnp.repeat(quant.e8m0_to_float(scale), BLOCK, axis=0)[:n]
     return values, row_scale
@@ -164,6 +191,9 @@ def linear(
                 precision=jax.lax.Precision.HIGHEST,
                 preferred_element_type=jnp.float32,
             ).astype(out_dtype)
+    elif kind == "fp8" and mode == "fast" and _FP8_KERNEL.get() is not None:
+        _check_fp8(weight, scale, weight.shape[0], x2.shape[-1])  # the XLA path's checks and messages
+        y = _FP8_KERNEL.get()(x2, weight, scale).astype(out_dtype)
     else:
         y = _quantised_linear(x2, weight, scale, kind, mode, out_dtype)
     return y.reshape(*lead, y.shape[-1])
