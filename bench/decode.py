@@ -58,7 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--full", action="store_true", help="lower the whole step per context (slow) instead of per role")
     p.add_argument("--stored-weights", action="store_true",
-                   help="also report FLOPs with the checkpoint's FP8/FP4 weights (XLA dequantizes them per call)")
+                   help="also report, at the first context, FLOPs and bytes accessed per step with the checkpoint's "
+                        "FP8/FP4 weights at B=1 and B=64, on the XLA path and on the kernel path (impl pallas)")
     p.add_argument("--wall", action="store_true", help="also time the step with random weights (needs memory for them)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per context with --wall")
     p.add_argument("--no-flops", action="store_true", help="skip the cost-analysis table")
@@ -344,8 +345,6 @@ def main(argv=None) -> int:
         row = {"context": c, "flops": measured["flops"], "arithmetic": ar,
                "vs_arithmetic": measured["flops"] / ar["total"] - 1, "positions_scored": ar["positions_scored"],
                "hlo": measured["hlo"], "lower_s": time.perf_counter() - t}
-        if args.stored_weights:
-            row["flops_stored_weights"] = (cost.decode_flops if args.full else cost.decode_flops_by_role)(cfg, c, args.batch)["flops"]
         if args.wall:
             row["wall_s"] = wall_time(cfg, c, args.batch, args.steps)
         rows.append(row)
@@ -382,12 +381,62 @@ def main(argv=None) -> int:
               f"{r['rest_strict_change']:+9.2%} {r['hlo']['while']:>5}" + (f"  wall {r['wall_s'] * 1e3:.2f} ms" if "wall_s" in r else ""))
     for k, v in out["checks"].items():
         print(f"  {k}: {v}")
+    if args.stored_weights:
+        out["stored_weights"] = stored_weight_rows(cfg, contexts[0], args.full)
+        print_stored(out["stored_weights"], contexts[0])
     if args.golden:
         out["golden"] = golden_rows(args.golden, args.golden_steps, args.random_length)
         print_golden(out["golden"])
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(out, indent=2))
     return 0
+
+
+def stored_weight_rows(cfg, context: int, full: bool = False, batches=(1, 64)) -> list[dict]:
+    """The decode step with the checkpoint's stored FP8/FP4 weights, fast numerics, on the XLA path
+    and on the kernel path (impl "pallas", lowered for TPU), at each batch: cost-analysis FLOPs and
+    bytes accessed of the lowered (unfused) program, beside the same shapes with bf16 weights (the
+    arithmetic). The Pallas kernels' own work is not in the kernel path's figures (cost analysis
+    cannot see into a custom call); their calls are listed."""
+    import jax
+
+    from dsv41_jax.runtime import Runtime
+    from dsv41_jax.serving import cost
+
+    acfg = cost.arithmetic_config(cfg)
+    rows = []
+    for batch in batches:
+        arith = (cost.decode_flops if full else cost.decode_flops_by_role)(acfg, context, batch)
+        for impl in ("xla", "pallas"):
+            t = time.perf_counter()
+            # the kernel path is lowered for TPU, where each kernel is one Mosaic custom call: what cost
+            # analysis then counts is everything outside the kernels (interpreted on CPU, a kernel is a
+            # loop over its grid with the interpreter's bookkeeping, counted once)
+            rt = Runtime(mode="fast", impl=impl, interpret=False if impl == "pallas" else None)
+            m = (cost.decode_flops if full else cost.decode_flops_by_role)(
+                cfg, context, batch, rt, platform="tpu" if impl == "pallas" else None)
+            row = {"impl": impl, "batch": batch, "context": context, "flops": m["flops"], "bytes": m["bytes"],
+                   "arithmetic_flops": arith["flops"], "arithmetic_bytes": arith["bytes"], "hlo": m["hlo"]}
+            if impl == "pallas":
+                gd, params = cost.abstract_params(cfg)
+                row["kernel_calls"] = cost.kernel_calls(
+                    cost.decode_fn(gd, rt), params, jax.ShapeDtypeStruct((batch, 1), jax.numpy.int32),
+                    cost.abstract_cache(cfg, batch, context), cost.engram_spec(cfg, batch, 1))
+            row["lower_s"] = time.perf_counter() - t
+            rows.append(row)
+            print(f"  stored weights {impl} B={batch}: {row['flops']:.4e} FLOPs, {row['bytes']:.4e} bytes "
+                  f"({row['lower_s']:.0f}s)", file=sys.stderr)
+    return rows
+
+
+def print_stored(rows, context: int) -> None:
+    print(f"decode step at context {context} with the stored FP8/FP4 weights (fast numerics; cost analysis; "
+          f"'bf16' = the same shapes with bf16 weights, the arithmetic)")
+    print(f"{'impl':>6} {'batch':>5} {'GFLOP':>9} {'bf16 GFLOP':>10} {'x bf16':>7} {'GB accessed':>11} {'bf16 GB':>8}  kernels cost analysis cannot see into")
+    for r in rows:
+        kernels = ", ".join(f"{k} x{v}" for k, v in r.get("kernel_calls", {}).items()) or "-"
+        print(f"{r['impl']:>6} {r['batch']:>5} {r['flops'] / 1e9:9.2f} {r['arithmetic_flops'] / 1e9:10.2f} "
+              f"{r['flops'] / r['arithmetic_flops']:7.2f} {r['bytes'] / 1e9:11.2f} {r['arithmetic_bytes'] / 1e9:8.2f}  {kernels}")
 
 
 def print_golden(rows) -> None:

@@ -53,13 +53,16 @@ def engram_spec(cfg: ModelConfig, batch: int, T: int):
     return jax.ShapeDtypeStruct((batch, T, len(cfg.engram_layer_ids), cols), jnp.int32)
 
 
-def lowered(fn, *args):
+def lowered(fn, *args, platform: str | None = None):
     """The lowered program, mHC's Sinkhorn rounds written out (`mhc.unrolled_sinkhorn`): a `while` would
-    hide all but one round from cost analysis (`loop_probe`)."""
+    hide all but one round from cost analysis (`loop_probe`). platform: lower for another backend
+    than this one (e.g. "tpu": the Pallas kernels become Mosaic custom calls instead of loops)."""
     from dsv41_jax.layers.mhc import unrolled_sinkhorn
 
     with unrolled_sinkhorn():
-        return jax.jit(fn, compiler_options=COMPILER_OPTIONS).lower(*args)
+        if platform is None:
+            return jax.jit(fn, compiler_options=COMPILER_OPTIONS).lower(*args)
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,))
 
 
 def flops_of(low) -> float:
@@ -68,6 +71,39 @@ def flops_of(low) -> float:
     if isinstance(ca, (list, tuple)):
         ca = ca[0]
     return float(ca.get("flops", 0.0))
+
+
+def bytes_of(low) -> float:
+    """Bytes accessed (read + written) that XLA's cost analysis assigns to a lowered computation."""
+    ca = low.cost_analysis()
+    if isinstance(ca, (list, tuple)):
+        ca = ca[0]
+    return float(ca.get("bytes accessed", 0.0))
+
+
+def kernel_calls(fn, *args) -> dict[str, int]:
+    """{kernel name: calls} of the Pallas kernels in fn's trace. Cost analysis cannot see into them:
+    interpreted (CPU) they lower to a loop over the grid whose body it counts once; compiled they are
+    custom calls it counts as nothing."""
+    from collections import Counter
+
+    counts: Counter = Counter()
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                info = eqn.params.get("name_and_src_info") or eqn.params.get("name")
+                counts[str(getattr(info, "name", info)).split(" ")[0]] += 1
+                continue
+            for v in eqn.params.values():
+                for j in (v if isinstance(v, (tuple, list)) else (v,)):
+                    if isinstance(j, jax.extend.core.ClosedJaxpr):
+                        walk(j.jaxpr)
+                    elif isinstance(j, jax.extend.core.Jaxpr):
+                        walk(j)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return dict(sorted(counts.items()))
 
 
 def check_no_loops(low) -> dict:
@@ -110,13 +146,14 @@ def decode_fn(graphdef, runtime: Runtime = Runtime(), layers: range | None = Non
     return step
 
 
-def decode_flops(cfg: ModelConfig, context: int, batch: int = 1, runtime: Runtime = Runtime()) -> dict:
+def decode_flops(cfg: ModelConfig, context: int, batch: int = 1, runtime: Runtime = Runtime(),
+                 platform: str | None = None) -> dict:
     """Cost-analysis FLOPs of one decode step with every sequence at `context` cached tokens."""
     gd, params = abstract_params(cfg)
     cache = abstract_cache(cfg, batch, context)
     toks = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
-    low = lowered(decode_fn(gd, runtime), params, toks, cache, engram_spec(cfg, batch, 1))
-    return {"flops": flops_of(low), "hlo": check_no_loops(low)}
+    low = lowered(decode_fn(gd, runtime), params, toks, cache, engram_spec(cfg, batch, 1), platform=platform)
+    return {"flops": flops_of(low), "bytes": bytes_of(low), "hlo": check_no_loops(low)}
 
 
 def _signature(role) -> tuple:
@@ -138,7 +175,8 @@ def _dependencies(cfg: ModelConfig, layer: int) -> tuple[int, ...]:
     return tuple(deps)
 
 
-def decode_flops_by_role(cfg: ModelConfig, context: int, batch: int = 1, runtime: Runtime = Runtime()) -> dict:
+def decode_flops_by_role(cfg: ModelConfig, context: int, batch: int = 1, runtime: Runtime = Runtime(),
+                         platform: str | None = None) -> dict:
     """Decode-step FLOPs summed from per-layer costs, one lowering per distinct layer signature.
 
     Lowering all 40 full-width layers takes minutes; layers with the same role, ratio, pool
@@ -149,13 +187,13 @@ def decode_flops_by_role(cfg: ModelConfig, context: int, batch: int = 1, runtime
     cache = abstract_cache(cfg, batch, context)
     toks = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
     ids = engram_spec(cfg, batch, 1)
-    memo: dict[tuple, float] = {}
+    memo: dict[tuple, tuple[float, float]] = {}
     hlo = {"while": 0, "custom_call": set()}
 
-    def cost(layers: tuple[int, ...]) -> float:
+    def cost(layers: tuple[int, ...]) -> tuple[float, float]:
         if layers not in memo:
-            low = lowered(decode_fn(gd, runtime, layers), params, toks, cache, ids)
-            memo[layers] = flops_of(low)
+            low = lowered(decode_fn(gd, runtime, layers), params, toks, cache, ids, platform=platform)
+            memo[layers] = (flops_of(low), bytes_of(low))
             seen = check_no_loops(low)
             hlo["while"] += seen["while"]
             hlo["custom_call"].update(seen["custom_call"])
@@ -163,16 +201,18 @@ def decode_flops_by_role(cfg: ModelConfig, context: int, batch: int = 1, runtime
 
     base = cost(())
     per_sig: dict[tuple, dict] = {}
-    total = base
+    total, total_bytes = base
     for role in cfg.roles:
         sig = _signature(role)
         if sig not in per_sig:
             deps = _dependencies(cfg, role.layer)
-            per_sig[sig] = {"layer": role.layer, "count": 0, "flops": cost(deps + (role.layer,)) - cost(deps)}
+            (f1, b1), (f0, b0) = cost(deps + (role.layer,)), cost(deps)
+            per_sig[sig] = {"layer": role.layer, "count": 0, "flops": f1 - f0, "bytes": b1 - b0}
         per_sig[sig]["count"] += 1
         total += per_sig[sig]["flops"]
+        total_bytes += per_sig[sig]["bytes"]
     roles = [{"signature": "/".join(map(str, k)), **v} for k, v in per_sig.items()]
-    return {"flops": total, "embed_head": base, "roles": roles,
+    return {"flops": total, "bytes": total_bytes, "embed_head": base[0], "roles": roles,
             "hlo": {"while": hlo["while"], "custom_call": sorted(hlo["custom_call"])}}
 
 
