@@ -76,8 +76,9 @@ class QATExperts(Experts):
     def _lin(self, x, w, s, mode):
         return qat_matmul(x, w, self.kind != "dense", x.dtype)
 
-    def dense_weights(self):
-        return self.w1[...].astype(jnp.bfloat16), self.w2[...].astype(jnp.bfloat16), self.w3[...].astype(jnp.bfloat16)
+    def dense_weights(self, which=None):
+        take = (lambda a: a[...]) if which is None else (lambda a: a[...][which])
+        return tuple(take(w).astype(jnp.bfloat16) for w in (self.w1, self.w2, self.w3))
 
 
 class QATEngram(Engram):
