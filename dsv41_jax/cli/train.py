@@ -36,6 +36,10 @@ def register(subparsers) -> None:
     s.add_argument("--indexer-kl-weight", type=float, default=1.0)
     s.add_argument("--kl-positions", type=non_negative_int, default=8)
     s.add_argument("--replay-prob", type=float, default=0.0, help="replay-aware decoder windows with this probability")
+    s.add_argument("--impl", choices=("xla", "pallas", "auto"), default="xla",
+                   help="kernels in the training forward: pallas runs the attention kernel (gradients through its "
+                        "values-in VJP) and the indexer kernel for selection; the GEMMs stay XLA (QAT masters are "
+                        "not packed). auto: the kernels on TPU/GPU, XLA on CPU (pallas on CPU runs interpreted: slow)")
     g = s.add_argument_group("DSpark drafter (--dspark)", "train only the speculative drafter (mtp.* stages) on the "
                              "frozen backbone's own taps and distributions, with DeepSpec's DSpark losses")
     g.add_argument("--dspark", action="store_true",
@@ -128,7 +132,7 @@ def _cmd_train(args) -> int:
         tcfg = TrainConfig(seq_len=seq_len, batch_size=args.batch_size, steps=args.steps, seed=args.seed, qat=args.qat,
                            lora_rank=args.lora, lora_alpha=args.lora_alpha, balance_weight=args.balance_weight,
                            bias_rate=args.bias_rate, indexer_kl_weight=args.indexer_kl_weight,
-                           kl_positions=args.kl_positions, replay_prob=args.replay_prob,
+                           kl_positions=args.kl_positions, replay_prob=args.replay_prob, impl=args.impl,
                            optim=OptimConfig(optimizer=args.optimizer, lr=args.lr, warmup_steps=warmup,
                                              total_steps=args.steps, weight_decay=args.weight_decay, clip_norm=args.clip,
                                              lr_embed_mult=args.lr_embed_mult, lr_engram_mult=args.lr_engram_mult),

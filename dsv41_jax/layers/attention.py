@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv41_jax.numerics import quant
+from dsv41_jax.numerics import kv_layout, quant
 from dsv41_jax.layers.basic import QLinear, RMSNorm, matmul, weight_kind
 from dsv41_jax.layers.compressor import Compressor
 from dsv41_jax.layers.indexer import Indexer
@@ -56,13 +56,22 @@ class Attention(nnx.Module):
         compressed_idx [B, T, K] (-1 = empty). Same math as the xla path's `sparse_attention` over
         the dequantized rows (window slots first): bit-exact in exact mode (interpreted, float64),
         f32-rounding close in fast mode. Gradients reach q and the sink through the kernel's
-        custom_vjp (the jnp reference's VJP).
+        custom_vjp (the jnp reference's VJP). Training passes the rows before quantization instead of
+        containers (window [B, N, D], compressed [B, G, D] or None): `sparse_sink_attention_values`,
+        whose VJP also reaches the rows.
         """
-        from pallas_kernels import sparse_sink_attention  # the kernels are an optional dependency
+        from pallas_kernels import sparse_sink_attention, sparse_sink_attention_values  # optional dependency
 
         mode = runtime.kernel_mode()
         if mode is None:
             raise ValueError(f"attend_pallas: {runtime} does not run the attention kernel")
+        if not isinstance(window, kv_layout.WindowKV):
+            # training: rows before quantization (the kernel quantizes them as the fake quantization
+            # does) and gradients for them too (the values-in custom_vjp)
+            if mode != "fast":
+                raise ValueError(f"attend_pallas: rows before quantization (training) run fast numerics, got {mode!r}")
+            return sparse_sink_attention_values(q, window, compressed, window_idx, compressed_idx, self.attn_sink[...],
+                                                scale, impl="pallas", interpret=runtime.resolved_interpret())
         return sparse_sink_attention(q, window, compressed, window_idx, compressed_idx, self.attn_sink[...], scale,
                                      impl="pallas", interpret=runtime.resolved_interpret(), mode=mode)
 

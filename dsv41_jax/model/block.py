@@ -21,6 +21,7 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from dsv41_jax.layers import compressor
 from dsv41_jax.layers.basic import matmul
@@ -159,6 +160,10 @@ class QuantStore:
     def index_inputs(self, x, qr):
         """The indexer's query-side inputs (x, qr)."""
         return x, qr
+
+    def index_key_container(self, role, plan: "Plan") -> kv_layout.IndexKeys:
+        """The quantized index keys the indexer kernel reads for an index source."""
+        return index_key_container(self.cfg, self.cache, role, plan.index_keys == "quirk")
 
     def index_keys(self, role, plan: "Plan") -> jax.Array:
         """The bf16 index keys [B, G, Di] an index source scores (intended or the reference's quirk)."""
@@ -316,7 +321,12 @@ def index_scores(attn, store, x, qr, keys, cos, sin, visible, plan: Plan, how: s
                   candidate mask, or None.
     """
     if how == "kernel":
-        return attn.indexer.scores_pallas(x, qr, keys, cos, sin, visible, plan.runtime, pool)
+        # selection needs no gradient and a kernel has none: the indexer's weights and inputs enter it
+        # stopped (a no-op when serving; in training only the indexer KL's XLA scoring trains them)
+        graphdef, state = nnx.split(attn.indexer)
+        indexer = nnx.merge(graphdef, jax.tree.map(jax.lax.stop_gradient, state))
+        x, qr = (jax.lax.stop_gradient(a) for a in store.index_inputs(x, qr))
+        return indexer.scores_pallas(x, qr, keys, cos, sin, visible, plan.runtime, pool)
     if how == "packed":
         return fast_index.scores_packed(attn.indexer, x, qr, keys, cos, sin, visible)
     if how != "xla":
@@ -340,8 +350,8 @@ def select(block, x, qr, cos, sin, visible, store: QuantStore, carry: Carry, pla
                                cfg.candidate_block_size, visible, plan, packed)
         sel = _pool_select(s, cand, visible, width)
     else:
-        if plan.kernel_mode is not None:
-            ikeys = index_key_container(cfg, store.cache, role, plan.index_keys == "quirk")
+        ikeys = store.index_key_container(role, plan) if plan.kernel_mode is not None else None
+        if ikeys is not None:
             scores = index_scores(attn, store, x, qr, ikeys, cos, sin, visible, plan, "kernel",
                                   pool if role.uses_candidates else None)
         elif packed:
@@ -388,10 +398,11 @@ def window_rows(attn, x, cos, sin, mode: str):
 
 
 def attend(attn, q, rows, idx, cfg, plan: Plan, kernel_inputs=None):
-    """Sparse sink attention: the Pallas kernel on the quantized rows (`kernel_inputs` = (window rows,
-    window idx, compressed container or None, selection or None)) when the plan runs it, else the
-    XLA math over the dequantized rows [B, N, D] at idx [B, T, K] (-1 = empty)."""
-    if plan.kernel_mode is not None and kernel_inputs is not None:
+    """Sparse sink attention: the Pallas kernel on `kernel_inputs` = (window rows, window idx, compressed
+    rows or None, selection or None) when given (the plan runs the kernel and the store has its
+    inputs: quantized containers, or the training store's rows before quantization), else the XLA
+    math over the dequantized rows [B, N, D] at idx [B, T, K] (-1 = empty)."""
+    if kernel_inputs is not None:
         return attn.attend_pallas(q, *kernel_inputs, cfg.head_dim ** -0.5, plan.runtime)
     return sparse_attention(q, rows.astype(q.dtype), attn.attn_sink[...], idx, cfg.head_dim ** -0.5,
                             mode=plan.numerics, keep_nonfinite=plan.check_finite)
@@ -433,6 +444,7 @@ def block_step(block, h, pre, store: QuantStore, carry: Carry, span: Span, plan:
     x, qr, q, cos, sin, win_raw, (a_pre, a_post, a_comb) = attn_in(block, h, pre, span.positions, role.ratio, cfg,
                                                                    plan)
     keys, idx, win_rows = store.window(l, win_raw, span)
+    kernel = plan.kernel_mode is not None and win_rows is not None  # the attention kernel runs
     kernel_inputs = (win_rows, idx, None, None)  # what the attention kernel reads
 
     if role.ratio:
@@ -451,10 +463,10 @@ def block_step(block, h, pre, store: QuantStore, carry: Carry, span: Span, plan:
         sel = carry.topk[role.index_source]
         rec["topk"] = sel
         kernel_inputs = (win_rows, idx, store.compressed(src), sel)
-        if plan.kernel_mode is None:
+        if not kernel:
             keys, idx = _with_compressed(keys, idx, store, src, sel, plan)
 
-    o = attend(attn, q, keys, idx, cfg, plan, kernel_inputs)
+    o = attend(attn, q, keys, idx, cfg, plan, kernel_inputs if kernel else None)
     a_out, h = attn_out(attn, o, cos, sin, h, (a_post, a_comb), plan)
     rec = _merge(rec, probe.see(l, lambda: {
         f"layer{l}.after_attn": h, f"layer{l}.attn_input": x, f"layer{l}.attn_output": a_out,

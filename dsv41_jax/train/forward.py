@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from dsv41_jax.model import block as body
 from dsv41_jax.model import probe as body_probe
-from dsv41_jax.numerics import quant
+from dsv41_jax.numerics import kv_layout, quant
 from dsv41_jax.runtime import Runtime
 
 sg = jax.lax.stop_gradient
@@ -40,10 +40,17 @@ class ForwardOptions:
     act_quant: fake-quantize activations and cached K/V (model semantics; off only to
       compare with the unquantized function in tests).
     kl_positions: query positions per row for the indexer KL (0 = no KL).
+    impl, interpret: the kernel choice (`Runtime`): "pallas" runs the attention kernel with gradients
+      for q, the rows and the sink (`pallas_kernels.sparse_sink_attention_values`) and the indexer
+      kernel for selection (no gradient: top-k); the indexer KL keeps the XLA scoring it trains
+      through, and the GEMMs stay XLA (the QAT masters are dense, not packed: the FP8 and expert
+      kernels read packed weights). Needs act_quant (the kernels read quantized rows).
     """
 
     act_quant: bool = True
     kl_positions: int = 0
+    impl: str = "xla"
+    interpret: bool | None = None
 
 
 def _window_slots(T: int, W: int, seg_start, replay_start, truncate: bool):
@@ -129,12 +136,13 @@ class FakeQuantStore:
     def __init__(self, cfg, positions, replay_start=None, act_quant: bool = True):
         self.cfg, self.positions, self.replay_start, self.act_quant = cfg, positions, replay_start, act_quant
         self.seg_start = jnp.arange(positions.shape[1])[None] - positions  # where each token's document starts
-        self.comp, self.ikeys, self.legal = {}, {}, {}
+        self.comp, self.comp_raw, self.ikeys, self.ikeys_raw, self.legal = {}, {}, {}, {}, {}
 
     def copy(self) -> "FakeQuantStore":
         out = FakeQuantStore.__new__(FakeQuantStore)
         out.__dict__.update(self.__dict__)
-        out.comp, out.ikeys, out.legal = dict(self.comp), dict(self.ikeys), dict(self.legal)
+        out.comp, out.comp_raw, out.ikeys, out.ikeys_raw, out.legal = (
+            dict(self.comp), dict(self.comp_raw), dict(self.ikeys), dict(self.ikeys_raw), dict(self.legal))
         return out
 
     def _q(self, fn, a, block):
@@ -144,7 +152,8 @@ class FakeQuantStore:
         T = raw.shape[1]
         truncate = self.replay_start is not None and self.cfg.roles[l].half == "decoder"
         idx = _window_slots(T, self.cfg.window_size, self.seg_start, self.replay_start, truncate)
-        return self._q(quant.fake_fp8_act, raw, 32), idx, None
+        # the kernel's rows: before quantization (it quantizes them as fake_fp8_act does, bit for bit)
+        return self._q(quant.fake_fp8_act, raw, 32), idx, raw if self.act_quant else None
 
     def visible(self, span, m: int):
         B, T = span.positions.shape
@@ -167,15 +176,26 @@ class FakeQuantStore:
     def write_source(self, src: int, state, gids, entries, index_keys, rows=None) -> None:
         m = self.cfg.compress_ratios[src]
         self.comp[src] = self._q(quant.fake_fp4_kv, entries, 16)
+        self.comp_raw[src] = entries
         self.legal[src] = _legal_groups(self.positions, self.seg_start, m)
         if index_keys is not None:
             self.ikeys[src] = self._q(quant.fake_fp4_mx, index_keys, 32).astype(jnp.bfloat16)
+            self.ikeys_raw[src] = index_keys
 
     def topk_width(self, src: int) -> int:
         return min(self.cfg.index_topk, self.positions.shape[1] // self.cfg.compress_ratios[src])
 
     def index_inputs(self, x, qr):
         return sg(x), sg(qr)
+
+    def index_key_container(self, role, plan):
+        """The indexer kernel's keys: the MXFP4 container of the raw keys (its values are the fake-
+        quantized keys bit for bit), no gradient; None without act_quant (the XLA scoring then)."""
+        if not self.act_quant:
+            return None
+        if plan.index_keys != "intended":
+            raise ValueError("training scores the intended index keys (Runtime.index_k_quirk=False)")
+        return kv_layout.quantize_index_keys(sg(self.ikeys_raw[role.kv_source]))
 
     def index_keys(self, role, plan):
         if plan.index_keys != "intended":
@@ -194,7 +214,8 @@ class FakeQuantStore:
         return jnp.where((sel >= 0) & ok, sel, -1).astype(jnp.int32)
 
     def compressed(self, src: int):
-        return self.comp[src]
+        """What the attention kernel reads: the rows before quantization (`window`'s third value)."""
+        return self.comp_raw[src]
 
     def compressed_rows(self, src: int):
         return self.comp[src]
@@ -242,7 +263,7 @@ def train_forward(model, batch: dict, opts: ForwardOptions = ForwardOptions(), *
             raise ValueError(f"sequence length {T} must be a multiple of layer {s}'s compress ratio {cfg.compress_ratios[s]}")
     if any(block.engram is not None for block in model.layers) and batch.get("engram_ids") is None:
         raise ValueError("the model has Engram layers: the batch needs engram_ids (see dsv41_jax.train.data)")
-    plan = body.Plan.resolve(Runtime(mode="fast", impl="xla"))
+    plan = body.Plan.resolve(Runtime(mode="fast", impl=opts.impl, interpret=opts.interpret))
     store = FakeQuantStore(cfg, positions, replay_start, opts.act_quant)
     span = body.Span(positions=positions, start=jnp.zeros((B,), jnp.int32), engram_ids=batch.get("engram_ids"))
     probe = TrainProbe(kl=bool(opts.kl_positions) and kl_pos is not None)

@@ -56,6 +56,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     exact_mhc: bool = False  # served SLEEF exp in mHC (bitwise serving parity, slower compile)
     fast_compile: bool = False  # XLA without backend optimisation: ~2x faster compile, slower steps
+    impl: str = "xla"  # "pallas": the attention and indexer kernels in the forward (ForwardOptions.impl)
     dspark: DSparkLoss | None = None  # train only the DSpark drafter, with this objective
 
     @property
@@ -153,7 +154,8 @@ def loss_and_aux(graphdef, formats, cfg: ModelConfig, tcfg: TrainConfig, master:
     model = merge_model(graphdef, view)
     B, T = batch["tokens"].shape
     kl_pos, replay = _sample(rng, tcfg, B, T)
-    opts = fwd_opts or ForwardOptions(kl_positions=tcfg.kl_positions if tcfg.indexer_kl_weight > 0 else 0)
+    opts = fwd_opts or ForwardOptions(kl_positions=tcfg.kl_positions if tcfg.indexer_kl_weight > 0 else 0,
+                                      impl=tcfg.impl)
     logits, aux = train_forward(model, batch, opts, replay_start=replay, kl_pos=kl_pos)
     ce, n_tokens = losses.cross_entropy(logits, batch["targets"], batch["loss_mask"])
     valid = batch["valid"]

@@ -130,3 +130,79 @@ def sparse_sink_attention(
     return _kernel_with_reference_vjp(
         choice.kind, choice.interpret, float(scale), mode, q, window, compressed, window_idx, compressed_idx, sink
     )
+
+
+# ------------------------------------------------------------------------- training (values in)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _values_in(kind, interpret, scale, q, window_raw, compressed_raw, window_idx, compressed_idx, sink):
+    window = kv_layout.quantize_window(window_raw)
+    compressed = None if compressed_raw is None else kv_layout.quantize_compressed(compressed_raw)
+    return _kernel_for(kind)(q, window, compressed, window_idx, compressed_idx, sink, scale, interpret=interpret)
+
+
+def _values_in_fwd(kind, interpret, scale, q, window_raw, compressed_raw, window_idx, compressed_idx, sink):
+    out = _values_in(kind, interpret, scale, q, window_raw, compressed_raw, window_idx, compressed_idx, sink)
+    return out, (q, window_raw, compressed_raw, window_idx, compressed_idx, sink)
+
+
+def _values_in_bwd(kind, interpret, scale, residuals, g):
+    q, window_raw, compressed_raw, window_idx, compressed_idx, sink = residuals
+
+    def reference(q_, w_, c_, sink_):
+        return _values_in_reference(q_, w_, c_, window_idx, compressed_idx, sink_, scale)
+
+    _, vjp = jax.vjp(reference, q, window_raw, compressed_raw, sink)
+    dq, dw, dc, dsink = vjp(g)
+    return dq, dw, dc, None, None, dsink
+
+
+_values_in.defvjp(_values_in_fwd, _values_in_bwd)
+
+
+def sparse_sink_attention_values(
+    q: jax.Array,
+    window_raw: jax.Array,
+    compressed_raw: jax.Array | None,
+    window_idx: jax.Array,
+    compressed_idx: jax.Array | None,
+    sink: jax.Array,
+    scale: float,
+    *,
+    impl: str = "auto",
+    interpret: bool | None = None,
+    platform: str | None = None,
+) -> jax.Array:
+    """`sparse_sink_attention` for training (fast numerics), with gradients for the values too.
+
+    window_raw [B, Nw, D] / compressed_raw [B, G, D]: the rows before quantization (the training
+    store's fake quantization takes the same rows: Q8 per 32 for the window, Q4_16 for the
+    compressed KV, docs/REFERENCE.md §3). The forward quantizes them into the kernel's containers,
+    whose values are the fake-quantized rows bit for bit (quantizing the raw rows is the fake
+    quantization's own first half), and runs the kernel; the backward is the VJP of the XLA math
+    over the fake-quantized rows (`dense_reference.sparse_attention`, window slots first, the
+    quantizers straight-through): dq, d window_raw, d compressed_raw and d sink, as training's XLA
+    path has them. impl "xla" runs that XLA math forward as well.
+    """
+    if window_raw.ndim != 3 or window_raw.shape[0] != q.shape[0] or window_raw.shape[2] != q.shape[3]:
+        raise ValueError(f"sparse_sink_attention_values: window_raw must be [B={q.shape[0]}, Nw, D={q.shape[3]}], "
+                         f"got {window_raw.shape}")
+    if (compressed_raw is None) != (compressed_idx is None):
+        raise ValueError("sparse_sink_attention_values: give compressed_raw and compressed_idx together")
+    choice = resolve(impl, interpret, platform)
+    if choice.kind == "xla":
+        return _values_in_reference(q, window_raw, compressed_raw, window_idx, compressed_idx, sink, scale)
+    return _values_in(choice.kind, choice.interpret, float(scale), q, window_raw, compressed_raw, window_idx,
+                      compressed_idx, sink)
+
+
+def _values_in_reference(q, window_raw, compressed_raw, window_idx, compressed_idx, sink, scale):
+    """Training's XLA math: attention over the fake-quantized rows (straight-through), window slots first."""
+    from dsv41_jax.numerics import quant
+    from pallas_kernels.sparse_attention.dense_reference import sparse_attention
+
+    rows, idx = quant.fake_fp8_act(window_raw, 32), window_idx
+    if compressed_raw is not None:
+        n = rows.shape[1]
+        rows = jnp.concatenate([rows, quant.fake_fp4_kv(compressed_raw, 16)], 1)
+        idx = jnp.concatenate([idx, jnp.where(compressed_idx >= 0, compressed_idx + n, -1)], -1)
+    return sparse_attention(q, rows.astype(q.dtype), sink, idx, scale, mode="fast")
