@@ -58,8 +58,9 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--full", action="store_true", help="lower the whole step per context (slow) instead of per role")
     p.add_argument("--stored-weights", action="store_true",
-                   help="also report, at the first context, FLOPs and bytes accessed per step with the checkpoint's "
-                        "FP8/FP4 weights at B=1 and B=64, on the XLA path and on the kernel path (impl pallas)")
+                   help="also report, at the first context, the decode step with the checkpoint's FP8/FP4 weights at "
+                        "B=1 and B=64: weight bytes per step on the XLA and the kernel path (from the trace) and "
+                        "XLA's cost analysis (FLOPs, bytes accessed) of the XLA path")
     p.add_argument("--wall", action="store_true", help="also time the step with random weights (needs memory for them)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per context with --wall")
     p.add_argument("--no-flops", action="store_true", help="skip the cost-analysis table")
@@ -393,50 +394,74 @@ def main(argv=None) -> int:
 
 
 def stored_weight_rows(cfg, context: int, full: bool = False, batches=(1, 64)) -> list[dict]:
-    """The decode step with the checkpoint's stored FP8/FP4 weights, fast numerics, on the XLA path
-    and on the kernel path (impl "pallas", lowered for TPU), at each batch: cost-analysis FLOPs and
-    bytes accessed of the lowered (unfused) program, beside the same shapes with bf16 weights (the
-    arithmetic). The Pallas kernels' own work is not in the kernel path's figures (cost analysis
-    cannot see into a custom call); their calls are listed."""
+    """The decode step with the checkpoint's stored FP8/FP4 weights (fast numerics) at each batch, on
+    the XLA path and on the kernel path (impl "pallas"):
+    - weight traffic from the step's trace (`serving.weight_traffic`): stored bytes read, whole
+      weights dequantized outside a kernel (bf16, written and read back), relayout copies made for a
+      kernel; the kernels' calls, which XLA's cost analysis cannot see into;
+    - XLA's cost analysis of the lowered XLA-path step (FLOPs and bytes accessed, unfused), beside
+      the same shapes with bf16 weights (the arithmetic). Not for the kernel path: a kernel is a
+      custom call (TPU/GPU) or an interpreted loop (CPU) there, so the figures would leave it out."""
     import jax
 
+    from flax import nnx
+
     from dsv41_jax.runtime import Runtime
-    from dsv41_jax.serving import cost
+    from dsv41_jax.serving import cost, split_prefill, weight_traffic
 
     acfg = cost.arithmetic_config(cfg)
+    gd, params = cost.abstract_params(cfg)
+    tree = jax.tree_util.tree_structure(params)
+    by_role = cost.decode_flops if full else cost.decode_flops_by_role
     rows = []
     for batch in batches:
-        arith = (cost.decode_flops if full else cost.decode_flops_by_role)(acfg, context, batch)
+        toks = jax.ShapeDtypeStruct((batch, 1), jax.numpy.int32)
+        cache, ids = cost.abstract_cache(cfg, batch, context), cost.engram_spec(cfg, batch, 1)
+        arith = by_role(acfg, context, batch)
         for impl in ("xla", "pallas"):
             t = time.perf_counter()
-            # the kernel path is lowered for TPU, where each kernel is one Mosaic custom call: what cost
-            # analysis then counts is everything outside the kernels (interpreted on CPU, a kernel is a
-            # loop over its grid with the interpreter's bookkeeping, counted once)
             rt = Runtime(mode="fast", impl=impl, interpret=False if impl == "pallas" else None)
-            m = (cost.decode_flops if full else cost.decode_flops_by_role)(
-                cfg, context, batch, rt, platform="tpu" if impl == "pallas" else None)
-            row = {"impl": impl, "batch": batch, "context": context, "flops": m["flops"], "bytes": m["bytes"],
-                   "arithmetic_flops": arith["flops"], "arithmetic_bytes": arith["bytes"], "hlo": m["hlo"]}
-            if impl == "pallas":
-                gd, params = cost.abstract_params(cfg)
-                row["kernel_calls"] = cost.kernel_calls(
-                    cost.decode_fn(gd, rt), params, jax.ShapeDtypeStruct((batch, 1), jax.numpy.int32),
-                    cost.abstract_cache(cfg, batch, context), cost.engram_spec(cfg, batch, 1))
-            row["lower_s"] = time.perf_counter() - t
+            plan = split_prefill.decode_plan(rt)
+
+            def step(leaves, tokens, cache, ids):
+                model = nnx.merge(gd, jax.tree_util.tree_unflatten(tree, leaves))
+                return split_prefill.decode_step(model, tokens, cache, plan, engram_ids=ids)[0]
+
+            uses = weight_traffic.trace_uses(step, params, toks, cache, ids)
+            row = {"impl": impl, "batch": batch, "context": context,
+                   "weight_traffic": weight_traffic.traffic(uses, rows=batch * cfg.n_activated_experts),
+                   "kernel_calls": cost.kernel_calls(cost.decode_fn(gd, rt), params, toks, cache, ids),
+                   "arithmetic_flops": arith["flops"], "arithmetic_bytes": arith["bytes"]}
+            if impl == "xla":
+                m = by_role(cfg, context, batch, rt)
+                row.update(flops=m["flops"], bytes=m["bytes"], hlo=m["hlo"])
+            row["seconds"] = time.perf_counter() - t
             rows.append(row)
-            print(f"  stored weights {impl} B={batch}: {row['flops']:.4e} FLOPs, {row['bytes']:.4e} bytes "
-                  f"({row['lower_s']:.0f}s)", file=sys.stderr)
+            w = row["weight_traffic"]
+            print(f"  stored weights {impl} B={batch}: weight traffic {w['total'] / 1e9:.2f} GB "
+                  f"({row['seconds']:.0f}s)", file=sys.stderr)
     return rows
 
 
 def print_stored(rows, context: int) -> None:
-    print(f"decode step at context {context} with the stored FP8/FP4 weights (fast numerics; cost analysis; "
-          f"'bf16' = the same shapes with bf16 weights, the arithmetic)")
-    print(f"{'impl':>6} {'batch':>5} {'GFLOP':>9} {'bf16 GFLOP':>10} {'x bf16':>7} {'GB accessed':>11} {'bf16 GB':>8}  kernels cost analysis cannot see into")
+    print(f"decode step at context {context} with the stored FP8/FP4 weights (fast numerics)")
+    print("weight traffic per step, from the trace (GB): stored bytes read (by kernels / whole-weight dequantization /"
+          " gathered rows), dequantized bf16 weights written and read back, relayout copies for kernels")
+    print(f"{'impl':>6} {'batch':>5} {'read':>8} {'kernel':>8} {'dequant':>8} {'gathered':>8} {'deq w+r':>8} "
+          f"{'relayout':>8} {'total':>8}  kernels (cost analysis cannot see into them)")
     for r in rows:
-        kernels = ", ".join(f"{k} x{v}" for k, v in r.get("kernel_calls", {}).items()) or "-"
-        print(f"{r['impl']:>6} {r['batch']:>5} {r['flops'] / 1e9:9.2f} {r['arithmetic_flops'] / 1e9:10.2f} "
-              f"{r['flops'] / r['arithmetic_flops']:7.2f} {r['bytes'] / 1e9:11.2f} {r['arithmetic_bytes'] / 1e9:8.2f}  {kernels}")
+        w = r["weight_traffic"]
+        u = w["by_use"]
+        kernels = ", ".join(f"{k} x{v}" for k, v in r["kernel_calls"].items()) or "-"
+        print(f"{r['impl']:>6} {r['batch']:>5} {w['read'] / 1e9:8.2f} {u['kernel'] / 1e9:8.2f} {u['dequantized'] / 1e9:8.2f} "
+              f"{u['gathered'] / 1e9:8.2f} {w['dequantized'] / 1e9:8.2f} {w['relayout'] / 1e9:8.2f} {w['total'] / 1e9:8.2f}  "
+              f"{kernels}")
+    print("XLA cost analysis of the XLA path (lowered, unfused; 'bf16' = the same shapes with bf16 weights)")
+    print(f"{'batch':>5} {'GFLOP':>10} {'bf16 GFLOP':>10} {'x bf16':>7} {'GB accessed':>11} {'bf16 GB':>8}")
+    for r in rows:
+        if r["impl"] == "xla":
+            print(f"{r['batch']:>5} {r['flops'] / 1e9:10.2f} {r['arithmetic_flops'] / 1e9:10.2f} "
+                  f"{r['flops'] / r['arithmetic_flops']:7.2f} {r['bytes'] / 1e9:11.2f} {r['arithmetic_bytes'] / 1e9:8.2f}")
 
 
 def print_golden(rows) -> None:

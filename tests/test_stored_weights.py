@@ -8,10 +8,11 @@ decode step of the engine (`split_prefill.decode_step` on `decode_plan`), no wei
 - pallas path (fast numerics): no whole weight is dequantized outside a kernel: the dense FP8
   linears run the FP8 block GEMM and the routed experts the grouped expert GEMM.
 
-The tracker follows each weight parameter through the jaxpr: ops that keep the whole weight
-(converts, reshapes, bit operations) carry it on; gathers and slices (rows picked by routing) and
-kernel calls (`pallas_call`) stop it. A floating-point value the size of the weight reached that
-way is a whole-weight dequantization.
+The tracker (`dsv41_jax.serving.weight_traffic`, which bench/decode.py --stored-weights also uses)
+follows each weight parameter through the jaxpr: ops that keep the whole weight (converts, reshapes,
+static slices, bit packing) carry it on; gathers (rows picked by routing), dots and kernel calls
+(`pallas_call`) stop it. A floating-point value the size of the weight reached that way is a
+whole-weight dequantization.
 """
 from __future__ import annotations
 
@@ -25,82 +26,20 @@ from dsv41_jax.config import ModelConfig
 from dsv41_jax.runtime import Runtime
 from dsv41_jax.serving import cost
 from dsv41_jax.serving import split_prefill as sp
-
-_SELECTS = {"gather", "dynamic_slice", "slice"}
-_KERNELS = {"pallas_call"}
-
-
-def _sub_jaxprs(eqn):
-    for v in eqn.params.values():
-        for j in (v if isinstance(v, (tuple, list)) else (v,)):
-            if isinstance(j, jax.extend.core.ClosedJaxpr):
-                yield j.jaxpr
-            elif isinstance(j, jax.extend.core.Jaxpr):
-                yield j
-
-
-def whole_weight_dequants(jaxpr, tainted: dict) -> list[tuple[str, tuple, str]]:
-    """(weight name, shape, primitive) of every floating value derived from a whole weight outside a
-    kernel. tainted: {var: (name, weight element count)}."""
-    found = []
-    for eqn in jaxpr.eqns:
-        hits = [tainted[v] for v in eqn.invars if isinstance(v, jax.extend.core.Var) and v in tainted]
-        if not hits or eqn.primitive.name in _KERNELS:
-            continue
-        if eqn.primitive.name in _SELECTS and eqn.invars[0] in tainted and all(
-                v not in tainted for v in eqn.invars[1:] if isinstance(v, jax.extend.core.Var)):
-            continue  # rows picked out of the weight; a weight used as indices (a decode table) carries on
-        subs = list(_sub_jaxprs(eqn))
-        if subs:
-            for sub in subs:
-                n = min(len(sub.invars), len(eqn.invars))
-                # call-like primitives pass operands in order (pjit, custom_jvp/vjp, remat, closed_call)
-                inner = {sub.invars[i]: tainted[eqn.invars[i]] for i in range(n)
-                         if isinstance(eqn.invars[i], jax.extend.core.Var) and eqn.invars[i] in tainted}
-                found += whole_weight_dequants(sub, inner)
-                for i, o in enumerate(sub.outvars):
-                    if isinstance(o, jax.extend.core.Var) and o in inner and i < len(eqn.outvars):
-                        tainted[eqn.outvars[i]] = inner[o]
-            continue
-        name, size = hits[0]
-        for o in eqn.outvars:
-            aval = o.aval
-            if not hasattr(aval, "shape") or int(np.prod(aval.shape)) < size:
-                continue
-            tainted[o] = (name, size)
-            if jnp.issubdtype(aval.dtype, jnp.floating) and aval.dtype != jnp.float8_e4m3fn:
-                found.append((name, tuple(aval.shape), eqn.primitive.name))
-    return found
-
-
-def _weights(params) -> dict[int, tuple[str, int]]:
-    """{leaf index: (path, stored element count)} of the stored quantized weights."""
-    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    out = {}
-    for i, (path, leaf) in enumerate(leaves):
-        name = jax.tree_util.keystr(path)
-        if leaf.dtype == jnp.float8_e4m3fn and leaf.ndim >= 2:
-            out[i] = (name, int(np.prod(leaf.shape)))
-        elif leaf.dtype == jnp.uint8 and leaf.ndim == 3 and "scale" not in name:  # packed FP4 experts
-            out[i] = (name, int(np.prod(leaf.shape)))  # packed: the decoded values are twice as many
-    return out
-
+from dsv41_jax.serving import weight_traffic as wt
 
 def _traced(cfg, batch: int, impl: str):
+    """The stored weights' uses (`weight_traffic.WeightUse`) in the engine's decode step."""
     gd, params = cost.abstract_params(cfg)
-    cache = cost.abstract_cache(cfg, batch, 64)
-    toks = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
-    leaves, tree = jax.tree_util.tree_flatten(params)
+    tree = jax.tree_util.tree_structure(params)
     plan = sp.decode_plan(Runtime(mode="fast", impl=impl))
 
     def step(leaves, tokens, cache, ids):
         p = jax.tree_util.tree_unflatten(tree, leaves)
         return sp.decode_step(nnx.merge(gd, p), tokens, cache, plan, engram_ids=ids)[0]
 
-    closed = jax.make_jaxpr(step)(leaves, toks, cache, cost.engram_spec(cfg, batch, 1))
-    weights = _weights(params)
-    tainted = {closed.jaxpr.invars[i]: w for i, w in weights.items()}
-    return whole_weight_dequants(closed.jaxpr, tainted), weights
+    return wt.trace_uses(step, params, jax.ShapeDtypeStruct((batch, 1), jnp.int32), cost.abstract_cache(cfg, batch, 64),
+                         cost.engram_spec(cfg, batch, 1))
 
 
 @pytest.fixture(scope="module")
@@ -111,15 +50,21 @@ def cfg():
 @pytest.mark.parametrize("batch", [1, 160])
 def test_xla_decode_dequantizes_no_inactive_expert(cfg, batch):
     # batch 160: 320 routed rows, past the grouped path's threshold (256); batch 1: the per-row path
-    found, weights = _traced(cfg, batch, "xla")
-    assert any("['experts']" in n for n, _ in weights.values())
-    experts = [f for f in found if "['experts']" in f[0]]
-    assert experts == [], f"whole expert stacks dequantized: {experts[:4]}"
-    # the tracker sees the dense FP8 linears' dequantization on the XLA path (it cannot pass vacuously)
-    assert any("['experts']" not in f[0] for f in found)
+    uses = _traced(cfg, batch, "xla")
+    experts = [u for u in uses if "['experts']" in u.name]
+    assert len(experts) == 3 * cfg.n_layers
+    whole = [(u.name, u.dequantized[:1]) for u in experts if u.dequantized]
+    assert whole == [], f"whole expert stacks dequantized: {whole[:4]}"
+    assert all(u.gathered_bytes > 0 for u in experts)  # the active experts' rows are read
+    # the tracker sees the dense FP8 linears' whole-weight dequantization (it cannot pass vacuously)
+    assert any(u.dequantized for u in uses if "['experts']" not in u.name)
 
 
 def test_pallas_decode_dequantizes_no_whole_weight_outside_a_kernel(cfg):
-    found, weights = _traced(cfg, 1, "pallas")
-    assert len(weights) > 10
-    assert found == [], f"whole weights dequantized outside a kernel: {found[:4]}"
+    uses = _traced(cfg, 1, "pallas")
+    assert len(uses) > 10
+    whole = [(u.name, u.dequantized[:1]) for u in uses if u.dequantized]
+    assert whole == [], f"whole weights dequantized outside a kernel: {whole[:4]}"
+    linears = [u for u in uses if "['experts']" not in u.name and "embed" not in u.name]
+    assert linears and all(u.kernels == {"fp8_block_gemm_tpu"} for u in linears), linears[:2]
+    assert all(u.kernels == {"grouped_fp4_gemm_tpu"} for u in uses if "['experts']" in u.name)

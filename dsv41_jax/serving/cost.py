@@ -87,20 +87,17 @@ def kernel_calls(fn, *args) -> dict[str, int]:
     custom calls it counts as nothing."""
     from collections import Counter
 
+    from dsv41_jax.serving.weight_traffic import kernel_name, sub_jaxprs
+
     counts: Counter = Counter()
 
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "pallas_call":
-                info = eqn.params.get("name_and_src_info") or eqn.params.get("name")
-                counts[str(getattr(info, "name", info)).split(" ")[0]] += 1
+                counts[kernel_name(eqn)] += 1
                 continue
-            for v in eqn.params.values():
-                for j in (v if isinstance(v, (tuple, list)) else (v,)):
-                    if isinstance(j, jax.extend.core.ClosedJaxpr):
-                        walk(j.jaxpr)
-                    elif isinstance(j, jax.extend.core.Jaxpr):
-                        walk(j)
+            for sub in sub_jaxprs(eqn):
+                walk(sub)
 
     walk(jax.make_jaxpr(fn)(*args).jaxpr)
     return dict(sorted(counts.items()))
@@ -176,12 +173,14 @@ def _dependencies(cfg: ModelConfig, layer: int) -> tuple[int, ...]:
 
 
 def decode_flops_by_role(cfg: ModelConfig, context: int, batch: int = 1, runtime: Runtime = Runtime(),
-                         platform: str | None = None) -> dict:
+                         platform: str | None = None, compiled: bool = False) -> dict:
     """Decode-step FLOPs summed from per-layer costs, one lowering per distinct layer signature.
 
     Lowering all 40 full-width layers takes minutes; layers with the same role, ratio, pool
     use and Engram cost the same, so each signature is lowered once as (its dependencies + it)
-    minus (its dependencies), and the embedding/head once as an empty layer range.
+    minus (its dependencies), and the embedding/head once as an empty layer range. compiled: analyse
+    the compiled program (this backend; fused, so bytes accessed are the fused program's) instead of
+    the lowered one.
     """
     gd, params = abstract_params(cfg)
     cache = abstract_cache(cfg, batch, context)
@@ -193,7 +192,9 @@ def decode_flops_by_role(cfg: ModelConfig, context: int, batch: int = 1, runtime
     def cost(layers: tuple[int, ...]) -> tuple[float, float]:
         if layers not in memo:
             low = lowered(decode_fn(gd, runtime, layers), params, toks, cache, ids, platform=platform)
-            memo[layers] = (flops_of(low), bytes_of(low))
+            # compiled: XLA's cost analysis after its optimizations (fusion: bytes of the fused program)
+            analysed = low.compile() if compiled else low
+            memo[layers] = (flops_of(analysed), bytes_of(analysed))
             seen = check_no_loops(low)
             hlo["while"] += seen["while"]
             hlo["custom_call"].update(seen["custom_call"])

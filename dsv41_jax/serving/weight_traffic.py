@@ -1,0 +1,148 @@
+"""How a traced step reads its stored FP8/FP4 weights: the bytes of each weight it reads, and what it
+materializes from whole weights outside a kernel (issue 23: stored weights read once, in their stored
+format). Platform-independent: it follows each weight through the step's jaxpr, so it also covers
+the kernel path, whose kernels XLA's cost analysis cannot see into (a custom call on TPU/GPU, an
+interpreted loop on CPU), and it is not misled by the CPU lowering of `ragged_dot`.
+
+Each weight parameter is followed through the ops that keep it whole (converts, reshapes, static
+slices, bit packing, scaling) up to the dot that consumes it. Its uses are:
+- "gathered": rows picked out of it (a gather or slice on it: one row's expert, the active
+  experts): the rows' bytes are read;
+- "kernel": it enters a Pallas kernel (directly, or after a relayout into 32-bit words outside the
+  kernel, which writes and reads the weight's bytes once more): the kernel reads it;
+- "dequantized": a floating-point value the size of the weight is made from it outside a kernel:
+  the stored bytes are read and the dequantized weight (at least bf16, 2 bytes per value) is
+  written and read back by the dot.
+`traffic` turns the uses into bytes per step; the routed experts through the grouped expert kernel
+count min(E, rows)/E of the stack (the kernel reads only non-empty experts' tiles).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_GATHERS = {"gather", "dynamic_slice"}  # rows picked by data (routing, a row's expert)
+_CONSUMERS = {"dot_general", "ragged_dot", "ragged_dot_general", "conv_general_dilated"}
+_KERNELS = {"pallas_call"}
+
+
+@dataclasses.dataclass
+class WeightUse:
+    name: str
+    shape: tuple
+    stored_bytes: int
+    elements: int  # stored elements
+    packed: bool = False  # packed FP4: two values a byte
+    gathered_bytes: int = 0
+    kernels: set = dataclasses.field(default_factory=set)
+    relayout_bytes: int = 0  # whole-weight non-float copies made outside the kernel it enters
+    dequantized: list = dataclasses.field(default_factory=list)  # (shape, primitive) of whole-weight floats
+
+
+def stored_weights(params) -> dict[int, WeightUse]:
+    """{leaf index: WeightUse} of the stored quantized weights among params' leaves (FP8 matrices,
+    packed FP4 expert stacks; E8M0 scales and lookup tables' scales excluded)."""
+    out = {}
+    for i, (path, leaf) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0]):
+        name = jax.tree_util.keystr(path)
+        n = int(np.prod(leaf.shape))
+        if (leaf.dtype == jnp.float8_e4m3fn and leaf.ndim >= 2) or (
+                leaf.dtype == jnp.uint8 and leaf.ndim == 3 and "scale" not in name):
+            out[i] = WeightUse(name, tuple(leaf.shape), n * jnp.dtype(leaf.dtype).itemsize, n, leaf.dtype == jnp.uint8)
+    return out
+
+
+def kernel_name(eqn) -> str:
+    """The name a `pallas_call` equation's kernel was given."""
+    info = eqn.params.get("name_and_src_info") or eqn.params.get("name")
+    return str(getattr(info, "name", info)).split(" ")[0]
+
+
+def sub_jaxprs(eqn):
+    for v in eqn.params.values():
+        for j in (v if isinstance(v, (tuple, list)) else (v,)):
+            if isinstance(j, jax.extend.core.ClosedJaxpr):
+                yield j.jaxpr
+            elif isinstance(j, jax.extend.core.Jaxpr):
+                yield j
+
+
+def _follow(jaxpr, tainted: dict) -> None:
+    """tainted: {var: (WeightUse, is the parameter itself)}; records uses into the WeightUses."""
+    is_var = lambda v: isinstance(v, jax.extend.core.Var)
+    for eqn in jaxpr.eqns:
+        hits = [(v, tainted[v]) for v in eqn.invars if is_var(v) and v in tainted]
+        if not hits:
+            continue
+        prim = eqn.primitive.name
+        if prim in _KERNELS:
+            for v, (use, itself) in hits:
+                use.kernels.add(kernel_name(eqn))
+                if not itself:
+                    use.relayout_bytes += int(np.prod(v.aval.shape)) * v.aval.dtype.itemsize
+            continue
+        if prim in _GATHERS and eqn.invars[0] in tainted and all(
+                v not in tainted for v in eqn.invars[1:] if is_var(v)):
+            use = tainted[eqn.invars[0]][0]
+            use.gathered_bytes += sum(int(np.prod(o.aval.shape)) * o.aval.dtype.itemsize for o in eqn.outvars)
+            continue  # rows picked by data (a weight used as indices, a decode table, carries on)
+        if prim in _CONSUMERS:
+            continue  # the dot that uses the (dequantized) weight
+        subs = list(sub_jaxprs(eqn))
+        if subs:  # call-like primitives pass their operands in order (pjit, custom_jvp/vjp, remat)
+            for sub in subs:
+                n = min(len(sub.invars), len(eqn.invars))
+                inner = {sub.invars[i]: tainted[eqn.invars[i]] for i in range(n)
+                         if is_var(eqn.invars[i]) and eqn.invars[i] in tainted}
+                _follow(sub, inner)
+                for i, o in enumerate(sub.outvars):
+                    if is_var(o) and o in inner and i < len(eqn.outvars):
+                        tainted[eqn.outvars[i]] = (inner[o][0], False)
+            continue
+        use = hits[0][1][0]
+        for o in eqn.outvars:  # elementwise, reshapes, static slices, bit packing: still the weight
+            if not hasattr(o.aval, "shape"):
+                continue
+            tainted[o] = (use, False)
+            if (jnp.issubdtype(o.aval.dtype, jnp.floating) and o.aval.dtype != jnp.float8_e4m3fn
+                    and int(np.prod(o.aval.shape)) >= use.elements):
+                use.dequantized.append((tuple(o.aval.shape), prim))
+
+
+def trace_uses(fn, params, *args) -> list[WeightUse]:
+    """The stored weights' uses in fn(params_leaves, *args)'s trace (fn takes the flat leaves)."""
+    leaves = jax.tree_util.tree_leaves(params)
+    closed = jax.make_jaxpr(fn)(leaves, *args)
+    weights = stored_weights(params)
+    _follow(closed.jaxpr, {closed.jaxpr.invars[i]: (w, True) for i, w in weights.items()})
+    return list(weights.values())
+
+
+def traffic(uses: list[WeightUse], *, rows: int | None = None) -> dict:
+    """Weight bytes a step moves: {"read": stored bytes read, "dequantized": whole weights dequantized
+    outside kernels (bf16 values, written and read back by the dot: 4 bytes a value), "relayout":
+    whole-weight copies made for a kernel (written and read: twice their bytes), "total", and the
+    stored bytes read per use}. rows: the step's routed rows (batch x top-k): the grouped expert
+    kernel reads min(E, rows) of a stack's E experts (the non-empty ones; at most that many)."""
+    read = dequant = relayout = 0
+    by_use = {"kernel": 0, "dequantized": 0, "gathered": 0}
+    for u in uses:
+        if u.kernels:
+            b = u.stored_bytes
+            if rows is not None and "['experts']" in u.name:
+                E = u.shape[0]
+                b = u.stored_bytes * min(E, rows) // E
+            kind = "kernel"
+        elif u.dequantized:
+            b, kind = u.stored_bytes, "dequantized"
+            dequant += 4 * u.elements * (2 if u.packed else 1)
+        else:
+            b, kind = u.gathered_bytes, "gathered"
+        read += b
+        by_use[kind] += b
+        relayout += 2 * u.relayout_bytes
+    return {"read": read, "dequantized": dequant, "relayout": relayout, "total": read + dequant + relayout,
+            "by_use": by_use}
