@@ -22,6 +22,10 @@ class Runtime:
       valid key (masked), not rows whose scores are NaN/inf, so those reach the logits, and
       `Generator` raises naming the position. Off (default) the graph is exactly the unguarded
       one; on the Pallas attention kernels the guard is the logits check alone.
+    fp8_kernel: with impl="pallas" in fast mode, the dense FP8 linears run the FP8 block GEMM kernel
+      (it reads the stored E4M3 tiles; the XLA math dequantizes each whole weight per call). None
+      (default): when the kernels are compiled, not interpreted: interpreted, the kernel dequantizes
+      in software as the XLA math does and only adds compile time (55 kernels in the tiny model).
 
     Exact mode with impl="pallas": the interpreted kernels accumulate in float64 at the oracle's
     rounding points (pallas_kernels/README.md, "Exact mode"); compiled kernels (interpret False)
@@ -33,6 +37,7 @@ class Runtime:
     index_k_quirk: bool = False
     interpret: bool | None = None
     check_finite: bool = False
+    fp8_kernel: bool | None = None
 
     def __post_init__(self):
         if self.mode not in ("fast", "exact"):
@@ -43,6 +48,14 @@ class Runtime:
             raise ValueError(f"Runtime.check_finite must be True or False, got {self.check_finite!r}")
         if self.interpret not in (None, True, False):
             raise ValueError(f"Runtime.interpret must be None, True or False, got {self.interpret!r}")
+        if self.fp8_kernel not in (None, True, False):
+            raise ValueError(f"Runtime.fp8_kernel must be None, True or False, got {self.fp8_kernel!r}")
+
+    def resolved_fp8_kernel(self) -> bool:
+        """Whether the dense FP8 linears run the FP8 block GEMM kernel (see `fp8_kernel`)."""
+        if self.resolved_impl() != "pallas" or self.mode != "fast":
+            return False
+        return not self.resolved_interpret() if self.fp8_kernel is None else self.fp8_kernel
 
     def resolved_impl(self) -> str:
         """"xla" or "pallas": what impl="auto" means on this backend."""

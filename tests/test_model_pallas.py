@@ -93,6 +93,21 @@ def test_the_forward_runs_the_kernels_only_for_pallas(tiny):
         "sparse_sink_attention_tpu", "indexer_scores_tpu", "grouped_fp4_gemm_tpu"}
     assert _pallas_kernels_in(tiny, Runtime(impl="xla")) == set()
     assert _pallas_kernels_in(tiny, Runtime(impl="auto")) == set()  # auto on CPU = xla
+    # the dense FP8 linears' kernel: on by default where the kernels are compiled, or when asked
+    fp8 = {"sparse_sink_attention_tpu", "indexer_scores_tpu", "grouped_fp4_gemm_tpu", "fp8_block_gemm_tpu"}
+    assert _pallas_kernels_in(tiny, Runtime(impl="pallas", interpret=False)) == fp8
+    assert _pallas_kernels_in(tiny, Runtime(impl="pallas", fp8_kernel=True)) == fp8
+
+
+@pytest.mark.slow
+def test_prefill_and_decode_with_the_fp8_kernel_match_xla(tiny, tiny_fast_step, fast_runs):
+    """The dense FP8 linears through the FP8 block GEMM kernel too (interpreted; slow: 55 more
+    interpreted kernels to compile): decisions equal, logits within the fast-mode tolerance."""
+    tokens = np.random.default_rng(0).integers(0, tiny[0].vocab_size, size=(2, sum(CHUNKS)))
+    xla, _ = fast_runs
+    fp8 = _run(tiny, make_step(tiny[1], Runtime(mode="fast", impl="pallas", fp8_kernel=True)), tokens)
+    for step in range(len(CHUNKS)):
+        _compare(xla[step], fp8[step], LOGIT_TOL)
 
 
 def test_runtime_kernel_mode():

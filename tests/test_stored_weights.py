@@ -32,7 +32,8 @@ def _traced(cfg, batch: int, impl: str):
     """The stored weights' uses (`weight_traffic.WeightUse`) in the engine's decode step."""
     gd, params = cost.abstract_params(cfg)
     tree = jax.tree_util.tree_structure(params)
-    plan = sp.decode_plan(Runtime(mode="fast", impl=impl))
+    # the kernels as compiled on TPU (the trace needs no compilation): the FP8 GEMM kernel is on
+    plan = sp.decode_plan(Runtime(mode="fast", impl=impl, interpret=False if impl == "pallas" else None))
 
     def step(leaves, tokens, cache, ids):
         p = jax.tree_util.tree_unflatten(tree, leaves)

@@ -48,6 +48,7 @@ class Plan:
       the attention reads are gathered when that is smaller (decode; intended index keys only).
     packed_scoring: with pool_scoring in fast mode, score the packed keys with
       `fast_index.scores_packed` (a second, deliberately different fast numerics).
+    fp8_kernel: the dense FP8 linears run the FP8 block GEMM kernel (`Runtime.fp8_kernel`).
     """
 
     numerics: Literal["fast", "exact"] = "fast"
@@ -58,6 +59,7 @@ class Plan:
     writes: Literal["all", "window", "pending"] = "all"
     pool_scoring: bool = False
     packed_scoring: bool = False
+    fp8_kernel: bool = False
 
     def __post_init__(self):
         if self.writes not in ("all", "window", "pending"):
@@ -68,13 +70,13 @@ class Plan:
         """The plan for `runtime`, with impl and interpret decided here (on this backend) once."""
         return cls(numerics=runtime.mode, impl=runtime.resolved_impl(), interpret=runtime.resolved_interpret(),
                    index_keys="quirk" if runtime.index_k_quirk else "intended", check_finite=runtime.check_finite,
-                   **kw)
+                   fp8_kernel=runtime.resolved_fp8_kernel(), **kw)
 
     @property
     def runtime(self) -> Runtime:
         """The equivalent resolved Runtime (what the layers' kernel entry points take)."""
         return Runtime(mode=self.numerics, impl=self.impl, index_k_quirk=self.index_keys == "quirk",
-                       interpret=self.interpret, check_finite=self.check_finite)
+                       interpret=self.interpret, check_finite=self.check_finite, fp8_kernel=self.fp8_kernel)
 
     @property
     def kernel_mode(self) -> str | None:
@@ -569,9 +571,10 @@ def run_layers(model, h, pre, store: QuantStore, span: Span, plan: Plan, layers,
 
 def _fp8_kernel(plan: Plan):
     """The dense FP8 linears' GEMM for `plan`: the FP8 block GEMM kernel (it reads the stored E4M3
-    tiles and dequantizes in registers) when the plan runs kernels in fast numerics, else None (the
-    XLA math, which dequantizes the whole weight per call; exact mode always: the kernel has none)."""
-    if plan.impl != "pallas" or plan.numerics != "fast":
+    tiles and dequantizes in registers) when the plan says so (`Runtime.fp8_kernel`: impl "pallas",
+    fast numerics, compiled kernels by default), else None (the XLA math, which dequantizes the whole
+    weight per call; exact mode always: the kernel has none)."""
+    if not plan.fp8_kernel:
         return None
     from pallas_kernels import fp8_block_gemm  # noqa: WPS433 (optional dependency on the kernels)
 
