@@ -40,6 +40,7 @@ def losses_and_grads():
     return out
 
 
+@pytest.mark.slow  # 75 s: two training programs, one with interpreted kernels; the default suite keeps the VJP test below
 def test_qat_with_kernels_equals_xla_in_loss_and_gradients(losses_and_grads):
     (lx, gx), (lp, gp) = losses_and_grads["xla"], losses_and_grads["pallas"]
     assert np.isfinite(float(lx))
