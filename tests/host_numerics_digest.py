@@ -50,7 +50,7 @@ def digests(golden_root: str | None = None) -> dict[str, str]:
     import jax.numpy as jnp
 
     from dsv41_jax.layers import rope
-    from dsv41_jax.numerics import activations, glibc_expf, glibc_log1pf, libm_powf, libm_sincos, sleef_exp, sleef_powf
+    from dsv41_jax.numerics import activations, glibc_expf, glibc_log1pf, libm_powf, libm_sincos, mkl_exp, sleef_exp, sleef_powf
     from dsv41_jax.numerics.exact_ops import exact_sqrt, true_divide
     from dsv41_jax.numerics.mkl_sqrt import sqrt_mkl
     from dsv41_jax.vision.tower import rope_2d
@@ -81,6 +81,7 @@ def digests(golden_root: str | None = None) -> dict[str, str]:
     fns = {
         "expf_glibc": lambda v: glibc_expf.expf_glibc(v),
         "expf_u10": sleef_exp.expf_u10,
+        "expf_mkl": mkl_exp.expf_mkl,
         "log1pf_u10": lambda v: sleef_exp.log1pf_u10(jnp.abs(v)),
         "log1pf_glibc": lambda v: glibc_log1pf.log1pf_glibc(jnp.abs(v)),
         "softplus_tail": lambda v: activations.softplus(v[:4096].reshape(-1, 8), "exact", tail_dims=1),

@@ -7,7 +7,7 @@ import pytest
 
 from pallas_kernels.sparse_attention.dense_reference import sparse_attention
 from kernel_vectors import bits, kernel_vectors
-from sleef_reference import sleef_expf_reference
+from mkl_exp_reference import mkl_expf_reference
 
 BF16 = ml_dtypes.bfloat16
 
@@ -96,15 +96,15 @@ def _reference_online_f32(q, kv, sink, idx, scale, block=64):
                     rows = kv[bi, np.maximum(ib, 0)]
                     sc = np.where(ok, (rows @ q[bi, si, hi]).astype(f32) * f32(scale), -np.inf)
                     m_new = max(m, f32(sc.max()))
-                    alpha = sleef_expf_reference(np.float32([m - m_new]))[0]
-                    p = np.where(ok, sleef_expf_reference((sc - m_new).astype(f32)), 0).astype(f32)
+                    alpha = mkl_expf_reference(np.float32([m - m_new]))[0]
+                    p = np.where(ok, mkl_expf_reference((sc - m_new).astype(f32)), 0).astype(f32)
                     l = f32(f32(l * alpha) + f32(p.astype(np.float64).sum()))
                     pv = (p.astype(BF16).astype(np.float64) @ rows).astype(f32)
                     acc = (acc * alpha).astype(f32) + pv
                     m = m_new
                 if m == -np.inf:
                     continue
-                den = f32(l + sleef_expf_reference(np.float32([f32(sink[hi]) - m]))[0])
+                den = f32(l + mkl_expf_reference(np.float32([f32(sink[hi]) - m]))[0])
                 out[bi, si, hi] = acc / den
     return out
 

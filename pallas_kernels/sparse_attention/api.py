@@ -114,7 +114,7 @@ def sparse_sink_attention(
     reference on CPU. interpret: run the kernel in the Pallas interpreter (default: on CPU).
     platform: "tpu" / "gpu" kernel to use (default: the backend's; the TPU kernel on CPU).
     mode: "fast" (f32 accumulation) or "exact" (the golden oracle's numerics: float64 dots, 64-slot
-    online-softmax blocks, SLEEF exp; needs `jax.enable_x64(True)`). With a kernel, "exact" needs
+    online-softmax blocks, MKL exp (`mkl_exp`); needs `jax.enable_x64(True)`). With a kernel, "exact" needs
     the TPU kernel in interpret mode (float64 cannot be compiled for TPU or Triton).
     The backward pass is the jnp reference's VJP (see the module docstring).
     """

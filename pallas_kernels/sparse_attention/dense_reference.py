@@ -8,7 +8,8 @@ twice (the reference does not de-duplicate).
 ``mode="exact"`` mirrors the golden oracle's ``sparse_attn`` (golden README, oracle choices 1
 and 2): exact (float64) dot products rounded once to float32, an online softmax over 64-wide blocks
 of index slots in order, P rounded to bf16 for P.V only (the denominator keeps float32 P), the sink
-added to the denominator at the end, torch's CPU exp (`sleef_exp`), no FMA contraction. It needs
+added to the denominator at the end, torch's CPU exp (``torch.exp`` is MKL's ``vmsExp``: `mkl_exp`),
+no FMA contraction. It needs
 ``jax.enable_x64(True)``. Details the golden vectors cannot tell apart, chosen here: the score is
 f32(dot) * f32(scale) (scale is 2^-3 in the vectors), a block's P sum is taken in float64 and
 rounded once, and the final normalisation is a true division.
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv41_jax.numerics.exact_ops import no_fma, true_divide
-from dsv41_jax.numerics.sleef_exp import expf_u10
+from dsv41_jax.numerics.mkl_exp import expf_mkl
 
 MODES = ("fast", "exact")
 
@@ -107,8 +108,8 @@ def _exact(q, rows, valid, sink, scale, block, keep_nonfinite=False):
         scores = jnp.where(mask, scores, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
         m_use = jnp.where(jnp.isfinite(m_new), m_new, f32(0.0))
-        alpha = expf_u10(m - m_use)  # 0 while nothing was valid yet
-        p = jnp.where(mask, expf_u10(scores - m_use[..., None]), f32(0.0))
+        alpha = expf_mkl(m - m_use)  # 0 while nothing was valid yet
+        p = jnp.where(mask, expf_mkl(scores - m_use[..., None]), f32(0.0))
         p_sum = jnp.sum(p.astype(f64), axis=-1).astype(f32)
         pv = jnp.einsum("bshk,bskd->bshd", p.astype(jnp.bfloat16).astype(f64), rows64).astype(f32)
         l = no_fma(l * alpha) + p_sum
@@ -123,7 +124,7 @@ def _exact(q, rows, valid, sink, scale, block, keep_nonfinite=False):
     (m, l, acc), _ = jax.lax.scan(step, init, (rows_blocks, valid_blocks))
     any_valid = jnp.isfinite(m)
     m_use = jnp.where(any_valid, m, f32(0.0))
-    denom = l + expf_u10(sink.astype(f32)[None, None, :] - m_use)
+    denom = l + expf_mkl(sink.astype(f32)[None, None, :] - m_use)
     out = true_divide(acc, denom[..., None])
     attended = jnp.any(valid, axis=-1)[:, :, None] if keep_nonfinite else any_valid
     return jnp.where(attended[..., None], out, f32(0.0))

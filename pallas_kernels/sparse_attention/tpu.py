@@ -17,7 +17,7 @@ Grid steps are sequential ("arbitrary") because each step prefetches for the nex
 exact=True (interpret mode only, float64 enabled) keeps the gathers and the decode but computes
 the math of `pallas_kernels.sparse_attention.dense_reference.sparse_attention(mode="exact")` (the golden oracle's sparse_attn): the
 slots of a row in order (window, then compressed) in 64-wide online-softmax blocks, float64
-dots rounded once to f32, SLEEF exp, P rounded to bf16 for P.V only, no FMA contraction, a true
+dots rounded once to f32, MKL exp (`mkl_exp`), P rounded to bf16 for P.V only, no FMA contraction, a true
 division at the end. Mosaic has no float64, so this variant cannot be compiled for a TPU.
 Untested on TPU hardware: the CPU tests run it in interpret mode and lower it for TPU with
 jax.export (Mosaic lowering rules only; Mosaic's layout passes run when a TPU compiles it).
@@ -33,7 +33,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from dsv41_jax.numerics import kv_layout
 from dsv41_jax.numerics.exact_ops import no_fma, true_divide
-from dsv41_jax.numerics.sleef_exp import expf_u10
+from dsv41_jax.numerics.mkl_exp import expf_mkl
 from pallas_kernels.common import bits
 from pallas_kernels.common import lanes as lanes_mod
 from pallas_kernels.sparse_attention.planes import from_planes, to_planes
@@ -97,8 +97,8 @@ def _attend_exact(q_planes, parts, sink, scale):
         s = jnp.where(mask, s, _NEG_INF)
         m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
         m_use = jnp.where(jnp.isfinite(m_new), m_new, f32(0.0))
-        alpha = expf_u10(m - m_use)
-        p = jnp.where(mask, expf_u10(s - m_use), f32(0.0))
+        alpha = expf_mkl(m - m_use)
+        p = jnp.where(mask, expf_mkl(s - m_use), f32(0.0))
         p_sum = jnp.sum(p.astype(f64), axis=1, keepdims=True).astype(f32)
         p64 = p.astype(jnp.bfloat16).astype(f64)
         l = no_fma(l * alpha) + p_sum
@@ -108,7 +108,7 @@ def _attend_exact(q_planes, parts, sink, scale):
         m = m_new
     any_valid = jnp.isfinite(m)
     m_use = jnp.where(any_valid, m, f32(0.0))
-    denom = l + expf_u10(sink - m_use)
+    denom = l + expf_mkl(sink - m_use)
     return [jnp.where(any_valid, true_divide(a, denom), f32(0.0)) for a in acc]
 
 
