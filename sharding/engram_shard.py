@@ -259,6 +259,6 @@ def host_table_sharding(path: tuple, shape: tuple, dtype):
     table then lives in host RAM, and `HostEngramTables` reads it without a copy); None when the
     CPU backend is not available (JAX_PLATFORMS without cpu: the engine copies the table out)."""
     try:
-        return jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+        return jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])  # this process's host
     except RuntimeError:
         return None
