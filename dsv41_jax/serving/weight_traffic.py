@@ -6,8 +6,8 @@ interpreted loop on CPU), and it is not misled by the CPU lowering of `ragged_do
 
 Each weight parameter is followed through the ops that keep it whole (converts, reshapes, static
 slices, bit packing, scaling) up to the dot that consumes it. Its uses are:
-- "gathered": rows picked out of it (a gather or slice on it: one row's expert, the active
-  experts): the rows' bytes are read;
+- "gathered": rows picked out of it by data (one row's expert, the active experts): the rows'
+  bytes are read, and their dequantized values (bf16) written and read back;
 - "kernel": it enters a Pallas kernel (directly, or after a relayout into 32-bit words outside the
   kernel, which writes and reads the weight's bytes once more): the kernel reads it;
 - "dequantized": a floating-point value the size of the weight is made from it outside a kernel:
@@ -19,6 +19,7 @@ count min(E, rows)/E of the stack (the kernel reads only non-empty experts' tile
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,7 @@ class WeightUse:
     gathered_bytes: int = 0
     kernels: set = dataclasses.field(default_factory=set)
     relayout_bytes: int = 0  # whole-weight non-float copies made outside the kernel it enters
+    gathered_values: int = 0  # values dequantized from gathered rows (each gather's rows once)
     dequantized: list = dataclasses.field(default_factory=list)  # (shape, primitive) of whole-weight floats
 
 
@@ -71,7 +73,7 @@ def sub_jaxprs(eqn):
 
 
 def _follow(jaxpr, tainted: dict) -> None:
-    """tainted: {var: (WeightUse, is the parameter itself)}; records uses into the WeightUses."""
+    """tainted: {var: Taint}; records uses into the WeightUses."""
     is_var = lambda v: isinstance(v, jax.extend.core.Var)
     for eqn in jaxpr.eqns:
         hits = [(v, tainted[v]) for v in eqn.invars if is_var(v) and v in tainted]
@@ -79,16 +81,19 @@ def _follow(jaxpr, tainted: dict) -> None:
             continue
         prim = eqn.primitive.name
         if prim in _KERNELS:
-            for v, (use, itself) in hits:
-                use.kernels.add(kernel_name(eqn))
-                if not itself:
-                    use.relayout_bytes += int(np.prod(v.aval.shape)) * v.aval.dtype.itemsize
+            for v, t in hits:
+                t.use.kernels.add(kernel_name(eqn))
+                if not t.itself and not t.rows:
+                    t.use.relayout_bytes += int(np.prod(v.aval.shape)) * v.aval.dtype.itemsize
             continue
         if prim in _GATHERS and eqn.invars[0] in tainted and all(
                 v not in tainted for v in eqn.invars[1:] if is_var(v)):
-            use = tainted[eqn.invars[0]][0]
-            use.gathered_bytes += sum(int(np.prod(o.aval.shape)) * o.aval.dtype.itemsize for o in eqn.outvars)
-            continue  # rows picked by data (a weight used as indices, a decode table, carries on)
+            t = tainted[eqn.invars[0]]
+            if not t.rows:
+                t.use.gathered_bytes += sum(int(np.prod(o.aval.shape)) * o.aval.dtype.itemsize for o in eqn.outvars)
+            for o in eqn.outvars:  # rows picked by data: followed on to their dequantization
+                tainted[o] = Taint(t.use, False, int(np.prod(o.aval.shape)), True, t.counted)
+            continue
         if prim in _CONSUMERS:
             continue  # the dot that uses the (dequantized) weight
         subs = list(sub_jaxprs(eqn))
@@ -100,16 +105,28 @@ def _follow(jaxpr, tainted: dict) -> None:
                 _follow(sub, inner)
                 for i, o in enumerate(sub.outvars):
                     if is_var(o) and o in inner and i < len(eqn.outvars):
-                        tainted[eqn.outvars[i]] = (inner[o][0], False)
+                        tainted[eqn.outvars[i]] = inner[o]._replace(itself=False)
             continue
-        use = hits[0][1][0]
+        t = hits[0][1]
         for o in eqn.outvars:  # elementwise, reshapes, static slices, bit packing: still the weight
             if not hasattr(o.aval, "shape"):
                 continue
-            tainted[o] = (use, False)
-            if (jnp.issubdtype(o.aval.dtype, jnp.floating) and o.aval.dtype != jnp.float8_e4m3fn
-                    and int(np.prod(o.aval.shape)) >= use.elements):
-                use.dequantized.append((tuple(o.aval.shape), prim))
+            size = int(np.prod(o.aval.shape))
+            dequant = (jnp.issubdtype(o.aval.dtype, jnp.floating) and o.aval.dtype != jnp.float8_e4m3fn
+                       and size >= t.size)
+            if dequant and t.rows and not t.counted:
+                t.use.gathered_values += size
+            elif dequant and not t.rows:
+                t.use.dequantized.append((tuple(o.aval.shape), prim))
+            tainted[o] = t._replace(itself=False, counted=t.counted or dequant)
+
+
+class Taint(NamedTuple):
+    use: WeightUse
+    itself: bool  # the parameter as stored
+    size: int  # elements of the whole weight, or of the gathered rows
+    rows: bool = False  # gathered rows, not the whole weight
+    counted: bool = False  # the gathered rows' dequantization is counted already
 
 
 def trace_uses(fn, params, *args) -> list[WeightUse]:
@@ -117,13 +134,13 @@ def trace_uses(fn, params, *args) -> list[WeightUse]:
     leaves = jax.tree_util.tree_leaves(params)
     closed = jax.make_jaxpr(fn)(leaves, *args)
     weights = stored_weights(params)
-    _follow(closed.jaxpr, {closed.jaxpr.invars[i]: (w, True) for i, w in weights.items()})
+    _follow(closed.jaxpr, {closed.jaxpr.invars[i]: Taint(w, True, w.elements) for i, w in weights.items()})
     return list(weights.values())
 
 
 def traffic(uses: list[WeightUse], *, rows: int | None = None) -> dict:
-    """Weight bytes a step moves: {"read": stored bytes read, "dequantized": whole weights dequantized
-    outside kernels (bf16 values, written and read back by the dot: 4 bytes a value), "relayout":
+    """Weight bytes a step moves: {"read": stored bytes read, "dequantized": weights (whole, or gathered
+    rows) dequantized outside kernels (bf16 values, written and read back by the dot: 4 bytes a value), "relayout":
     whole-weight copies made for a kernel (written and read: twice their bytes), "total", and the
     stored bytes read per use}. rows: the step's routed rows (batch x top-k): the grouped expert
     kernel reads min(E, rows) of a stack's E experts (the non-empty ones; at most that many)."""
@@ -141,6 +158,8 @@ def traffic(uses: list[WeightUse], *, rows: int | None = None) -> dict:
             dequant += 4 * u.elements * (2 if u.packed else 1)
         else:
             b, kind = u.gathered_bytes, "gathered"
+        if not u.kernels:
+            dequant += 4 * u.gathered_values  # gathered rows dequantized (bf16 written, read back)
         read += b
         by_use[kind] += b
         relayout += 2 * u.relayout_bytes
