@@ -82,6 +82,8 @@ def _follow(jaxpr, tainted: dict) -> None:
         prim = eqn.primitive.name
         if prim in _KERNELS:
             for v, t in hits:
+                if t.rows:
+                    continue  # gathered rows (counted) as a kernel's input, e.g. Engram rows into a GEMM
                 t.use.kernels.add(kernel_name(eqn))
                 if not t.itself and not t.rows:
                     t.use.relayout_bytes += int(np.prod(v.aval.shape)) * v.aval.dtype.itemsize
