@@ -173,14 +173,12 @@ def _dependencies(cfg: ModelConfig, layer: int) -> tuple[int, ...]:
 
 
 def decode_flops_by_role(cfg: ModelConfig, context: int, batch: int = 1, runtime: Runtime = Runtime(),
-                         platform: str | None = None, compiled: bool = False) -> dict:
+                         platform: str | None = None) -> dict:
     """Decode-step FLOPs summed from per-layer costs, one lowering per distinct layer signature.
 
     Lowering all 40 full-width layers takes minutes; layers with the same role, ratio, pool
     use and Engram cost the same, so each signature is lowered once as (its dependencies + it)
-    minus (its dependencies), and the embedding/head once as an empty layer range. compiled: analyse
-    the compiled program (this backend; fused, so bytes accessed are the fused program's) instead of
-    the lowered one.
+    minus (its dependencies), and the embedding/head once as an empty layer range.
     """
     gd, params = abstract_params(cfg)
     cache = abstract_cache(cfg, batch, context)
@@ -192,9 +190,7 @@ def decode_flops_by_role(cfg: ModelConfig, context: int, batch: int = 1, runtime
     def cost(layers: tuple[int, ...]) -> tuple[float, float]:
         if layers not in memo:
             low = lowered(decode_fn(gd, runtime, layers), params, toks, cache, ids, platform=platform)
-            # compiled: XLA's cost analysis after its optimizations (fusion: bytes of the fused program)
-            analysed = low.compile() if compiled else low
-            memo[layers] = (flops_of(analysed), bytes_of(analysed))
+            memo[layers] = (flops_of(low), bytes_of(low))
             seen = check_no_loops(low)
             hlo["while"] += seen["while"]
             hlo["custom_call"].update(seen["custom_call"])
