@@ -401,36 +401,42 @@ def stored_weight_rows(cfg, context: int, full: bool = False, batches=(1, 64)) -
       kernel; the kernels' calls, which XLA's cost analysis cannot see into;
     - XLA's cost analysis of the lowered XLA-path step (FLOPs and bytes accessed, unfused), beside
       the same shapes with bf16 weights (the arithmetic). Not for the kernel path: a kernel is a
-      custom call (TPU/GPU) or an interpreted loop (CPU) there, so the figures would leave it out."""
+      custom call (TPU/GPU) or an interpreted loop (CPU) there, so the figures would leave it out.
+    The kernel path twice: on the stored bytes (params "stored") and on the params the engine holds
+    (params "engine": `block.kernel_params`' word views, made once at load)."""
     import jax
 
     from flax import nnx
 
+    from dsv41_jax.model.block import kernel_params
     from dsv41_jax.runtime import Runtime
     from dsv41_jax.serving import cost, split_prefill, weight_traffic
 
     acfg = cost.arithmetic_config(cfg)
     gd, params = cost.abstract_params(cfg)
-    tree = jax.tree_util.tree_structure(params)
     by_role = cost.decode_flops if full else cost.decode_flops_by_role
     rows = []
     for batch in batches:
         toks = jax.ShapeDtypeStruct((batch, 1), jax.numpy.int32)
         cache, ids = cost.abstract_cache(cfg, batch, context), cost.engram_spec(cfg, batch, 1)
         arith = by_role(acfg, context, batch)
-        for impl in ("xla", "pallas"):
+        for impl, prepared in (("xla", True), ("pallas", False), ("pallas", True)):
             t = time.perf_counter()
             rt = Runtime(mode="fast", impl=impl, interpret=False if impl == "pallas" else None)
             plan = split_prefill.decode_plan(rt)
+            # the params as the engine holds them for its plan (the kernels' word views, made once at
+            # load: `block.kernel_params`), or the stored bytes, which the kernels' wrappers relayout per call
+            held = jax.eval_shape(lambda p: kernel_params(gd, p, plan), params) if prepared else params
+            tree = jax.tree_util.tree_structure(held)
 
             def step(leaves, tokens, cache, ids):
                 model = nnx.merge(gd, jax.tree_util.tree_unflatten(tree, leaves))
                 return split_prefill.decode_step(model, tokens, cache, plan, engram_ids=ids)[0]
 
-            uses = weight_traffic.trace_uses(step, params, toks, cache, ids)
-            row = {"impl": impl, "batch": batch, "context": context,
+            uses = weight_traffic.trace_uses(step, held, toks, cache, ids)
+            row = {"impl": impl, "params": "engine" if prepared else "stored", "batch": batch, "context": context,
                    "weight_traffic": weight_traffic.traffic(uses, rows=batch * cfg.n_activated_experts),
-                   "kernel_calls": cost.kernel_calls(cost.decode_fn(gd, rt), params, toks, cache, ids),
+                   "kernel_calls": cost.kernel_calls(cost.decode_fn(gd, rt), held, toks, cache, ids),
                    "arithmetic_flops": arith["flops"], "arithmetic_bytes": arith["bytes"]}
             if impl == "xla":
                 m = by_role(cfg, context, batch, rt)
@@ -438,7 +444,7 @@ def stored_weight_rows(cfg, context: int, full: bool = False, batches=(1, 64)) -
             row["seconds"] = time.perf_counter() - t
             rows.append(row)
             w = row["weight_traffic"]
-            print(f"  stored weights {impl} B={batch}: weight traffic {w['total'] / 1e9:.2f} GB "
+            print(f"  stored weights {impl} ({row['params']} params) B={batch}: weight traffic {w['total'] / 1e9:.2f} GB "
                   f"({row['seconds']:.0f}s)", file=sys.stderr)
     return rows
 
@@ -447,13 +453,13 @@ def print_stored(rows, context: int) -> None:
     print(f"decode step at context {context} with the stored FP8/FP4 weights (fast numerics)")
     print("weight traffic per step, from the trace (GB): stored bytes read (by kernels / whole-weight dequantization /"
           " gathered rows), dequantized bf16 weights written and read back, relayout copies for kernels")
-    print(f"{'impl':>6} {'batch':>5} {'read':>8} {'kernel':>8} {'dequant':>8} {'gathered':>8} {'deq w+r':>8} "
+    print(f"{'impl':>6} {'params':>6} {'batch':>5} {'read':>8} {'kernel':>8} {'dequant':>8} {'gathered':>8} {'deq w+r':>8} "
           f"{'relayout':>8} {'total':>8}  kernels (cost analysis cannot see into them)")
     for r in rows:
         w = r["weight_traffic"]
         u = w["by_use"]
         kernels = ", ".join(f"{k} x{v}" for k, v in r["kernel_calls"].items()) or "-"
-        print(f"{r['impl']:>6} {r['batch']:>5} {w['read'] / 1e9:8.2f} {u['kernel'] / 1e9:8.2f} {u['dequantized'] / 1e9:8.2f} "
+        print(f"{r['impl']:>6} {r.get('params', 'stored'):>6} {r['batch']:>5} {w['read'] / 1e9:8.2f} {u['kernel'] / 1e9:8.2f} {u['dequantized'] / 1e9:8.2f} "
               f"{u['gathered'] / 1e9:8.2f} {w['dequantized'] / 1e9:8.2f} {w['relayout'] / 1e9:8.2f} {w['total'] / 1e9:8.2f}  "
               f"{kernels}")
     print("XLA cost analysis of the XLA path (lowered, unfused; 'bf16' = the same shapes with bf16 weights)")

@@ -166,6 +166,8 @@ def linear(
         raise ValueError(f"linear: mode must be one of {MODES}, got {mode!r}")
     x = jnp.asarray(x)
     out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if kind == "fp8" and weight.dtype == jnp.int32:
+        return _linear_words(x, weight, scale, mode, out_dtype)
     if weight.ndim != 2:
         raise ValueError(f"linear: weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
     k_weight = weight.shape[1] * (2 if kind == "fp4" else 1)
@@ -197,3 +199,27 @@ def linear(
     else:
         y = _quantised_linear(x2, weight, scale, kind, mode, out_dtype)
     return y.reshape(*lead, y.shape[-1])
+
+
+def _linear_words(x, words, scale, mode: str, out_dtype):
+    """An FP8 linear whose weight is the kernel's int32 word view [2, N, Kp/8]
+    (`pallas_kernels.expert_gemm.layout.fp8_weight_view`, made once by
+    `dsv41_jax.model.block.kernel_params` for a plan that runs the FP8 kernel): only the kernel reads it."""
+    fn = _FP8_KERNEL.get()
+    if mode != "fast" or fn is None:
+        raise ValueError(
+            f"linear(kind='fp8'): the weight is the FP8 kernel's int32 word view {tuple(words.shape)}, but this call "
+            f"runs {'exact mode' if mode != 'fast' else 'without the FP8 kernel (no gemm.fp8_kernel context)'}; "
+            f"params prepared by dsv41_jax.model.block.kernel_params(graphdef, params, plan) only serve that plan "
+            f"(fast numerics, fp8_kernel): run the stored params otherwise")
+    k = x.shape[-1]
+    if words.ndim != 3 or words.shape[0] != 2 or 8 * words.shape[2] != -(-k // BLOCK) * BLOCK:
+        raise ValueError(f"linear(kind='fp8'): x has K = {k} but the word-view weight {tuple(words.shape)} expects "
+                         f"[2, N, {-(-k // BLOCK) * BLOCK // 8}]")
+    n = words.shape[1]
+    if scale is None or tuple(scale.shape) != (-(-n // BLOCK), -(-k // BLOCK)):
+        raise ValueError(f"linear(kind='fp8'): word-view weight {tuple(words.shape)} needs an E8M0 scale of shape "
+                         f"({-(-n // BLOCK)}, {-(-k // BLOCK)}), got {None if scale is None else tuple(scale.shape)}")
+    lead = x.shape[:-1]
+    y = fn(x.reshape(-1, k), words, scale).astype(jnp.dtype(out_dtype or x.dtype))
+    return y.reshape(*lead, n)

@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 from dsv41_jax.model import dspark
+from dsv41_jax.model.block import kernel_params
 from dsv41_jax.model.transformer import COMPILER_OPTIONS
 from dsv41_jax.runtime import Runtime
 from dsv41_jax.serving import prefix_cache, speculation
@@ -190,6 +191,12 @@ class Engine:
         self.mask_words = mask_words(cfg.vocab_size)
         self.fingerprint = fingerprint or prefix_cache.model_fingerprint(
             self.params if self.placement is None else self.placement.unpadded(self.params, cfg))
+        if self.placement is None:
+            # the layers' weights as the decode plan's TPU kernels read them (32-bit word views), made
+            # once here, replacing the stored bytes (every step shares the runtime, so its kernel
+            # choice); unchanged for exact mode, impl "xla" and the GPU kernels. On a mesh the
+            # distributed MoE (sharding.step) reads the stored bytes: kept as they are.
+            self.params = kernel_params(self.graphdef, self.params, self.decode_plan)
         self.capacity = capacity_for(cfg, 1, min_capacity, self.max_seq_len)
         self.cache = self.empty(slots)
         if self.K:

@@ -76,8 +76,9 @@ def project_ced(model, h: jax.Array, pre: jax.Array, span: body.Span, cache: dic
     cfg = model.cfg
     block = model.layers[cfg.decoder_start]
     store = body.QuantStore(cfg, cache)
-    h, _ = body.engram_site(cfg, block, h, span, plan)
-    body.write_source(block, body.attn_input(block, h, pre, plan), span, store, plan)
+    with body.fp8_linears(plan):  # the layer's FP8 linears as run_layers runs them (kernel_params' word views)
+        h, _ = body.engram_site(cfg, block, h, span, plan)
+        body.write_source(block, body.attn_input(block, h, pre, plan), span, store, plan)
     return store.cache
 
 

@@ -8,8 +8,9 @@ Each weight parameter is followed through the ops that keep it whole (converts, 
 slices, bit packing, scaling) up to the dot that consumes it. Its uses are:
 - "gathered": rows picked out of it by data (one row's expert, the active experts): the rows'
   bytes are read, and their dequantized values (bf16) written and read back;
-- "kernel": it enters a Pallas kernel (directly, or after a relayout into 32-bit words outside the
-  kernel, which writes and reads the weight's bytes once more): the kernel reads it;
+- "kernel": it enters a Pallas kernel (directly, as stored or as the word view made once at load,
+  or after a relayout into 32-bit words outside the kernel, which writes and reads the weight's
+  bytes once more on every call): the kernel reads it;
 - "dequantized": a floating-point value the size of the weight is made from it outside a kernel:
   the stored bytes are read and the dequantized weight (at least bf16, 2 bytes per value) is
   written and read back by the dot.
@@ -28,6 +29,7 @@ import numpy as np
 _GATHERS = {"gather", "dynamic_slice"}  # rows picked by data (routing, a row's expert)
 _CONSUMERS = {"dot_general", "ragged_dot", "ragged_dot_general", "conv_general_dilated"}
 _KERNELS = {"pallas_call"}
+_SAME = {"stop_gradient"}  # the operand itself (no copy): e.g. the indexer's query weights, which take no gradient
 
 
 @dataclasses.dataclass
@@ -46,14 +48,18 @@ class WeightUse:
 
 def stored_weights(params) -> dict[int, WeightUse]:
     """{leaf index: WeightUse} of the stored quantized weights among params' leaves (FP8 matrices,
-    packed FP4 expert stacks; E8M0 scales and lookup tables' scales excluded)."""
+    packed FP4 expert stacks, or their kernels' int32 word views made at load by
+    `dsv41_jax.model.block.kernel_params`: the same bytes; E8M0 scales and lookup tables' scales
+    excluded). `elements` counts stored bytes (one FP8 value, or two FP4 values, a byte)."""
     out = {}
     for i, (path, leaf) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0]):
         name = jax.tree_util.keystr(path)
-        n = int(np.prod(leaf.shape))
-        if (leaf.dtype == jnp.float8_e4m3fn and leaf.ndim >= 2) or (
-                leaf.dtype == jnp.uint8 and leaf.ndim == 3 and "scale" not in name):
-            out[i] = WeightUse(name, tuple(leaf.shape), n * jnp.dtype(leaf.dtype).itemsize, n, leaf.dtype == jnp.uint8)
+        nbytes = int(np.prod(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
+        fp8 = leaf.dtype == jnp.float8_e4m3fn and leaf.ndim >= 2
+        fp4 = leaf.dtype == jnp.uint8 and leaf.ndim == 3 and "scale" not in name
+        words = leaf.dtype == jnp.int32 and leaf.ndim == 3 and "scale" not in name
+        if fp8 or fp4 or words:
+            out[i] = WeightUse(name, tuple(leaf.shape), nbytes, nbytes, fp4 or (words and "['experts']" in name))
     return out
 
 
@@ -98,6 +104,11 @@ def _follow(jaxpr, tainted: dict) -> None:
             continue
         if prim in _CONSUMERS:
             continue  # the dot that uses the (dequantized) weight
+        if prim in _SAME:
+            for v, o in zip(eqn.invars, eqn.outvars):
+                if is_var(v) and v in tainted:
+                    tainted[o] = tainted[v]
+            continue
         subs = list(sub_jaxprs(eqn))
         if subs:  # call-like primitives pass their operands in order (pjit, custom_jvp/vjp, remat)
             for sub in subs:

@@ -102,6 +102,61 @@ def test_fp8_block_gemm_partial_tiles(platform):
     _assert_close(out, fp8_block_gemm_reference(x, w8, s8))
 
 
+@pytest.mark.parametrize("M,N,K", [(7, 80, 96), (1, 512, 64), (20, 32, 160), (33, 64, 256)],
+                         ids=["partial-tiles", "two-column-tiles", "odd-K-blocks", "M-tiles"])
+def test_fp8_block_gemm_word_view(M, N, K):
+    """The word view made once (`layout.fp8_weight_view`, as kernel_params does at load) gives the
+    TPU kernel's result bit for bit, over partial tiles, an odd number of K blocks, several tiles."""
+    from pallas_kernels.expert_gemm import layout
+
+    rng = np.random.default_rng(M * N + K)
+    w8, s8 = quant.quant_fp8_weight(jnp.asarray(rng.standard_normal((N, K)) * 1e2, jnp.float32))
+    x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
+    words = layout.fp8_weight_view(w8)
+    assert words.dtype == jnp.int32 and words.shape == (2, N, -(-K // 32) * 4)
+    assert words.nbytes == N * -(-K // 32) * 32  # the stored bytes (and K's zero padding), nothing more
+    got = _fp8(x, words, s8, impl="pallas", interpret=True, platform="tpu")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(_fp8(x, w8, s8, impl="pallas", interpret=True,
+                                                                   platform="tpu")))
+    wd = np.asarray(w8).astype(np.float64) * np.repeat(np.repeat(_e8m0(s8), 32, 0), 32, 1)[:N, :K]
+    _assert_close(got, _act_f64(x) @ wd.T)
+
+
+def test_grouped_word_view():
+    """The experts' words made once (`layout.fp4_weight_words`) give the kernel's result bit for bit."""
+    from pallas_kernels.expert_gemm import layout
+
+    rng = np.random.default_rng(11)
+    x, gs, wp, ws = _grouped_inputs(rng, [5, 0, 23, 1], 37, 64, 96)  # K/32 = 3 scale bytes: padded word
+    words, swords = layout.fp4_weight_words(wp, ws)
+    assert words.nbytes == wp.nbytes and swords.shape == (4, 64, 1)
+    got = _grouped(x, gs, words, swords, impl="pallas", interpret=True, platform="tpu")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(_grouped(x, gs, wp, ws, impl="pallas", interpret=True,
+                                                                       platform="tpu")))
+    _assert_close(got, _grouped_oracle(x, gs, wp, ws))
+
+
+def test_word_views_are_refused_where_the_bytes_are_read():
+    """The XLA reference and the GPU kernel read the stored bytes: a word view there is an error, as is
+    a view of the wrong shape."""
+    from pallas_kernels.expert_gemm import layout
+
+    rng = np.random.default_rng(12)
+    x, gs, wp, ws = _grouped_inputs(rng, [3, 4], 7, 32, 64)
+    words, swords = layout.fp4_weight_words(wp, ws)
+    for impl, platform in (("xla", None), ("pallas", "gpu")):
+        with pytest.raises(ValueError, match="word view"):
+            grouped_fp4_gemm(x, gs, words, swords, impl=impl, interpret=True, platform=platform)
+    with pytest.raises(ValueError, match="w_packed must be int32 words"):
+        grouped_fp4_gemm(x, gs, words[..., :-1], swords, impl="pallas", interpret=True)
+    w8, s8 = quant.quant_fp8_weight(jnp.asarray(rng.standard_normal((32, 64)), jnp.float32))
+    view = layout.fp8_weight_view(w8)
+    with pytest.raises(ValueError, match="word view"):
+        fp8_block_gemm(x, view, s8, impl="xla")
+    with pytest.raises(ValueError, match=r"int32 \[2, N, 8\]"):
+        fp8_block_gemm(x, view[:, :, :4], s8, impl="pallas", interpret=True)
+
+
 def _golden_vectors(golden_root):
     """The shared loader lives in the repo's tests/ folder (not a package)."""
     from pathlib import Path

@@ -59,11 +59,12 @@ def _grouped_kernel(tile_ref, group_ref, lo_ref, hi_ref, real_ref, x_ref, w_ref,
 def grouped_fp4_gemm_tpu(x_sorted, group_sizes, w_packed, w_scale, *, interpret=False, tile_rows=128, tile_cols=128):
     """Mosaic TPU kernel; shapes and semantics as `pallas_kernels.grouped_fp4_gemm`.
 
-    w_packed / w_scale may also be given pre-converted as int32 words (`layout.fp4_weight_words`).
+    w_packed / w_scale may also be given pre-converted as int32 words (`layout.fp4_weight_words`,
+    built once at load: then the call reads only the experts' bytes, with no relayout before it).
     """
     xd = dequantized_activation(x_sorted)
     M, K = xd.shape
-    if w_packed.dtype == jnp.int32:
+    if layout.is_words(w_packed):
         words, swords = w_packed, w_scale
     else:
         words, swords = layout.fp4_weight_words(w_packed, w_scale)
@@ -113,29 +114,33 @@ def _fp8_kernel(x_ref, lo_ref, hi_ref, s_ref, o_ref):
     o_ref[...] = _dot_planes([x[n] for n in range(8)], w_planes)
 
 
-def fp8_block_gemm_tpu(x, w_e4m3, w_scale, *, interpret=False, tile_rows=128, tile_cols=256):
-    """Mosaic TPU kernel; shapes and semantics as `pallas_kernels.fp8_block_gemm`."""
+def fp8_block_gemm_tpu(x, w, w_scale, *, interpret=False, tile_rows=128, tile_cols=256):
+    """Mosaic TPU kernel; shapes and semantics as `pallas_kernels.fp8_block_gemm`.
+
+    w: the stored E4M3 [N, K], or its word view int32 [2, N, Kp/8] (`layout.fp8_weight_view`,
+    built once at load: then the call reads only the weight's bytes, with no relayout before it).
+    """
     xd = dequantized_activation(x)
     M, K = xd.shape
-    N = w_e4m3.shape[0]
     Kp = -(-K // 32) * 32
     if Kp != K:
         xd = jnp.pad(xd, ((0, 0), (0, Kp - K)))
-        w_e4m3 = jnp.pad(w_e4m3, ((0, 0), (0, Kp - K)))
-    low, high = layout.fp8_weight_words(w_e4m3)
+    words = w if layout.is_words(w) else layout.fp8_weight_view(w)
+    N = words.shape[1]
     s = w_scale.astype(jnp.int32)  # [ceil(N/32), Kp/32]
     tm = min(tile_rows, -(-M // 16) * 16)
     Mp = -(-M // tm) * tm
     tn = tile_cols if N % tile_cols == 0 else N
     st = tn // 32 if tn != N else s.shape[0]
     xp = layout.activation_planes(jnp.pad(xd, ((0, Mp - M), (0, 0))))
+    # the view passed twice: its low-word plane and its high-word plane, each block [tn, Kp/8]
     out = pl.pallas_call(
         _fp8_kernel,
         grid=(Mp // tm, N // tn),
         in_specs=[
             pl.BlockSpec((8, tm, Kp // 8), lambda i, j: (0, i, 0)),
-            pl.BlockSpec((tn, Kp // 8), lambda i, j: (j, 0)),
-            pl.BlockSpec((tn, Kp // 8), lambda i, j: (j, 0)),
+            pl.BlockSpec((pl.squeezed, tn, Kp // 8), lambda i, j: (0, j, 0)),
+            pl.BlockSpec((pl.squeezed, tn, Kp // 8), lambda i, j: (1, j, 0)),
             pl.BlockSpec((st, s.shape[1]), lambda i, j: (j, 0)),
         ],
         out_specs=pl.BlockSpec((tm, tn), lambda i, j: (i, j)),
@@ -143,5 +148,5 @@ def fp8_block_gemm_tpu(x, w_e4m3, w_scale, *, interpret=False, tile_rows=128, ti
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret,
         name="fp8_block_gemm_tpu",
-    )(xp, low, high, s)
+    )(xp, words, words, s)
     return out[:M]
