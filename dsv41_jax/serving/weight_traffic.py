@@ -87,7 +87,7 @@ def _follow(jaxpr, tainted: dict) -> None:
             continue
         prim = eqn.primitive.name
         if prim in _KERNELS:
-            for v, t in hits:
+            for v, t in dict(hits).items():  # an operand passed twice (the FP8 view's two planes) is one copy
                 if t.rows:
                     continue  # gathered rows (counted) as a kernel's input, e.g. Engram rows into a GEMM
                 t.use.kernels.add(kernel_name(eqn))
