@@ -1,15 +1,16 @@
 """Config sweep against the golden oracle (issue 28, item 4): small golden-format folders for
 configurations the shared golden set does not cover.
 
-    python -m dsv41_jax.golden.sweep OUT_DIR --oracle ../shared/oracle --python $ORACLE/venv/bin/python \
-        [--only NAME ...]
+    ORACLE_REF=$ORACLE/ref python -m dsv41_jax.golden.sweep OUT_DIR --oracle ../shared/oracle \
+        --python $ORACLE/venv/bin/python [--only NAME ...]
 
 For each entry of CONFIGS this writes OUT_DIR/<name>/ in the golden format (golden/README.md):
 `config.json` (`model_args` = the reference's ModelArgs), `weights.safetensors` (reference
 state-dict names, FP8/E8M0/FP4 as raw bytes with `logical_dtypes`; random values from
 `checkpoint.synthetic`, seeded), `cases.json`, and one tensor file per case computed by the oracle
 (`harness.py run`, DeepSeek's reference with the oracle's CPU kernels; it needs the oracle installed,
-docs/NUMERICS.md "Rebuilding the oracle"). `MADE_BY.txt` records the command. Check a folder with
+docs/NUMERICS.md "Rebuilding the oracle"). EXTENSIONS (one DSpark, one vision folder) instead run the
+oracle's own generators on a backbone written here. `MADE_BY.txt` records the command. Check a folder with
 `dsv41 golden-check OUT_DIR --only <name>` (tests/test_golden_sweep.py).
 """
 from __future__ import annotations
@@ -55,16 +56,122 @@ CONFIGS = {
                             score_func="softmax", rope_theta=20000.0, index_n_heads=2, index_head_dim=32,
                             n_routed_experts=8, n_activated_experts=3), 103, 203,
                        [("prefill", 36), ("decode", 20, 6)]),
+    # The following share one compilation between the prefill case and the decode case's prefill
+    # (same length), so each folder costs four compilations. Every decode case is run and stored in
+    # both index-key modes (published and corrected).
+    # all four roles in six layers (main_fp8's layout at other ratios), pool 2 x 5 on ratio 1, a
+    # 128-token prompt, max_seq_len 160, heads of 32 (RoPE 16) and index heads of 32, vocab 64 (size)
+    "layout6_long128": (dict(n_layers=6, compress_ratios=[0, 2, 2, 2, 1, 1], kv_source_layers=[1, 4],
+                             index_source_layers=[1, 3, 4, 5], candidate_source_layer=4, candidate_topk_blocks=2,
+                             candidate_block_size=5, index_topk=5, window_size=6, max_seq_len=160, head_dim=32,
+                             rope_head_dim=16, index_head_dim=32, vocab_size=64), 104, 204,
+                        [("prefill", 128), ("decode", 128, 6)]),
+    # ratio 8 (Full, Reindex, Reuse), sigmoid gate without top-k renormalisation, 6 experts, o_lora 16
+    "ratio8_sigmoid": (dict(compress_ratios=[0, 8, 8, 8], kv_source_layers=[1], index_source_layers=[1, 2],
+                            score_func="sigmoid", norm_topk_prob=False, n_routed_experts=6, route_scale=1.0,
+                            index_topk=3, o_lora_rank=16), 105, 205, [("prefill", 72), ("decode", 72, 10)]),
+    # two residual copies, other Sinkhorn iterations and eps, BF16 linears and BF16 experts, norm eps
+    "hc2_bf16": (dict(hc_mult=2, hc_sinkhorn_iters=7, hc_eps=1e-4, dtype="bf16", expert_dtype=None, norm_eps=1e-6,
+                      kv_source_layers=[1, 2]), 106, 206, [("prefill", 33), ("decode", 33, 7)]),
+    # wider model in two layers: dim 64, vocab 256, 2 heads x 128 in one output group, 1 index head x 96
+    "dims_wide": (dict(n_layers=2, compress_ratios=[0, 2], kv_source_layers=[1], index_source_layers=[1], dim=64,
+                       vocab_size=256, moe_inter_dim=64, q_lora_rank=64, n_heads=2, head_dim=128, o_groups=1, o_lora_rank=32, index_n_heads=1, index_head_dim=96), 107, 207,
+                  [("prefill", 20), ("decode", 20, 4)]),
+    # a Full ratio-2 layer 0, a window-only layer between two ratio-1 layers (Full, Reuse), window 20
+    # longer than the prompt (the ring fills during decode), batch-2 caches, temperature 0.5
+    "layout_full0_swa": (dict(n_layers=5, compress_ratios=[2, 0, 1, 1, 0], kv_source_layers=[0, 2],
+                              index_source_layers=[0, 2], window_size=20, max_batch_size=2, max_seq_len=96,
+                              temperature=0.5), 108, 208, [("prefill", 18), ("decode", 18, 6)]),
+    # Engram before layers 0 and 2: 2- and 3-grams, 2 heads x 32, bucket base 150, pad id 1; the token
+    # map is TOKEN_MAPS' rule
+    "engram02": (dict(engram_layer_ids=[0, 2], engram_max_ngram_size=3, engram_vocab_size=150, engram_n_heads=2,
+                      engram_head_dim=32, engram_pad_id=1), 109, 209, [("prefill", 30), ("decode", 30, 6)]),
+    # candidate pool 3 x 3 on a ratio-2 source, top-k 7, 16 experts top-4, no SwiGLU clamp; 3 layers (size)
+    "pool_r2_experts16": (dict(n_layers=3, compress_ratios=[0, 2, 2], kv_source_layers=[1], index_source_layers=[1, 2],
+                               candidate_source_layer=1, candidate_topk_blocks=3, candidate_block_size=3,
+                               index_topk=7, n_routed_experts=16, n_activated_experts=4, route_scale=1.0,
+                               gate_temp=1.3, swiglu_limit=0.0), 110, 210, [("prefill", 44), ("decode", 44, 8)]),
+    # two adjacent Full ratio-2 layers, Full + Reindex ratio 4, window 4, top-k 2; other thetas and a
+    # stronger YaRN (factor 40 from 16 positions, beta 8/1); heads of 32 with RoPE 16
+    "adjacent_full_r4": (dict(n_layers=6, compress_ratios=[0, 2, 2, 4, 4, 0], kv_source_layers=[1, 2, 3],
+                              index_source_layers=[1, 2, 3, 4], window_size=4, index_topk=2, rope_theta=1e5,
+                              compress_rope_theta=1e6, rope_factor=40.0, original_seq_len=16, beta_fast=8,
+                              beta_slow=1, head_dim=32, rope_head_dim=16), 111, 211, [("prefill", 50), ("decode", 50, 6)]),
+    # softmax top-1 of 3 experts, 3 residual copies, 6 heads in 3 groups, RoPE on 8 dims, 1 index
+    # head; ratio-1 Full + Reindex without a pool
+    "softmax_top1_hc3": (dict(score_func="softmax", n_activated_experts=1, n_routed_experts=3, hc_mult=3,
+                              n_heads=6, o_groups=3, rope_head_dim=8, index_n_heads=1,
+                              compress_ratios=[0, 1, 1, 0], kv_source_layers=[1], index_source_layers=[1, 2]),
+                         112, 212, [("prefill", 40), ("decode", 40, 6)]),
 }
+
+# Engram configs' synthetic tokenizer maps (golden/README.md's rule with other constants):
+# key = (id * mult) % mod, compressed ids handed out in first-seen order of key over id = 0..vocab-1
+TOKEN_MAPS = {"engram02": (31, 53)}
+
+# a small three-layer backbone for the DSpark and vision folders (heads of 32, RoPE 16)
+SMALL = dict(n_layers=3, compress_ratios=[0, 2, 0], kv_source_layers=[1], index_source_layers=[1], head_dim=32,
+             rope_head_dim=16, index_head_dim=32)
+# Folders made by the oracle's own DSpark and vision generators (shared/oracle dspark.py,
+# vision_golden.py) with their module-level arguments replaced: name -> (generator module, its
+# arguments dict, replacements, backbone overrides of BASE, backbone weight seed, generator options).
+EXTENSIONS = {
+    # 3 DSpark stages (the generator's count) of block 3 tapping layers 1 and 2, Markov rank 16,
+    # 3 stage experts top-1, noise id 100
+    "dspark_small": ("dspark", "DSPARK_ARGS",
+                     dict(n_mtp_layers=3, dspark_block_size=3, dspark_noise_token_id=100, dspark_target_layer_ids=[1, 2],
+                          dspark_markov_rank=16, dspark_n_routed_experts=3, dspark_n_activated_experts=1,
+                          temperature=0.0),
+                     SMALL, 113, ["--mtp-seed", "123", "--token-seed", "213", "--name", "dspark_small",
+                                  "--cases", "dspark_P20_S4"]),
+    # a one-block ViT of width 32 (2 heads), patches of 4, 2x2 downsampling, image token 127
+    "vision_small": ("vision_golden", "VISION_ARGS",
+                     dict(vision_n_layers=1, vision_dim=32, vision_n_heads=2, vision_inter_dim=64, vision_patch_size=4,
+                          vision_rope_theta=5000.0, vision_downsample_ratio=2, image_token_id=127),
+                     SMALL, 114, ["--vision-seed", "124", "--pixel-seed", "224", "--token-seed", "214",
+                                  "--cases", "vl_prefill_L24_i3x4x5", "vl_decode_P20_S4_i2x3x3"]),
+}
+ALL = sorted(CONFIGS) + sorted(EXTENSIONS)
+
+# runs one generator of the oracle folder with its arguments dict updated (argv: module, attribute,
+# JSON of the replacements, then the generator's own command line)
+_RUN_GENERATOR = """import importlib, json, sys
+sys.path.insert(0, '.')
+mod = importlib.import_module(sys.argv[1])
+getattr(mod, sys.argv[2]).update(json.loads(sys.argv[3]))
+sys.argv = [sys.argv[1] + '.py'] + sys.argv[4:]
+mod.main()
+"""
 
 
 def model_args(name: str) -> dict:
     over = CONFIGS[name][0]
-    return {**BASE, **over}
+    args = {**BASE, **over}
+    if args["engram_layer_ids"]:
+        layout = engram_layout(name, args)
+        args["engram_compressed_vocab_size"] = layout.compressed_vocab_size
+        args["engram_num_embeddings"] = list(layout.num_embeddings)
+    return args
 
 
-def write_weights(path: pathlib.Path, args: dict, seed: int) -> tuple[str, dict]:
-    """Random weights in the reference's names and checkpoint dtypes; returns (sha256, tensors meta)."""
+def token_map(name: str, vocab: int) -> list[int]:
+    mult, mod = TOKEN_MAPS[name]
+    first: dict[int, int] = {}
+    return [first.setdefault((i * mult) % mod, len(first)) for i in range(vocab)]
+
+
+def engram_layout(name: str, args: dict):
+    """Primes, offsets and multipliers as our hashing derives them (stored in config.json; the oracle
+    derives its own from model_args, so a disagreement shows up as different logits)."""
+    from dsv41_jax.engram.hashing import EngramLayout
+
+    size = max(token_map(name, args["vocab_size"])) + 1
+    return EngramLayout.from_model_args({**args, "engram_compressed_vocab_size": size})
+
+
+def write_weights(path: pathlib.Path, args: dict, seed: int, all_logical: bool = False) -> tuple[str, dict]:
+    """Random weights in the reference's names and checkpoint dtypes; returns (sha256, tensors meta).
+    all_logical: name every tensor's dtype in `logical_dtypes` (vision_golden.py reads them all)."""
     import ml_dtypes
     from safetensors.numpy import save_file
 
@@ -84,8 +191,10 @@ def write_weights(path: pathlib.Path, args: dict, seed: int) -> tuple[str, dict]
         elif v.dtype == np.float32 and np.array_equal(v.astype(ml_dtypes.bfloat16).astype(np.float32), v):
             v = v.astype(ml_dtypes.bfloat16)  # bf16-valued (wo_a, index wk, ...): half the bytes, loaded exactly
         store[k] = np.ascontiguousarray(v)
-    save_file(store, str(path), metadata={"logical_dtypes": json.dumps(logical)})
     names = {"float32": "F32", "bfloat16": "BF16"}
+    if all_logical:
+        logical = {k: logical.get(k, names.get(str(v.dtype), str(v.dtype))) for k, v in store.items()}
+    save_file(store, str(path), metadata={"logical_dtypes": json.dumps(logical)})
     meta = {k: {"dtype": logical.get(k, names.get(str(v.dtype), str(v.dtype))), "shape": list(v.shape)}
             for k, v in store.items()}
     return hashlib.sha256(path.read_bytes()).hexdigest(), meta
@@ -103,16 +212,57 @@ def _logical(name: str, v: np.ndarray, args: dict) -> str | None:
     return None
 
 
+def write_extension(out: pathlib.Path, name: str, oracle: pathlib.Path, python: str) -> None:
+    """A DSpark or vision folder: our backbone weights in a scratch folder, then the oracle's generator."""
+    import tempfile
+
+    module, attr, replace, over, wseed, opts = EXTENSIONS[name]
+    d = out / name
+    d.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        bb = pathlib.Path(tmp)
+        args = {**BASE, **over}
+        sha, meta = write_weights(bb / "weights.safetensors", args, wseed, all_logical=True)
+        (bb / "config.json").write_text(json.dumps({"name": name + "_backbone", "model_args": args, "weight_seed": wseed,
+                                                    "tensors": meta, "weights_sha256": sha}))
+        cmd = [python, "-c", _RUN_GENERATOR, module, attr, json.dumps(replace), str(d.resolve()),
+               "--backbone", str(bb)] + opts
+        subprocess.run(cmd, check=True, cwd=str(oracle), stdout=subprocess.DEVNULL, env=_env())
+    raw = json.loads((d / "config.json").read_text())
+    raw["name"] = name  # vision_golden.py names every folder vision_fp8
+    (d / "config.json").write_text(json.dumps(raw, indent=1))
+    for f in d.iterdir():
+        f.chmod(0o644)
+    (d / "MADE_BY.txt").write_text("ORACLE_REF=$ORACLE/ref python -m dsv41_jax.golden.sweep " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+                                   + f"\n(config {name}: backbone from sweep.py, then shared/oracle/{module}.py with "
+                                   f"{attr} updated by {json.dumps(replace)} and options {' '.join(opts)};\n"
+                                   " oracle: torch 2.14.1 reference, docs/NUMERICS.md)\n")
+
+
 def write_folder(out: pathlib.Path, name: str, oracle: pathlib.Path, python: str) -> None:
+    if name in EXTENSIONS:
+        return write_extension(out, name, oracle, python)
     over, wseed, tseed, cases = CONFIGS[name]
     args = model_args(name)
     d = out / name
     d.mkdir(parents=True, exist_ok=True)
     sha, meta = write_weights(d / "weights.safetensors", args, wseed)
     (d / "weights.safetensors").chmod(0o644)
-    tokens = np.random.default_rng(tseed).integers(0, args["vocab_size"], 128).tolist()
-    (d / "config.json").write_text(json.dumps({"name": name, "model_args": args, "weight_seed": wseed,
-                                               "tensors": meta, "weights_sha256": sha, "trace_layers": []}, indent=1))
+    n_tok = max(128, max(sum(c[1:]) for c in cases))
+    tokens = np.random.default_rng(tseed).integers(0, args["vocab_size"], n_tok).tolist()
+    cfg = {"name": name, "model_args": args, "weight_seed": wseed, "tensors": meta, "weights_sha256": sha,
+           "trace_layers": []}
+    if args["engram_layer_ids"]:
+        layout = engram_layout(name, args)
+        mult, mod = TOKEN_MAPS[name]
+        cfg["engram"] = {"synthetic_token_map_rule": f"key = (id * {mult}) % {mod}; compressed ids handed out in "
+                                                     "first-seen order of key over id = 0..vocab-1",
+                         "token_map": token_map(name, args["vocab_size"]),
+                         "compressed_vocab_size": layout.compressed_vocab_size,
+                         "pad_compressed_id": token_map(name, args["vocab_size"])[args["engram_pad_id"]],
+                         "primes": layout.primes.tolist(), "offsets": layout.offsets.tolist(),
+                         "multipliers": layout.multipliers.tolist()}
+    (d / "config.json").write_text(json.dumps(cfg, indent=1))
     entries = []
     for c in cases:
         if c[0] == "prefill":
@@ -129,10 +279,19 @@ def write_folder(out: pathlib.Path, name: str, oracle: pathlib.Path, python: str
                                               "weights_sha256": sha, "cases": entries}, indent=1))
     for e in entries:
         cmd = [python, str(oracle / "harness.py"), "run", str(d.resolve()), e["name"], str((d / e["file"]).resolve())]
-        subprocess.run(cmd, check=True, cwd=str(oracle), stdout=subprocess.DEVNULL)
+        subprocess.run(cmd, check=True, cwd=str(oracle), stdout=subprocess.DEVNULL, env=_env())
         (d / e["file"]).chmod(0o644)
-    (d / "MADE_BY.txt").write_text("python -m dsv41_jax.golden.sweep " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    (d / "MADE_BY.txt").write_text("ORACLE_REF=$ORACLE/ref python -m dsv41_jax.golden.sweep " + " ".join(shlex.quote(a) for a in sys.argv[1:])
                                    + f"\n(config {name}; oracle: torch 2.14.1 reference, docs/NUMERICS.md)\n")
+
+
+def _env() -> dict:
+    import os
+
+    if "ORACLE_REF" not in os.environ:
+        raise SystemExit("set ORACLE_REF to the oracle's reference cache (the folder holding dsv41ref/, "
+                         "docs/NUMERICS.md \"Rebuilding the oracle\")")
+    return dict(os.environ)
 
 
 def main(argv=None) -> None:
@@ -140,9 +299,9 @@ def main(argv=None) -> None:
     ap.add_argument("out")
     ap.add_argument("--oracle", required=True, help="the oracle folder (harness.py)")
     ap.add_argument("--python", required=True, help="the oracle venv's python (torch 2.14.1)")
-    ap.add_argument("--only", action="append", choices=sorted(CONFIGS))
+    ap.add_argument("--only", action="append", choices=ALL)
     a = ap.parse_args(argv)
-    for name in a.only or sorted(CONFIGS):
+    for name in a.only or ALL:
         write_folder(pathlib.Path(a.out), name, pathlib.Path(a.oracle).resolve(), a.python)
         print(f"wrote {a.out}/{name}", flush=True)
 
