@@ -276,13 +276,15 @@ def check_vision(runner: CaseRunner, case: dict, t: dict) -> tuple[Entry, tuple]
     if runner._encoder is None:
         runner._encoder = make_image_encoder(runner.graphdef, Runtime(mode="exact"), collect=True)
     types = np.asarray(t["token_types"]).astype(np.int64)
-    images, embeds, detail, ok = [], [], [], True
+    images, embeds, detail, ok, max_abs = [], [], [], True, 0.0
 
     def compare(label, ours, ref):
-        nonlocal ok
+        nonlocal ok, max_abs
         ours, ref = np.asarray(ours).astype(np.float32), np.asarray(ref).astype(np.float32)
         bad = int(np.sum(ours != ref)) if ours.shape == ref.shape else -1
         ok &= bad == 0
+        if bad >= 0:  # a shape mismatch fails the entry; it has no difference to report
+            max_abs = max(max_abs, float(np.max(np.abs(ours - ref), initial=0.0)))
         detail.append(f"{label} {'==' if bad == 0 else f'{bad} differ' if bad > 0 else f'shape {ours.shape} != {ref.shape}'}")
 
     for k, im in enumerate(case["images"]):
@@ -299,7 +301,7 @@ def check_vision(runner: CaseRunner, case: dict, t: dict) -> tuple[Entry, tuple]
     prompt = np.asarray(t["tokens"]).astype(np.int64)[:types.shape[0]]
     merged = np.where((types >= 0)[:, None], rows, np.asarray(runner.model.embed[...])[prompt])
     compare("merged_embeddings", merged, t["merged_embeddings"])
-    return Entry(f"{runner.gc.name}/{case['name']}[vision]", ok, detail="; ".join(detail)), (rows, types)
+    return Entry(f"{runner.gc.name}/{case['name']}[vision]", ok, max_abs, detail="; ".join(detail)), (rows, types)
 
 
 def check_replays(runner: CaseRunner, case: dict) -> list[Entry]:
@@ -322,18 +324,18 @@ def check_replays(runner: CaseRunner, case: dict) -> list[Entry]:
         names = [k for k in names if f"trace.{k}" in t]
         if not names or l not in replay:
             continue
-        worst, detail = 0.0, []
+        worst, max_abs, detail = 0.0, 0.0, []
         for k in names:
             ref = t[f"trace.{k}"].astype(np.float32)
             got = np.asarray(ours[k][0]).astype(np.float32).reshape(ref.shape)
             ulp = np.maximum(np.abs(ref), 1e-30) * 2.0 ** -7
             ulps = float(np.max(np.abs(got - ref) / ulp))
-            worst = max(worst, ulps)
+            worst, max_abs = max(worst, ulps), max(max_abs, float(np.max(np.abs(got - ref), initial=0.0)))
             detail.append(f"{k.split('.')[1]} {ulps:.2g}ulp")
         # only this layer's own decisions count: the layers between replay points run free
         own = res["per_layer"].get(l, True)
         ok = worst <= REPLAY_ULPS and own
-        entries.append(Entry(f"{gc.name}/replay_layer{l}", ok, None, None, None, True, own,
+        entries.append(Entry(f"{gc.name}/replay_layer{l}", ok, max_abs, None, None, True, own,
                              "; ".join(detail)))
     return entries
 

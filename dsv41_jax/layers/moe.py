@@ -41,10 +41,10 @@ class Gate(nnx.Module):
         s = s / jnp.float32(self.gate_temp)
         if self.score_func == "softmax":
             return jax.nn.softmax(s, axis=-1)
+        # torch's sigmoid and softplus run their scalar lambdas (glibc expf, log1pf) on the call's last
+        # elements (docs/NUMERICS.md); the last two dims are one call ([T, E] per sequence)
         if self.score_func == "sigmoid":
-            return sigmoid(s, mode)
-        # torch's softplus runs its scalar lambda (glibc log1pf/expf) on the call's last elements
-        # (docs/NUMERICS.md); the last two dims are one call ([T, E] per sequence)
+            return sigmoid(s, mode, tail_dims=min(2, s.ndim))
         return sqrt(softplus(s, mode, tail_dims=min(2, s.ndim)), mode)
 
     def select(self, scores, vl_mask=None):
