@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv41_jax.numerics import libm_sincos, sleef_powf
+from dsv41_jax.numerics.exact_ops import no_fma
 
 
 
@@ -95,5 +96,9 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, rope_dim: int, *, i
         sin = -sin
     rot = x[..., -rope_dim:].astype(jnp.float32).reshape(*x.shape[:-1], rope_dim // 2, 2)
     a, b = rot[..., 0], rot[..., 1]
-    out = jnp.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(*x.shape[:-1], rope_dim)
+    # torch's complex multiply rounds each product, then adds; under jit XLA's CPU backend would contract
+    # a product and the add into one FMA (one rounding), which flips a bf16 rounding of the output now and
+    # then (dspark_fp8/spec_greedy_P24_N40's corrected drafts, steps 10 and 16): fence the products.
+    ac, bs, as_, bc = no_fma(a * cos), no_fma(b * sin), no_fma(a * sin), no_fma(b * cos)
+    out = jnp.stack([ac - bs, as_ + bc], axis=-1).reshape(*x.shape[:-1], rope_dim)
     return jnp.concatenate([x[..., :-rope_dim], out.astype(x.dtype)], axis=-1)
