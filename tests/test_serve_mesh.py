@@ -32,7 +32,8 @@ MESH = "expert=4,tensor=2"  # the tiny config's 4 experts one per expert shard, 
 LETTERS = {str(ByteTokenizer().encode(c)[0]): 100 for c in "abcdefghijklmnopqrstuvwxyz"}
 
 
-def _start(folder, port, cache_dir, mesh, log):
+def _start(folder, port, cache_dir, mesh, log, extra=(), warm=None):
+    """warm: run the warm-up (default: on the mesh only)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     cmd = [sys.executable, "-m", "dsv41_jax.cli", "serve", "--checkpoint", str(folder), "--port", str(port),
            "--numerics", "exact", "--exact-prefill", "--max-batch", "2", "--prefill-chunk", "4",
@@ -40,7 +41,9 @@ def _start(folder, port, cache_dir, mesh, log):
     # stderr to a file: XLA and uvicorn keep writing there, and an undrained pipe would block the server
     # the one-device reference skips the warm-up (it compiles only the programs the requests use): the
     # warm-up on one device is tests/test_serve_warmup.py's; here the mesh server's warm-up is the one tested
-    return subprocess.Popen(cmd + (["--mesh", mesh] if mesh else ["--no-warm"]), env=env, stderr=open(log, "w"))
+    warm = bool(mesh) if warm is None else warm
+    cmd += (["--mesh", mesh] if mesh else []) + ([] if warm else ["--no-warm"]) + list(extra)
+    return subprocess.Popen(cmd, env=env, stderr=open(log, "w"))
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +108,36 @@ def test_server_on_a_mesh_answers_as_on_one_device(servers):
     assert echo_text.startswith("def f") and echo_lp["token_logprobs"][0] is None  # the first prompt token has none
     assert len(echo_lp["token_logprobs"]) == len(echo_lp["tokens"]) >= 6 and None not in echo_lp["token_logprobs"][1:]
     assert mesh == one
+
+
+@pytest.mark.slow
+def test_server_with_engram_in_host_memory_answers_as_with_the_tables_on_device(tmp_path_factory):
+    """`dsv41 serve --engram host` (the Engram tables in host RAM, each step's rows sent to the device)
+    answers the real `openai` client as the same server with the tables on the device does: every
+    reply, logprob and usage field equal (exact numerics), over a model with an Engram layer, through
+    chat, streaming, a resumed conversation (the replay reads the stored tokens' rows), a completion,
+    a seeded sampled reply and an echoed prompt's logprobs. The host server runs its warm-up (every
+    program compiled with the compact tables) before /ready.
+
+    The tokenizer's Engram token map sets the config's compressed vocabulary, as a released checkpoint's
+    does (`serving.generate._engram_tables` checks the two agree)."""
+    from dsv41_jax.engram.tokens import build_token_map
+
+    root = tmp_path_factory.mktemp("serve_engram_host")
+    tok = ByteTokenizer().save_json(root / "tokenizer.json")
+    cfg = tiny_config().replace(engram_layer_ids=(0,), engram_compressed_vocab_size=build_token_map(str(tok))[1])
+    save_hf_checkpoint(synthetic_model(cfg, seed=3), root / "ckpt", tokenizer=tok)
+    procs, urls = {}, {}
+    starts = {name: (lambda port, name=name, extra=extra: _start(root / "ckpt", port, root / f"conv-{name}", None,
+                                                               root / f"{name}.log", extra, warm=bool(extra)))
+              for name, extra in (("host", ("--engram", "host")), ("hbm", ()))}
+    try:
+        launch(starts, procs, urls)
+        wait_ready(procs, urls, {name: root / f"{name}.log" for name in urls}, starts=starts)
+        host, hbm = _conversation(urls["host"]), _conversation(urls["hbm"])
+    finally:
+        stop(procs)
+    text, _, finish, usage = host["r1"]
+    assert finish == "length" and len(text) == 8 and text.isalpha() and host["streamed"] == text
+    assert host["r2"][2]["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] + 8 - 1  # resumed
+    assert host == hbm
