@@ -39,12 +39,14 @@ def _post(server, **body):
 
 def _oracle(engine, ids: list[int]) -> np.ndarray:
     """log_softmax of model.forward's logits [T, V] for the prompt, run in the engine's pieces."""
-    model = nnx.merge(engine.graphdef, engine.params)
+    # jitted: one program per piece size (measured: the test took 17 s instead of 60 s on 2 cores with every
+    # op dispatched eagerly)
+    step = jax.jit(lambda params, tokens, cache: forward(nnx.merge(engine.graphdef, params), tokens, cache,
+                                                         runtime=engine.runtime)[:2])
     cache = empty_cache(engine.cfg, 1, engine.capacity)
     out, done = [], 0
     for size in pieces(len(ids), engine.prefill_chunk):
-        logits, cache, _ = forward(model, jnp.asarray([ids[done:done + size]], jnp.int32), cache,
-                                   runtime=engine.runtime)
+        logits, cache = step(engine.params, jnp.asarray([ids[done:done + size]], jnp.int32), cache)
         out.append(np.asarray(jax.nn.log_softmax(logits[0].astype(jnp.float32), -1)))
         done += size
     return np.concatenate(out)
