@@ -45,20 +45,20 @@ if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
 # leaves the scheduling to xdist.
 _SHARED_UNIT = {"tests/test_model_pallas.py": "tests/test_model.py"}
 # Worker-seconds per file on the 2-core CI box, rounded (setup + call + teardown per file from a clean-clone
-# `.ci/run` with PYTEST_ADDOPTS=--durations=0, session 9); only the order matters, and files not listed go
-# last in collection order.
+# `.ci/run` with PYTEST_ADDOPTS=--durations=0, session 11, less what was then moved to -m slow); only the
+# order matters, and files not listed go last in collection order.
 _FILE_SECONDS = {
-    "tests/test_golden.py": 151, "tests/test_sharding.py": 135, "tests/test_serve_mesh.py": 133,
-    "tests/test_model_pallas.py": 119, "tests/test_model.py": 89, "tests/test_serve_echo.py": 77,
-    "tests/test_serve_images.py": 73, "tests/test_train.py": 62, "tests/test_serving.py": 60,
-    "pallas_kernels/sparse_attention/test_sparse_attention.py": 55, "tests/test_serve_http.py": 42,
-    "pallas_kernels/indexer/test_indexer.py": 42, "tests/test_info.py": 40, "tests/test_notebooks.py": 34,
-    "pallas_kernels/expert_gemm/test_expert_gemm.py": 33, "tests/test_generate.py": 32,
-    "tests/test_sparse_attention.py": 31, "tests/test_checkpoint.py": 27, "tests/test_quant.py": 27,
-    "tests/test_serve_warmup.py": 24, "tests/test_gemm.py": 24, "tests/test_serve_isolation.py": 20,
-    "tests/test_mhc_sinkhorn.py": 19, "tests/test_host_dispatch.py": 19, "pallas_kernels/test_bench.py": 14,
-    "tests/test_doc_figures.py": 14, "tests/test_checkpoint_files.py": 13, "tests/test_stored_weights.py": 13,
-    "tests/test_train_kernels.py": 12,
+    "tests/test_sharding.py": 162, "tests/test_serve_mesh.py": 121, "tests/test_model.py": 109,
+    "tests/test_golden.py": 108, "tests/test_model_pallas.py": 88, "tests/test_train.py": 85,
+    "tests/test_serve_images.py": 82, "pallas_kernels/expert_gemm/test_expert_gemm.py": 69,
+    "tests/test_serving.py": 66, "pallas_kernels/sparse_attention/test_sparse_attention.py": 64,
+    "tests/test_stored_weights.py": 56, "pallas_kernels/indexer/test_indexer.py": 50, "tests/test_info.py": 47,
+    "tests/test_serve_http.py": 45, "tests/test_notebooks.py": 45, "tests/test_sparse_attention.py": 43,
+    "tests/test_generate.py": 40, "tests/test_golden_sweep.py": 35, "tests/test_quant.py": 32,
+    "tests/test_checkpoint.py": 30, "tests/test_serve_echo.py": 29, "tests/test_gemm.py": 27,
+    "tests/test_serve_warmup.py": 26, "tests/test_mhc_sinkhorn.py": 26, "tests/test_host_dispatch.py": 23,
+    "tests/test_serve_isolation.py": 19, "tests/test_train_kernels.py": 18, "tests/test_vision_sources.py": 15,
+    "tests/test_layer_body.py": 14, "pallas_kernels/test_bench.py": 13,
 }
 
 

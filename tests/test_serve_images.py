@@ -144,6 +144,7 @@ def test_hostile_images_are_400_and_the_server_keeps_serving(served, content, ne
     assert ask(client, [image_part(RED), {"type": "text", "text": "ok"}]).choices[0].finish_reason == "length"
 
 
+@pytest.mark.slow  # the default suite's follow-up test below asks with another image too, and is not resumed
 def test_another_image_never_resumes_a_conversation_cache(served):
     srv, client, model, tokenizer = served
     first = [image_part(RED), {"type": "text", "text": "describe"}]

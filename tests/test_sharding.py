@@ -241,26 +241,50 @@ def test_host_tables_prefetch_equals_full_table(storage):
 
 # ------------------------------------------------------------------------------ whole model
 @pytest.fixture(scope="module")
-def model_and_reference():
-    """The tiny model and its single-device exact-mode prefill + decode (the oracle)."""
+def tiny_model():
+    """The tiny model, its tokens and Engram ids."""
     model = Transformer(MODEL_CFG, rngs=0)
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, MODEL_CFG.vocab_size, (B, T + 1)), jnp.int32)
     rows = model.layers[1].engram.embed.shape[0]
     ids = jnp.asarray(rng.integers(0, rows, (B, T + 1, 1, 6)), jnp.int32)
-    graphdef, params = nnx.split(model)
+    return model, tokens, ids
+
+
+@pytest.fixture(scope="module")
+def exact_step(tiny_model):
+    """One jitted single-device step: the slow tests' prefill reuses the default test's program."""
+    return make_step(nnx.split(tiny_model[0])[0], EXACT)
+
+
+def _reference(tiny_model, step, decode: bool):
+    model, tokens, ids = tiny_model
     with jax.enable_x64(True):
-        ref = _prefill_decode(make_step(graphdef, EXACT), params, init_cache(MODEL_CFG, B), tokens, ids)
+        ref = _prefill_decode(step, nnx.split(model)[1], init_cache(MODEL_CFG, B), tokens, ids, decode=decode)
     return model, tokens, ids, ref
 
 
-def _prefill_decode(step, params, cache, tokens, ids, place=lambda a: a):
+@pytest.fixture(scope="module")
+def reference_prefill(tiny_model, exact_step):
+    """The single-device exact-mode prefill (the oracle of the default suite's sharded check)."""
+    return _reference(tiny_model, exact_step, decode=False)
+
+
+@pytest.fixture(scope="module")
+def model_and_reference(tiny_model, exact_step):
+    """The single-device exact-mode prefill + decode (the oracle)."""
+    return _reference(tiny_model, exact_step, decode=True)
+
+
+def _prefill_decode(step, params, cache, tokens, ids, place=lambda a: a, decode=True):
     logits, cache, aux = step(params, place(tokens[:, :T]), cache, place(ids[:, :T]))
-    logits2, _, aux2 = step(params, place(tokens[:, T:]), cache, place(ids[:, T:]))
-    return [(np.asarray(logits), {l: np.asarray(v) for l, v in aux["topk"].items()},
-             {l: np.asarray(v) for l, v in aux["experts"].items()}),
-            (np.asarray(logits2), {l: np.asarray(v) for l, v in aux2["topk"].items()},
-             {l: np.asarray(v) for l, v in aux2["experts"].items()})]
+    out = [(np.asarray(logits), {l: np.asarray(v) for l, v in aux["topk"].items()},
+            {l: np.asarray(v) for l, v in aux["experts"].items()})]
+    if decode:
+        logits2, _, aux2 = step(params, place(tokens[:, T:]), cache, place(ids[:, T:]))
+        out.append((np.asarray(logits2), {l: np.asarray(v) for l, v in aux2["topk"].items()},
+                    {l: np.asarray(v) for l, v in aux2["experts"].items()}))
+    return out
 
 
 def _check_sharded(model_and_reference, spec, preset):
@@ -270,21 +294,25 @@ def _check_sharded(model_and_reference, spec, preset):
     cache = shard_cache(init_cache(MODEL_CFG, B), mesh, preset)
     with jax.enable_x64(True):
         got = _prefill_decode(make_sharded_step(model, mesh, preset, EXACT), params, cache, tokens, ids,
-                              lambda a: jax.device_put(a, batch_sharding(mesh, a.shape, preset)))
+                              lambda a: jax.device_put(a, batch_sharding(mesh, a.shape, preset)), decode=len(ref) > 1)
+    assert len(got) == len(ref)
     for (lg, topk, experts), (rlg, rtopk, rexperts) in zip(got, ref):
         np.testing.assert_allclose(lg, rlg, rtol=1e-6, atol=1e-6)
         assert topk.keys() == rtopk.keys() and all(np.array_equal(topk[l], rtopk[l]) for l in topk)
         assert all(np.array_equal(experts[l], rexperts[l]) for l in experts)
 
 
-def test_sharded_prefill_decode_equal_single_device(model_and_reference):
-    """data x expert x tensor = 2x2x2: EP MoE, tensor-parallel heads and indexer, row-sharded Engram."""
-    _check_sharded(model_and_reference, "data=2,expert=2,tensor=2", "inference")
+def test_sharded_prefill_equal_single_device(reference_prefill):
+    """data x expert x tensor = 2x2x2: EP MoE, tensor-parallel heads and indexer, row-sharded Engram.
+    The default suite's share: the prefill (a decode step's program is another ~25 s of compiling on 2
+    cores; the sharded decode runs here with -m slow, on every mesh, and in the default suite through the
+    engine on a mesh, tests/test_serve_mesh.py)."""
+    _check_sharded(reference_prefill, "data=2,expert=2,tensor=2", "inference")
 
 
-# every 8-device mesh with the inference preset; FSDP (training) where there is a data axis;
-# the replicated indexer where there is a tensor axis to replicate it over
-SLOW_CASES = ([(m, "inference") for m in MESHES if m != "data=2,expert=2,tensor=2"]
+# prefill + decode on every 8-device mesh with the inference preset; FSDP (training) where there is a data
+# axis; the replicated indexer where there is a tensor axis to replicate it over
+SLOW_CASES = ([(m, "inference") for m in MESHES]
               + [(m, "training") for m in MESHES if not m.startswith("data=1,")]
               + [("data=1,expert=1,tensor=8", "inference-indexer-replicated"),
                  ("data=2,expert=2,tensor=2", "inference-indexer-replicated")])
@@ -297,9 +325,9 @@ def test_sharded_prefill_decode_every_mesh(model_and_reference, spec, preset):
 
 
 # ------------------------------------------------------------------------------ plan
-def test_plan_matches_placed_bytes(model_and_reference):
+def test_plan_matches_placed_bytes(tiny_model):
     """The plan's per-device arithmetic equals the bytes JAX actually places on each device."""
-    model = model_and_reference[0]
+    model = tiny_model[0]
     for spec, preset in [("data=2,expert=2,tensor=2", "inference"), ("data=4,expert=2,tensor=1", "training")]:
         mesh = make_mesh(spec)
         placed = shard_params(model, mesh, preset)
