@@ -277,13 +277,12 @@ def model_and_reference(tiny_model, exact_step):
 
 
 def _prefill_decode(step, params, cache, tokens, ids, place=lambda a: a, decode=True):
-    logits, cache, aux = step(params, place(tokens[:, :T]), cache, place(ids[:, :T]))
-    out = [(np.asarray(logits), {l: np.asarray(v) for l, v in aux["topk"].items()},
-            {l: np.asarray(v) for l, v in aux["experts"].items()})]
-    if decode:
-        logits2, _, aux2 = step(params, place(tokens[:, T:]), cache, place(ids[:, T:]))
-        out.append((np.asarray(logits2), {l: np.asarray(v) for l, v in aux2["topk"].items()},
-                    {l: np.asarray(v) for l, v in aux2["experts"].items()}))
+    """[(logits, top-k, experts)] of the prefill of T tokens and, with `decode`, of one decode step."""
+    out = []
+    for part in (slice(None, T), slice(T, None))[:1 + decode]:
+        logits, cache, aux = step(params, place(tokens[:, part]), cache, place(ids[:, part]))
+        out.append((np.asarray(logits), {l: np.asarray(v) for l, v in aux["topk"].items()},
+                    {l: np.asarray(v) for l, v in aux["experts"].items()}))
     return out
 
 
