@@ -774,3 +774,35 @@ def test_system_and_developer_messages_host_their_tools_and_response_format():
     assert P.chat_mode({"messages": [dev, user("q")]}).parse_tools
     assert not P.chat_mode({"messages": [dev, user("q")], "tool_choice": "none"}).parse_tools
     assert not P.chat_mode({"messages": [system, user("q")]}).parse_tools
+
+
+# ---- DeepSeek's own encoder fixtures, as files ---------------------------------------------------
+
+FIXTURES = __import__("pathlib").Path(__file__).parent / "data" / "chat_fixtures"
+
+
+@pytest.mark.parametrize("n", [3, 4, 5])
+def test_reference_encoder_fixture_files(n):
+    """tests/data/chat_fixtures: input/output pairs of DeepSeek-V4.1's reference encoder, vendored
+    by SGLang (test/registered/unit/entrypoints/openai/fixtures/dsv41; case 5's input from vLLM's
+    tests/tokenizers_/fixtures/deepseek_v4). A bare message list encodes in chat mode; an object
+    names its mode and effort. Case 4 carries `"mask": 1` on an assistant turn, as the reference's
+    own cases write it; case 5 has two images in one user turn."""
+    import json
+
+    case = json.loads((FIXTURES / f"dsv41_input_{n}.json").read_text(encoding="utf-8"))
+    expected = (FIXTURES / f"dsv41_output_{n}.txt").read_text(encoding="utf-8")
+    if isinstance(case, list):
+        got = encode_chat(case, thinking=False)
+    else:
+        got = encode_chat(case["messages"], thinking=case["thinking_mode"] == "thinking",
+                          effort=case["reasoning_effort"], images=True)
+    assert got == expected
+
+
+def test_mask_accepts_the_reference_s_integers_and_refuses_others():
+    for value in (0, 1, True, False):
+        encode_chat([user("q"), {"role": "assistant", "content": "a", "mask": value}], thinking=False)
+    for value in (2, "1", 1.0, None):
+        with pytest.raises(ValueError, match=r"messages\[1\]: mask must be true or false \(or 1 or 0\)"):
+            encode_chat([user("q"), {"role": "assistant", "content": "a", "mask": value}], thinking=False)

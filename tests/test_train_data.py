@@ -58,7 +58,7 @@ def test_a_message_mask_moves_it_in_or_out_of_the_loss_and_never_changes_the_pro
     trained = TOKENIZER.decode(doc.ids[doc.target_mask])
     # the system turn (BOS stays context), the second user turn with its assistant marker, the last reply
     assert trained == f"{st.SYSTEM}be brief{st.USER}more{st.ASSISTANT}</think>ok{st.EOS}", trained
-    with pytest.raises(ValueError, match=r"messages\[1\]: mask must be true or false, got 'yes'"):
+    with pytest.raises(ValueError, match=r"messages\[1\]: mask must be true or false \(or 1 or 0\), got 'yes'"):
         D.chat_document(TOKENIZER, [plain[0], dict(plain[1], mask="yes")])
 
 

@@ -270,9 +270,11 @@ def _mask(msg: Mapping, where: str) -> None:
     """A message's `mask`: DeepSeek's official encoder keeps it on every message (its
     merge_tool_messages carries "task", "wo_eos" and "mask" over to merged user turns) and no
     renderer reads it, so it never changes the prompt. It is a training field: see
-    `train.data.chat_document`. Only its type is checked here."""
-    if "mask" in msg and not isinstance(msg["mask"], bool):
-        raise ValueError(f"{where}: mask must be true or false, got {msg['mask']!r}")
+    `train.data.chat_document`. Only its value is checked here: true/false, or 1/0 as DeepSeek's own
+    encoder fixtures write it (an assistant turn with `"mask": 1`)."""
+    value = msg.get("mask", False)
+    if not (isinstance(value, bool) or (type(value) is int and value in (0, 1))):
+        raise ValueError(f"{where}: mask must be true or false (or 1 or 0), got {value!r}")
 
 
 def _validated(messages, images: bool = False) -> list[_Turn]:
