@@ -30,3 +30,35 @@ def test_byte_tokenizer_json_matches_the_fallback(tmp_path):
     ours, n_ours = build_token_map(tok)
     theirs, n_theirs = engram_token_map(fallback)
     assert n_ours == n_theirs and np.array_equal(ours, theirs)
+
+
+def test_a_client_with_the_exported_tokenizer_counts_completion_prompts_as_the_server_does(tmp_path):
+    """The convention vLLM and SGLang follow for DeepSeek checkpoints: a completion prompt is what the
+    checkpoint's tokenizer.json gives with its post-processor (BOS first). A client that tokenizes with
+    the file (lm-eval counting its context tokens, a `tokenizers` user) gets the server's prompt ids, so
+    its context length and the server's echo logprobs line up; the exported tokenizer_config.json lets
+    Hugging Face's AutoTokenizer load the same file."""
+    import json
+
+    import tokenizers
+
+    from dsv41_jax.checkpoint.hf_writer import write_hf_folder
+    from dsv41_jax.config import ModelConfig
+
+    fallback = ByteTokenizer()
+    file = fallback.save_json(tmp_path / "tokenizer.json")
+    client = tokenizers.Tokenizer.from_file(str(file))  # what any client reads, with its defaults
+    server = load_tokenizer(file)
+    for text in ["import o", "import os", "h\u00e9llo " + st.USER + " x", " "]:
+        assert client.encode(text).ids == [server.bos_id] + server.encode(text) == fallback.encode(text, True)
+        assert client.encode(text, add_special_tokens=False).ids == server.encode(text)
+    # the continuation "s" after the context "import o": its one token is the last of the joined prompt
+    ctx, whole = client.encode("import o").ids, client.encode("import os").ids
+    assert whole[: len(ctx)] == ctx and len(whole) == len(ctx) + 1
+
+    cfg = ModelConfig.tiny()
+    write_hf_folder(tmp_path / "export", cfg, [], tokenizer=file)
+    conf = json.loads((tmp_path / "export" / "tokenizer_config.json").read_text(encoding="utf-8"))
+    assert conf["tokenizer_class"] == "PreTrainedTokenizerFast" and conf["bos_token"] == st.BOS
+    assert conf["model_max_length"] == cfg.max_seq_len
+    assert (tmp_path / "export" / "tokenizer.json").read_bytes() == file.read_bytes()

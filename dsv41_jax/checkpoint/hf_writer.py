@@ -26,6 +26,7 @@ from dsv41_jax.checkpoint.hf_loader import INDEX_FILE
 from dsv41_jax.checkpoint.names import DiskTensor, disk_tensors, is_compressor_weight, is_wo_a, wo_a_scale_shape
 from dsv41_jax.checkpoint.safetensors_file import DTYPES, TensorEntry, write_file
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.text import special_tokens as st
 from dsv41_jax.checkpoint.weights import flat_params
 
 DEFAULT_SHARD_BYTES = 5 << 30
@@ -61,6 +62,20 @@ def tokenizer_file(tokenizer) -> pathlib.Path | None:
     return tok
 
 
+def _tokenizer_config(tok: pathlib.Path, cfg: ModelConfig) -> str:
+    """tokenizer_config.json beside a copied tokenizer.json: the one next to the source file when
+    there is one, else the few fields Hugging Face's `AutoTokenizer` needs to load the file alone
+    (the fast tokenizer class, the special tokens, the context length), so clients that read the
+    checkpoint's tokenizer that way (lm-eval, transformers) tokenize as the server does."""
+    beside = tok.parent / "tokenizer_config.json"
+    if beside.is_file():
+        return beside.read_text(encoding="utf-8")
+    return json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": st.BOS, "eos_token": st.EOS,
+                       "pad_token": st.PAD, "add_bos_token": True, "add_eos_token": False,
+                       "model_max_length": cfg.max_seq_len, "clean_up_tokenization_spaces": False},
+                      indent=2, ensure_ascii=False)
+
+
 def write_hf_folder(out_dir, cfg: ModelConfig, entries: Sequence[TensorEntry], *, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
                     tokenizer=None, overwrite: bool = False, progress: bool = False, sources=()) -> dict:
     """Write config.json, the shards and the index, as a whole (`atomic.atomic_folder`): the
@@ -85,6 +100,7 @@ def write_hf_folder(out_dir, cfg: ModelConfig, entries: Sequence[TensorEntry], *
         atomic.write_text(out / "config.json", json.dumps(cfg.to_hf_dict(), indent=2))
         if tok is not None:
             atomic.copy_file(tok, out / "tokenizer.json")
+            atomic.write_text(out / "tokenizer_config.json", _tokenizer_config(tok, cfg))
         with tqdm(total=sum(e.nbytes for e in entries), unit="B", unit_scale=True, desc="writing", disable=not progress) as bar:
             for i, shard in enumerate(shards):
                 fname = shard_name(i, len(shards))

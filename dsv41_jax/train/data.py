@@ -47,13 +47,16 @@ class ByteTokenizer:
         return self.n_special + 256
 
     def encode(self, text: str, add_special: bool = False, *, split_special_tokens: bool = False) -> list[int]:
-        """Ids for `text`, as `Tokenizer.encode` gives them: special-token text becomes its id unless
-        `split_special_tokens` (then every character is bytes, as training documents are encoded)."""
+        """Ids for `text`, as `Tokenizer.encode` gives them on the file `save_json` writes: special-token
+        text becomes its id unless `split_special_tokens` (then every character is bytes, as training
+        documents are encoded); `add_special` puts BOS first, as the file's post-processor does."""
         if not isinstance(text, str):
             raise TypeError(f"encode expects str, got {type(text).__name__}")
         if split_special_tokens:
-            return self._bytes(text)
-        return P.encode_pieces([P.encoder(text)], self._special_ids, self._pattern, self._bytes)
+            ids = self._bytes(text)
+        else:
+            ids = P.encode_pieces([P.encoder(text)], self._special_ids, self._pattern, self._bytes)
+        return [self.bos_id] + ids if add_special else ids
 
     def _bytes(self, text: str) -> list[int]:
         return [b + self.n_special for b in text.encode("utf-8")]
@@ -91,8 +94,14 @@ class ByteTokenizer:
         ids: a byte-level BPE with no merges (GPT-2's byte-to-character alphabet) and the specials
         as added tokens. Exported checkpoints carry it, so `dsv41 serve` needs no other step.
         `image_token` adds the image placeholder as id `IMAGE_ID` (after the bytes), the id
-        `ModelConfig.tiny_vision` uses, so a small vision checkpoint and this tokenizer agree."""
-        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+        `ModelConfig.tiny_vision` uses, so a small vision checkpoint and this tokenizer agree.
+
+        The file's post-processor puts BOS before a text encoded with special tokens (the default of
+        `tokenizers` and of Hugging Face's tokenizers), as DeepSeek's own tokenizer.json does: a client
+        that tokenizes a completion prompt with this file gets the ids the server gives it (the
+        server's completion prompts start with BOS), so evaluation harnesses that count context
+        tokens themselves (lm-eval) line up with the server's echo logprobs."""
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
         vocab = dict(self._special_ids)
         vocab.update({ch: self.n_special + b for b, ch in _byte_alphabet().items()})
@@ -100,6 +109,8 @@ class ByteTokenizer:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         tok.decoder = decoders.ByteLevel()
         tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in self.SPECIALS])
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{st.BOS} $A", pair=f"{st.BOS} $A $B:1", special_tokens=[(st.BOS, self.bos_id)])
         if image_token:
             tok.add_special_tokens([AddedToken(st.IMAGE, special=True, normalized=False)])
             if tok.token_to_id(st.IMAGE) != self.IMAGE_ID:
