@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 
+from dsv41_jax.serving import call_budget
 from dsv41_jax.text import dsml
 
 # llguidance JSON options: no free whitespace between JSON tokens (the separators are fixed)
@@ -61,14 +62,26 @@ def _lark_string(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+_LENGTHS = ("minLength", "maxLength")
+
+
 def _is_plain_string(schema) -> bool:
     """A property the DSML call writes raw (string="true"): type string and nothing else to check
-    but an enum. Any other string schema goes as JSON (string="false"), which the reply parser
-    decodes to the same string, so its pattern or length is still enforced."""
+    but an enum or its length bounds. Any other string schema (a pattern, a format) goes as JSON
+    (string="false"), which the reply parser decodes to the same string, so it is still enforced."""
     if not isinstance(schema, Mapping) or schema.get("type") != "string":
         return False
-    checks = set(schema) - {"type", "description", "title", "enum", "examples", "default"}
-    return not checks
+    checks = set(schema) - {"type", "description", "title", "enum", "examples", "default", *_LENGTHS}
+    return not checks and all(type(schema.get(k, 0)) is int and schema.get(k, 0) >= 0 for k in _LENGTHS)
+
+
+def _raw_value_regex(schema: Mapping) -> str:
+    """The raw value's characters (JSON Schema counts characters, as the regex's `.` does): any
+    text, or as many characters as `minLength`/`maxLength` allow."""
+    low, high = schema.get("minLength", 0), schema.get("maxLength")
+    if not low and high is None:
+        return "/(?s:.*)/"
+    return f"/(?s:.{{{low},{'' if high is None else high}}})/"
 
 
 class Grammars:
@@ -84,6 +97,7 @@ class Grammars:
         # special tokens are not bytes to llguidance: a literal containing one must name its id
         self.specials = sorted(((t.content, i) for i, t in specials.items() if t.special),
                                key=lambda ci: -len(ci[0]))
+        self._token_table = None  # built on the first forced call's budget check
 
     # ------------------------------------------------------------------ grammar text
     def _literal(self, text: str) -> str:
@@ -145,7 +159,7 @@ class Grammars:
                 sub = props[key]
                 raw = _is_plain_string(sub)
                 if raw and "enum" not in sub:  # raw text up to the first closing tag (the tag ends the value)
-                    lines.append(f"v{ti}_{pi}[suffix={_lark_string(p_close)}]: /(?s:.*)/")
+                    lines.append(f"v{ti}_{pi}[suffix={_lark_string(p_close)}]: {_raw_value_regex(sub)}")
                     value = f"v{ti}_{pi}"
                 elif raw:
                     value = "(" + " | ".join(self._literal(str(v)) for v in sub["enum"]) + f") {self._literal(p_close)}"
@@ -181,6 +195,13 @@ class Grammars:
         head = self._literal(f"\n\n<{dsml.CALLS_TAG}>\n")
         tail = self._literal(f"\n</{dsml.CALLS_TAG}>")
         return self.lark("\n".join([f"start: {head} {calls} {tail}"] + lines) + "\n")
+
+    def fewest_call_tokens(self, functions: Sequence[Mapping], *, parallel: bool) -> int:
+        """A lower bound on the tokens of any reply `tool_calls(functions, ...)` accepts: a forced
+        call under a smaller `max_tokens` can only be cut (dsv41_jax.serving.call_budget)."""
+        if self._token_table is None:
+            self._token_table = call_budget.TokenTable(self.lltok, self.specials)
+        return call_budget.fewest_call_tokens(self._token_table, functions, parallel=parallel)
 
     # ------------------------------------------------------------------ checks and matchers
     def check(self, grammar: str, param: str) -> None:

@@ -4,9 +4,11 @@ The inverse of the chat encoder's assistant rendering (dsv41_jax.text.chat, dsv4
 `reasoning</think>content\\n\\n<｜DSML｜ calls>...</｜DSML｜ calls><｜end▁of▁sentence｜>`.
 `ReplyParser` works on streamed text: `feed(delta)` returns only what is certain, holding back
 any tail that could still become `</think>` or a DSML tag, so a tag split across deltas is never
-shown as text. Tool calls are emitted when their `</｜DSML｜ calls>` block closes; an unterminated
-block (a reply cut by max_tokens) is dropped at `finish()` with all its calls, never shown as
-content.
+shown as text. Tool calls are emitted when their `</｜DSML｜ calls>` block closes. An unterminated
+block is never shown as content: a reply cut by max_tokens (`finish(cut=True)`) returns its calls
+as far as they were written, the last one's `arguments` a prefix of its JSON object, as OpenAI's
+API returns a call cut by the budget (finish_reason "length"); a block left open by an end of
+sentence is dropped.
 """
 from __future__ import annotations
 
@@ -145,12 +147,19 @@ class ReplyParser:
         self.pending_ws = text[len(stripped):]
         out.content += stripped
 
-    def finish(self) -> Delta:
+    def finish(self, *, cut: bool = False) -> Delta:
         """Flush at the end of the reply. A held tail that never became `</think>` is text; with
         tools, a held tail that could start the calls tag (even a lone `<`, since the next token
-        may have been the cut one) and an open calls block (a reply cut by max_tokens) are
-        dropped, never shown as content."""
+        may have been the cut one) is dropped, never shown as content. An open calls block is
+        returned as cut calls when `cut` (the budget ended the reply), else dropped."""
         out = Delta()
+        if self.state == "calls" and cut:
+            for name, args in _cut_invokes(self.buf):
+                if self.max_calls is not None and len(self.calls) >= self.max_calls:
+                    break
+                call = ToolCall(len(self.calls), name, args)
+                self.calls.append(call)
+                out.tool_calls.append(call)
         if self.state == "reasoning":
             out.reasoning += self.buf
         elif self.state == "content" and not self.tools:
@@ -160,6 +169,34 @@ class ReplyParser:
             out.content += (self.pending_ws + tail).rstrip() if tail else ""
         self.buf, self.pending_ws = "", ""
         return out
+
+
+def _cut_invokes(block: str) -> list[tuple[str, str]]:
+    """(name, arguments) of every invoke begun in an unterminated calls block: whole invokes as
+    `parse_invoke` reads them, the last one's arguments as the prefix of its JSON object that the
+    written parameters give (a parameter cut inside its value contributes the part written: a
+    string="true" value as an unterminated JSON string, another as its text so far)."""
+    out, at = [], 0
+    for m in _INVOKE.finditer(block):
+        out.append((m["name"], json.dumps(parse_invoke(m["name"], m["body"]), ensure_ascii=False)))
+        at = m.end()
+    head = re.compile(rf'<{re.escape(dsml.INVOKE_TAG)} name="(?P<name>[^"]*)">').search(block, at)
+    if head is None:
+        return out
+    body = block[head.end():]
+    done = list(_PARAM.finditer(body))
+    args = json.dumps(parse_invoke(head["name"], body), ensure_ascii=False)
+    prefix = args[:-1]  # the object so far, left open
+    rest = body[done[-1].end():] if done else body
+    open_param = re.search(rf'<{re.escape(dsml.PARAMETER_TAG)} name="(?P<name>[^"]*)" string="(?P<flag>true|false)">'
+                           r'(?P<value>.*)$', rest, re.S)
+    if open_param is not None:
+        value = open_param["value"]
+        value = value[:len(value) - _held(value, (f"</{dsml.PARAMETER_TAG}>",))]  # a closing tag begun
+        value = json.dumps(value, ensure_ascii=False)[:-1] if open_param["flag"] == "true" else value
+        prefix += (", " if done else "") + json.dumps(open_param["name"], ensure_ascii=False) + ": " + value
+    out.append((head["name"], prefix))
+    return out
 
 
 def parse_reply(text: str, *, thinking: bool, tools: bool) -> tuple[str, str, list[ToolCall]]:
