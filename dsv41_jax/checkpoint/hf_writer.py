@@ -62,7 +62,7 @@ def tokenizer_file(tokenizer) -> pathlib.Path | None:
     return tok
 
 
-def _tokenizer_config(tok: pathlib.Path, cfg: ModelConfig) -> str:
+def tokenizer_config(tok: pathlib.Path, cfg: ModelConfig) -> str:
     """tokenizer_config.json beside a copied tokenizer.json: the one next to the source file when
     there is one, else the few fields Hugging Face's `AutoTokenizer` needs to load the file alone
     (the fast tokenizer class, the special tokens, the context length), so clients that read the
@@ -100,7 +100,7 @@ def write_hf_folder(out_dir, cfg: ModelConfig, entries: Sequence[TensorEntry], *
         atomic.write_text(out / "config.json", json.dumps(cfg.to_hf_dict(), indent=2))
         if tok is not None:
             atomic.copy_file(tok, out / "tokenizer.json")
-            atomic.write_text(out / "tokenizer_config.json", _tokenizer_config(tok, cfg))
+            atomic.write_text(out / "tokenizer_config.json", tokenizer_config(tok, cfg))
         with tqdm(total=sum(e.nbytes for e in entries), unit="B", unit_scale=True, desc="writing", disable=not progress) as bar:
             for i, shard in enumerate(shards):
                 fname = shard_name(i, len(shards))
