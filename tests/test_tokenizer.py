@@ -132,3 +132,20 @@ def test_generated_token_inside_sentinel_range_raises(tmp_path):
 
 def test_placeholder_names_follow_the_deepseek_pattern():
     assert placeholder(128847) == "<｜place▁holder▁no▁128847｜>"
+
+
+def test_a_lone_surrogate_is_refused_with_its_code_point_and_position(tmp_path):
+    """JSON allows "\\ud800" without its pair; such text has no UTF-8 form. Both tokenizers (the file
+    and the byte-level fallback) and the chat encoder say which code point and where, not the
+    `tokenizers` library's "TextInputSequence must be str"."""
+    from dsv41_jax.text.chat import encode_chat_ids
+    from dsv41_jax.train.data import ByteTokenizer
+
+    tok = load_tokenizer(ByteTokenizer().save_json(tmp_path / "tokenizer.json"))
+    for encode in (tok.encode, ByteTokenizer().encode):
+        for split in (False, True):
+            with pytest.raises(ValueError, match=r"lone UTF-16 surrogate U\+D800 at character 2"):
+                encode("ab\ud800c", split_special_tokens=split)
+    with pytest.raises(ValueError, match=r"surrogate U\+DFFF at character 1"):
+        encode_chat_ids(tok, [{"role": "user", "content": "x\udfff"}], thinking=False)
+    assert tok.encode("a\U0001F600") == ByteTokenizer().encode("a\U0001F600")  # a paired character is fine

@@ -50,6 +50,7 @@ class Tokenizer:
         automatic BOS), which chat prompts must not use because the encoder writes BOS itself."""
         if not isinstance(text, str):
             raise TypeError(f"encode expects str, got {type(text).__name__}")
+        check_encodable(text)
         backend = self.text_backend if split_special_tokens else self.backend_tokenizer
         return backend.encode(text, add_special_tokens=add_special).ids
 
@@ -77,6 +78,19 @@ class Tokenizer:
     def added_tokens(self) -> dict[int, str]:
         """id -> content for every token declared in the file's `added_tokens`."""
         return {i: t.content for i, t in self.backend_tokenizer.get_added_tokens_decoder().items()}
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_encodable(text: str) -> None:
+    """Refuse text that has no UTF-8 form: a lone UTF-16 surrogate (JSON's "\\ud800" escape without its
+    pair) cannot be tokenized, and the `tokenizers` library would only say "TextInputSequence must be
+    str". The message names the code point and its position."""
+    bad = _SURROGATE.search(text)
+    if bad is not None:
+        raise ValueError(f"text contains a lone UTF-16 surrogate U+{ord(bad.group()):04X} at character {bad.start()}; "
+                         "it has no UTF-8 form: send the character's surrogate pair or the character itself")
 
 
 def _resolve_file(path_or_dir) -> Path:

@@ -21,6 +21,7 @@ import numpy as np
 
 from dsv41_jax.text import pieces as P
 from dsv41_jax.text import special_tokens as st
+from dsv41_jax.text.tokenizer import check_encodable
 
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".c", ".h", ".json", ".toml", ".cfg"}
 
@@ -52,6 +53,7 @@ class ByteTokenizer:
         documents are encoded); `add_special` puts BOS first, as the file's post-processor does."""
         if not isinstance(text, str):
             raise TypeError(f"encode expects str, got {type(text).__name__}")
+        check_encodable(text)
         if split_special_tokens:
             ids = self._bytes(text)
         else:
