@@ -1,12 +1,17 @@
-"""The serving engine's placement on a mesh: parameters, caches and step programs laid out by a preset.
+"""The serving engine's strategies on a mesh (`serving.placement` states what they answer).
 
-`Engine(model, mesh=..., preset=...)` holds one `MeshPlacement`. It places the parameters by the
+`MeshPlacement`: parameters, caches and step programs laid out by a preset. It places the parameters by the
 preset's shardings (Engram tables padded to equal row shards first, as `dsv41 plan` and
 `sharding.load.load_sharded` count them), gives the engine the graphdef of the distributed model
 (`sharding.step.distribute`: expert-parallel MoE with all-to-all dispatch, row-sharded Engram
 lookups; the params pytree is the plain model's), and lays every cache out by the same preset.
 The engine's jitted steps are then SPMD programs over the whole mesh; each step's returned cache
 is constrained to the preset's layout, so decode steps chain without resharding.
+
+`HostTables`: the Engram tables in host memory (`engram_shard.HostEngramTables`, `dsv41 serve
+--engram host`): each step's hash ids are known before it runs, so only the rows it reads go to the
+device, as a compact table per layer, replicated where the params live; the numbers are those of
+the tables in device memory, bit for bit.
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sharding.engram_shard import pad_tables, unpadded_tables
+from sharding.engram_shard import compact_params, pad_tables, split_host_tables, unpadded_tables
 from sharding.load import table_row_shards
 from sharding.mesh import format_mesh_spec, mesh_shape
 from sharding.rules import cache_shardings, get_rules, param_shardings
@@ -24,17 +29,24 @@ from sharding.step import distribute
 class MeshPlacement:
     """Where an engine's arrays live on `mesh` under `preset` (see the module doc)."""
 
-    def __init__(self, model, mesh: Mesh, preset: str = "inference", *, engram_host: bool = False):
-        """engram_host: the model's Engram tables are empty placeholders (`engram_shard.split_host_tables`);
-        each step brings its compact tables replicated, so the lookups stay plain gathers."""
+    def __init__(self, mesh: Mesh, preset: str = "inference"):
         get_rules(preset)  # an unknown preset is refused here, naming the choices
         self.mesh, self.preset = mesh, preset
+        self.replicated = NamedSharding(mesh, PartitionSpec())
+
+    def load(self, model, plan=None, host_tables: bool = False):
+        """(graphdef of the distributed model, params placed by the preset, params as stored).
+        host_tables: the model's Engram tables are empty placeholders (`HostTables`); each step
+        brings its compact tables replicated, so the lookups stay plain gathers. The distributed
+        MoE reads the stored bytes: `plan`'s kernel views are not made here."""
         graphdef, state = nnx.split(model)
-        state = pad_tables(state, table_row_shards(mesh, preset))  # no-op when already padded / divisible
-        self.param_shardings = param_shardings(state, mesh, preset)
-        self.params = jax.device_put(state, self.param_shardings)
-        self.graphdef, _ = nnx.split(distribute(nnx.merge(graphdef, self.params), mesh, preset,
-                                                sharded_engram=not engram_host))
+        state = pad_tables(state, table_row_shards(self.mesh, self.preset))  # no-op when already padded / divisible
+        self.param_shardings = param_shardings(state, self.mesh, self.preset)
+        params = jax.device_put(state, self.param_shardings)
+        graphdef, _ = nnx.split(distribute(nnx.merge(graphdef, params), self.mesh, self.preset,
+                                           sharded_engram=not host_tables))
+        # the fingerprint is the same on a mesh as on one device, so prefix-cache files move between them
+        return graphdef, params, unpadded_tables(params, model.cfg)
 
     def describe(self) -> str:
         return f"mesh {format_mesh_spec(mesh_shape(self.mesh))} ({self.mesh.devices.size} devices), preset {self.preset}"
@@ -58,10 +70,28 @@ class MeshPlacement:
             return jax.lax.with_sharding_constraint(tree, cache_shardings(tree, self.mesh, self.preset))
         return jax.lax.with_sharding_constraint(tree, NamedSharding(self.mesh, PartitionSpec()))
 
-    def unpadded(self, params, cfg):
-        """The params with Engram tables cut back to their stored rows (the model's fingerprint is
-        the same on a mesh as on one device, so prefix-cache files move between them)."""
-        return unpadded_tables(params, cfg)
+
+class HostTables:
+    """The Engram tables in host memory (see the module doc); `host` holds them after `prepare`."""
+
+    host = None
+
+    def prepare(self, model):
+        """(the model with empty tables, its full params for the fingerprint: the same as the
+        tables in device memory give, so prefix-cache files move between the two)."""
+        cfg = model.cfg
+        if not cfg.engram_layer_ids:
+            raise ValueError("engram_host=True (--engram host) but this model has no Engram layers "
+                             "(engram_layer_ids is empty); drop the option")
+        stored = unpadded_tables(nnx.state(model), cfg)
+        model, self.host = split_host_tables(model, cfg)
+        return model, stored
+
+    def inputs(self, params, ids, replicated):
+        """The compact tables have B*T*C rows for a step of B rows of T tokens, so each step shape
+        still compiles once."""
+        compact, remapped = self.host.prefetch(ids, sharding=replicated)
+        return compact_params(params, compact), remapped
 
 
 def bytes_per_device(tree) -> dict:

@@ -17,7 +17,7 @@ import jax
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.runtime import Runtime
 from dsv41_jax.serving import sampling
-from dsv41_jax.serving.engine import Engine, Request
+from dsv41_jax.serving.engine import Engine, Request, strategies
 from dsv41_jax.serving.prompt_logprobs import prompt_logprobs
 from dsv41_jax.serving.random_weights import random_model
 from sharding.mesh import make_mesh
@@ -46,8 +46,8 @@ def _serve(model, spec, host, prompts, *, exact_prefill, mode, chunk=8, tmp_path
     """(tokens per request, logprob rows per request, echo logprobs, engine) of one engine."""
     cfg = model.cfg
     eng = Engine(model, slots=2, min_capacity=cfg.max_seq_len, prefill_chunk=chunk, exact_prefill=exact_prefill,
-                 runtime=Runtime(mode=mode), engram=_engram(cfg), mesh=None if spec is None else make_mesh(spec),
-                 engram_host=host)
+                 runtime=Runtime(mode=mode), engram=_engram(cfg),
+                 **strategies(None if spec is None else make_mesh(spec), engram_host=host))
     rows: dict[str, list] = {}
     greedy = sampling.SamplingParams(max_tokens=3)
 
@@ -76,8 +76,8 @@ def _compare(model, spec, prompts, **kw):
     eng = host[3]
     assert eng.fingerprint == hbm[3].fingerprint  # prefix-cache files move between the two
     # the device holds no table row: the host engine's devices hold the HBM engine's bytes less the tables
-    tables = sum(v.nbytes + s.nbytes for v, s in eng.host_engram.tables.values())
-    rows = dict(zip(model.cfg.engram_layer_ids, (t[0].shape[0] for t in eng.host_engram.tables.values())))
+    tables = sum(v.nbytes + s.nbytes for v, s in eng.tables.host.tables.values())
+    rows = dict(zip(model.cfg.engram_layer_ids, (t[0].shape[0] for t in eng.tables.host.tables.values())))
     assert rows == {l: model.layers[l].engram.embed.shape[0] for l in model.cfg.engram_layer_ids}
     held, held_hbm = bytes_per_device(eng.params), bytes_per_device(hbm[3].params)
     assert sum(held_hbm.values()) - sum(held.values()) >= tables  # >=: a mesh pads HBM tables to equal shards
@@ -130,7 +130,7 @@ def test_host_engram_equals_hbm_split_prefill(spec, tmp_path):
 def test_host_engram_needs_engram_layers():
     cfg = SMALL.replace(engram_layer_ids=())
     with pytest.raises(ValueError, match="no Engram layers"):
-        Engine(random_model(cfg), slots=1, exact_prefill=True, engram_host=True)
+        Engine(random_model(cfg), slots=1, exact_prefill=True, **strategies(engram_host=True))
 
 
 def test_plan_prints_engram_host_in_the_serve_command(capsys):

@@ -16,7 +16,7 @@ from dsv41_jax.golden.check import TIGHTEST
 from dsv41_jax.runtime import Runtime
 from dsv41_jax.serving import sampling
 from dsv41_jax.serving.buckets import empty_cache
-from dsv41_jax.serving.engine import Engine, Request
+from dsv41_jax.serving.engine import Engine, Request, strategies
 from dsv41_jax.serving.random_weights import random_model
 from sharding import plan as plan_mod
 from sharding.mesh import make_mesh, mesh_shape
@@ -55,7 +55,7 @@ class Recording(Engine):
 
 def _engine(model, mesh=None, preset="inference", runtime=None, slots=SLOTS, **kw):
     eng = Recording(model, slots=slots, min_capacity=64, prefill_chunk=8, runtime=runtime or Runtime(mode="exact"),
-                    engram=_engram(CFG), mesh=mesh, preset=preset, **kw)
+                    engram=_engram(CFG), **strategies(mesh, preset), **kw)
     eng.seen, eng.split = {}, False
     return eng
 
@@ -148,9 +148,9 @@ def _engine_on_mesh_equals_one_device(model, spec, mode, tmp_path):
         floor = dist(runs["alone"][2])
         assert dist(seenm) <= floor + FAST_BOUND, (dist(seenm), floor)
     # the decode step is one SPMD program with the expert all-to-all
-    params, ids = mesh_eng._step_params(mesh_eng._batch_ids([([], 0)] * SLOTS))
-    hlo = mesh_eng._decode.lower(params, jax.numpy.zeros((SLOTS, 1), jax.numpy.int32), mesh_eng.cache,
-                                 jax.numpy.ones((SLOTS,), bool), ids).compile().as_text()
+    params, ids = mesh_eng.step_inputs(mesh_eng.batch_ids([([], [0])] * SLOTS))
+    hlo = mesh_eng.steps.decode.lower(params, jax.numpy.zeros((SLOTS, 1), jax.numpy.int32), mesh_eng.cache, None,
+                                      jax.numpy.ones((SLOTS,), bool), ids).compile().as_text()
     assert "all-to-all" in hlo
 
 
@@ -220,7 +220,7 @@ def test_fast_numerics_on_mesh(model, spec):
     graphdef, params = nnx.split(model)
     one = _forward_decisions(make_step(graphdef, fast), params, init_cache(CFG, B), tokens, ids, calls)
     mesh = make_mesh(spec)
-    got = _forward_decisions(make_sharded_step(model, mesh, "inference", fast), MeshPlacement(model, mesh).params,
+    got = _forward_decisions(make_sharded_step(model, mesh, "inference", fast), MeshPlacement(mesh).load(model)[1],
                              shard_cache(init_cache(CFG, B), mesh, "inference"), tokens, ids, calls,
                              lambda a: jax.device_put(a, batch_sharding(mesh, a.shape, "inference")))
     assert len(one[1]) >= 3 and len(one[2]) == CFG.n_layers  # the indexer layers' top-k, every layer's experts

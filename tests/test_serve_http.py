@@ -325,7 +325,7 @@ def test_conversation_cache_chat_mode_extends_prompt_and_completion(server, clie
     assert r1.usage.prompt_tokens_details.cached_tokens == 0 and r1.choices[0].message.content == "Sunny."
     m2 = q1 + [{"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "and tomorrow"}]
     engine, prefilled = server.worker.engine, []
-    full, replay = engine._full, engine._replay  # count the tokens each prefill program is given
+    full, replay = engine.steps.prefill, engine.steps.replay  # count the tokens each prefill program is given
 
     def counting(fn):
         def run(params, tokens, *rest):
@@ -333,11 +333,11 @@ def test_conversation_cache_chat_mode_extends_prompt_and_completion(server, clie
             return fn(params, tokens, *rest)
         return run
 
-    engine._full, engine._replay = counting(full), counting(replay)
+    engine.steps.prefill, engine.steps.replay = counting(full), counting(replay)
     try:
         r2 = _turn(client, m2, max_tokens=4, logprobs=True)
     finally:
-        engine._full, engine._replay = full, replay
+        engine.steps.prefill, engine.steps.replay = full, replay
     n = len(encode_chat_ids(tok, q1, thinking=False)) + r1.usage.completion_tokens - 1  # prompt + reply before EOS
     assert r2.usage.prompt_tokens_details.cached_tokens == n
     new = len(encode_chat_ids(tok, m2, thinking=False)) - n

@@ -649,11 +649,12 @@ def test_engine_steps_on_the_kernels_equal_xla_in_exact_mode(micro):
         for impl in ("xla", "pallas"):
             eng = Engine(micro["model"], slots=2, exact_prefill=True, runtime=Runtime(mode="exact", impl=impl))
             assert eng.decode_plan.kernel_mode == ("exact" if impl == "pallas" else None)
-            logits, cache = eng._full(eng.params, tokens, buckets.empty_cache(cfg, 2, cfg.max_seq_len), None)
-            r_logits, cache = eng._replay(eng.params, tokens[:, -W:], sp.drop_window(cache), None)
+            logits, cache, _ = eng.steps.prefill(eng.params, tokens, buckets.empty_cache(cfg, 2, cfg.max_seq_len),
+                                                 None, None, None)
+            r_logits, cache = eng.steps.replay(eng.params, tokens[:, -W:], sp.drop_window(cache), None, None)
             steps, nxt = [logits, r_logits], tokens[:, :1]
             for _ in range(2):
-                logits, cache = eng._decode(eng.params, nxt, cache, jnp.ones(2, bool), None)
+                logits, cache, _ = eng.steps.decode(eng.params, nxt, cache, None, jnp.ones(2, bool), None)
                 steps.append(logits)
                 nxt = jnp.argmax(logits, -1)[:, None].astype(jnp.int32)
             out[impl] = (steps, cache)

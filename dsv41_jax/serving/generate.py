@@ -16,7 +16,7 @@ import numpy as np
 
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.runtime import Runtime
-from dsv41_jax.serving.engine import Engine, Request
+from dsv41_jax.serving.engine import Engine, EngineSettings, Request, strategies
 from dsv41_jax.serving.sampling import SamplingParams
 from dsv41_jax.text.tokenizer import Tokenizer, sentinel_ids
 
@@ -58,9 +58,10 @@ def one_slot_engine(model, *, runtime: Runtime = Runtime(), banned_ids=(), engra
     drafts per step (`serving.speculation`; the model must carry the drafter); engram_host: the
     Engram tables in host memory (`Engine(engram_host=True)`)."""
     cfg = model.cfg
-    return Engine(model, slots=1, max_seq_len=cfg.max_seq_len, min_capacity=min(256, cfg.max_seq_len),
-                  prefill_chunk=prefill_chunk, exact_prefill=True, runtime=runtime, banned_ids=banned_ids,
-                  engram=engram, mesh=mesh, preset=preset, speculative=speculative, engram_host=engram_host)
+    settings = EngineSettings(slots=1, max_seq_len=cfg.max_seq_len, min_capacity=min(256, cfg.max_seq_len),
+                              prefill_chunk=prefill_chunk, exact_prefill=True, runtime=runtime,
+                              banned_ids=tuple(banned_ids), speculative=speculative)
+    return Engine(model, settings, engram=engram, **strategies(mesh, preset, engram_host))
 
 
 def generate(engine: Engine, prompt_ids, *, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),

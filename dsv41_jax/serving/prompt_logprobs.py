@@ -33,7 +33,7 @@ def _program(engine: Engine):
         # on a mesh: the cache keeps the preset's layout, and the logits are gathered whole before
         # the log-softmax (its sum over a row split on `tensor` would add the shards in another
         # order than one device does), as the engine's own steps return them
-        fix = (lambda t: t) if engine.placement is None else engine.placement.constrain
+        fix = engine.placement.constrain
 
         @functools.partial(jax.jit, donate_argnums=(2,), compiler_options=COMPILER_OPTIONS)
         def fn(params, tokens, cache, ids, targets):
@@ -61,7 +61,7 @@ def prompt_logprobs(engine: Engine, prompt: list[int]) -> tuple[list[float | Non
         chunk = prompt[done:done + size]
         targets = prompt[done + 1:done + size + 1]
         targets = targets + [-1] * (size - len(targets))  # the prompt's last position predicts no prompt token
-        params, ids = engine._step_params(engine._engram_ids(prompt[:done], chunk))
+        params, ids = engine.step_inputs(engine.engram_ids(prompt[:done], chunk))
         target, top_lp, top_ids, cache = step(params, jnp.asarray([chunk], jnp.int32), cache, ids,
                                               jnp.asarray(targets, jnp.int32))
         target, top_lp, top_ids = np.asarray(target), np.asarray(top_lp), np.asarray(top_ids)

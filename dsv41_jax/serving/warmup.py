@@ -15,11 +15,10 @@ it no request compiles, whatever its length:
   caches are on; a conversation shorter than a window replays a shorter piece, compiled on use);
 - one request through the engine's own admit/decode path: the batch-1 and batch-`slots` sampler,
   the slot insert, the decode step, the logprob path;
-- on a speculating engine (`Engine(speculative=K)`): the exact pieces again with the drafter's
-  rings (`_full_rings`), the split prefill's with taps (Graph A keeping the tail's, Graph B
-  writing the rings), and a greedy and a T = 1 request long enough to speculate (draft, sampled
-  draft, verify, per-position targets, rejection sampling, commit); the engine's `spec_stats` are
-  zeroed afterwards.
+- on a speculating engine (`Engine(speculative=K)`): the prefill programs above are the ones that
+  carry the drafter's rings (speculation is data in `serving.steps`: no second set), plus a greedy
+  and a T = 1 request long enough to speculate (draft, sampled draft, verify, per-position
+  targets, rejection sampling, commit); the engine's `spec_stats` are zeroed afterwards.
 
 With a persistent compilation cache (`compile_cache`) a second start loads the programs instead
 of compiling them. Image spans add operands to the prefill programs, and the vision tower is its
@@ -36,7 +35,6 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax.model import dspark
 from dsv41_jax.serving.engine import Engine, Request
 from dsv41_jax.serving.sampling import SamplingParams
 
@@ -77,10 +75,6 @@ def program_list(engine: Engine, *, replay: bool = False) -> list[tuple[str, int
     if replay:
         out.append(("replay", engine.cfg.window_size))
     if engine.K:
-        out += [("exact_rings", n) for n in piece_sizes(1, exact_hi, engine.prefill_chunk)]
-        out += [("graph_a_rings", n) for n in split]
-        if split:
-            out.append(("graph_b_rings", engine.tail))
         out.append(("speculate", engine.slots))
     out.append(("decode", engine.slots))
     return out
@@ -88,34 +82,19 @@ def program_list(engine: Engine, *, replay: bool = False) -> list[tuple[str, int
 
 def _run(engine: Engine, kind: str, n: int):
     # the arguments exactly as Engine.prefill passes them: same shapes and dtypes, placed buffers
-    # (Engine.placed), uncommitted token/id/floor arrays, and None spelled out where it passes None
-    # (an omitted default argument is another jit signature, compiled again)
-    cfg = engine.cfg
+    # (Engine.placed), uncommitted token/id/floor arrays, and None where it passes None
     tokens = jnp.asarray([[0] * n], jnp.int32)
-    params, ids = engine._step_params(engine._engram_ids([], [0] * n))  # host Engram: compact tables
-    buffers = lambda: engine.placed((jnp.zeros((1, engine.tail, cfg.hc_mult, cfg.dim), jnp.bfloat16),
-                                     jnp.zeros((1, engine.tail, cfg.hc_mult), jnp.float32)))
+    params, ids = engine.step_inputs(engine.engram_ids([], [0] * n))  # host Engram: compact tables
+    steps = engine.steps
     if kind == "exact":
-        out = engine._full(params, tokens, engine.empty(1), ids, None)
+        out = steps.prefill(params, tokens, engine.empty(1), engine.row_state(), ids, None)
     elif kind == "graph_a":
-        enc_h, enc_pre = buffers()
-        out = engine._encoder(params, tokens, engine.empty(1), enc_h, enc_pre, ids, None)
+        out = steps.encode(params, tokens, engine.empty(1), engine.prefill_buffers(), ids, None)
     elif kind == "graph_b":
-        enc_h, enc_pre = buffers()
-        out = engine._decoder(params, enc_h, enc_pre, engine.empty(1), jnp.full((1,), 0, jnp.int32), ids,
-                              None)
-    elif kind == "graph_a_rings":
-        enc_h, enc_pre = buffers()
-        enc_taps = engine.placed(jnp.zeros((1, engine.tail, engine._encoder_tap_width()), jnp.bfloat16))
-        out = engine._encoder_taps(params, tokens, engine.empty(1), enc_h, enc_pre, enc_taps, ids, None)
-    elif kind == "graph_b_rings":
-        enc_h, enc_pre = buffers()
-        enc_taps = engine.placed(jnp.zeros((1, engine.tail, engine._encoder_tap_width()), jnp.bfloat16))
-        out = engine._decoder_rings(params, enc_h, enc_pre, enc_taps, engine.empty(1), jnp.full((1,), 0, jnp.int32),
-                                    ids, None, engine.placed(dspark.init_state(cfg, 1)))
-    elif kind == "exact_rings":
-        rings = engine.placed(dspark.init_state(cfg, 1))
-        out = engine._full_rings(params, tokens, engine.empty(1), ids, None, rings)
+        out = steps.finish(params, engine.prefill_buffers(), engine.empty(1), engine.row_state(),
+                           jnp.full((1,), 0, jnp.int32), ids, None)
+    elif kind == "replay":
+        out = steps.replay(params, tokens, engine.empty(1), ids, None)
     elif kind == "speculate":  # K + 3 tokens: speculating steps, then the plain step near max_tokens;
         # greedy (greedy drafts), then at T = 1 (sampled drafts and rejection sampling)
         for t in (0.0, 1.0):
@@ -123,8 +102,6 @@ def _run(engine: Engine, kind: str, n: int):
                                 request_id=f"dsv41-warmup-spec-{t:g}", want_logprobs=True,
                                 on_token=lambda token, logprobs: None)])
         return
-    elif kind == "replay":
-        out = engine._replay(params, tokens, engine.empty(1), ids)
     else:  # one request through admit, the samplers, insert, decode and logprobs
         req = Request([0], SamplingParams(max_tokens=2), request_id="dsv41-warmup", want_logprobs=True,
                       on_token=lambda token, logprobs: None)
@@ -142,7 +119,7 @@ def warm(engine: Engine, *, replay: bool = False,
     if not engine.idle():
         raise RuntimeError("warm() needs an idle engine (call it before serving requests)")
     t0 = time.perf_counter()
-    engine._grow(engine.max_seq_len)
+    engine.grow(engine.max_seq_len)
     todo = program_list(engine, replay=replay)
     if progress is not None:
         progress(0, len(todo), "start", 0.0)

@@ -11,7 +11,7 @@ import threading
 import time
 
 from dsv41_jax.runtime import Runtime
-from dsv41_jax.serving.engine import Engine
+from dsv41_jax.serving.engine import Engine, EngineSettings, strategies
 from dsv41_jax.serving.http.app import ServerConfig, build_app
 from dsv41_jax.serving.http.metrics import Metrics
 from dsv41_jax.serving.http.worker import EngineWorker
@@ -54,23 +54,25 @@ def banned_ids(cfg, tokenizer) -> list[int]:
 
 
 def make_engine(model, tokenizer, opts: ServeOptions) -> Engine:
-    """The engine `build` serves with (every process serving across processes builds the same one)."""
+    """The engine `build` serves with (every process serving across processes builds the same one).
+    Its `max_seq_len` is the server's max model length (the options' or the config's)."""
     from dsv41_jax.serving.generate import _engram_tables
 
     cfg = model.cfg
     max_len = opts.max_model_len or cfg.max_seq_len
+    settings = EngineSettings(slots=opts.max_batch, max_seq_len=max_len, min_capacity=min(opts.min_capacity, max_len),
+                              prefill_chunk=opts.prefill_chunk, exact_prefill=opts.exact_prefill, runtime=opts.runtime,
+                              banned_ids=tuple(banned_ids(cfg, tokenizer)), speculative=opts.speculative,
+                              spec_acceptance=opts.spec_acceptance)
     engram = _engram_tables(cfg, tokenizer) if cfg.engram_layer_ids else None
-    return Engine(model, slots=opts.max_batch, max_seq_len=max_len, min_capacity=min(opts.min_capacity, max_len),
-                  prefill_chunk=opts.prefill_chunk, exact_prefill=opts.exact_prefill, runtime=opts.runtime,
-                  banned_ids=banned_ids(cfg, tokenizer), engram=engram, mesh=opts.mesh, preset=opts.preset,
-                  speculative=opts.speculative, spec_acceptance=opts.spec_acceptance, engram_host=opts.engram_host)
+    return Engine(model, settings, engram=engram, **strategies(opts.mesh, opts.preset, opts.engram_host))
 
 
 def build(model, tokenizer, opts: ServeOptions):
     """(FastAPI app, EngineWorker) for a loaded model; the worker thread is not started."""
     cfg = model.cfg
-    max_len = opts.max_model_len or cfg.max_seq_len
     engine = make_engine(model, tokenizer, opts)
+    max_len = engine.max_seq_len
     processes = None
     if opts.lockstep is not None:  # process 0 of several: publish every engine call (serving/lockstep.py)
         from dsv41_jax.serving.lockstep import LeaderEngine

@@ -1,0 +1,178 @@
+"""The serving engine's compiled steps: pure functions of (params, cache, inputs) -> (outputs, cache).
+
+`build_steps` jits each step once from what is fixed for an engine (its graphdef, runtime, decode
+plan, CED tail, placement and drafter size); the engine's scheduler (`serving.engine`) only calls
+them. The steps, in the order a request meets them (JetStream's prefill / insert / generate):
+
+- `prefill`: one exact prefill piece of a one-row cache (every layer over the piece's tokens);
+- `encode` + `finish`: the CED split, Graph A over every prompt piece (keeping the newest `tail`
+  positions' hidden state in the buffers) and Graph B over the tail;
+- `replay`: a stored conversation's last window through the layers that keep no global state;
+- `insert`: a one-row cache (or sampling history, or rings) into a slot of the batch's;
+- `decode`: one token for every slot;
+- `drafting` (an engine with a DSpark drafter only): draft, verify K+1 tokens, the sampler's
+  targets, rejection sampling, and the commit of what each slot accepted.
+
+Speculation is data, not a second set of programs: on an engine with a drafter the drafter's
+rings go through `prefill`, `finish` and `decode` beside the cache (each writes the taps of the
+positions it caches into them) and Graph A's buffers carry the tail's taps; without a drafter
+`rings` is None (an empty pytree) and the same functions trace without them. So each step is one
+program per engine, whichever requests speculate.
+
+On a mesh every returned cache keeps the preset's layout (steps chain without resharding), and the
+returned logits are replicated: the sampler's softmax / top-p sums and a log-softmax over a row
+split on `tensor` would add the shards in another order than one device does (the last bits
+differ), so the gather happens once, inside the step (`Placement.constrain`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsv41_jax.model import dspark
+from dsv41_jax.model.transformer import COMPILER_OPTIONS
+from dsv41_jax.serving import speculation
+from dsv41_jax.serving.split_prefill import commit, decode_step, decoder_pass, encoder_pass, exact_prefill, replay_window
+
+
+def pieces(n: int, chunk: int) -> list[int]:
+    """Chunk sizes covering n tokens: whole chunks, then the remainder's powers of two."""
+    out = [chunk] * (n // chunk)
+    r = n % chunk
+    bit = 1 << max(r.bit_length() - 1, 0)
+    while r:
+        if r & bit:
+            out.append(bit)
+            r -= bit
+        bit >>= 1
+    return out
+
+
+def span_rows(spans, lo: int, hi: int):
+    """Rows lo..hi of a prompt's image spans as a batch of one, or None (no spans, or none in range)."""
+    if spans is None or not np.any(np.asarray(spans[1])[lo:hi] >= 0):
+        return None
+    return jnp.asarray(np.asarray(spans[0])[None, lo:hi]), jnp.asarray(np.asarray(spans[1])[None, lo:hi], jnp.int32)
+
+
+@dataclass
+class Drafting:
+    """The programs only an engine with a drafter has (`serving.speculation`)."""
+
+    draft: Callable  # (params, rings, anchor, newest) -> greedy drafts [B, K]
+    draft_sampled: Callable  # (..., sampler operands) -> (drafts, the drafter's probabilities)
+    verify: Callable  # (params, tokens [B, K+1], cache, ids) -> (logits, pending writes, taps)
+    commit: Callable  # (params, cache, pending, taps, rings, history, chunk, n) -> (cache, rings, history)
+    targets: Callable  # the sampler's token at each verified position
+    reject: Callable  # rejection sampling: (tokens, accepted drafts)
+    position: Callable  # (logits [B, K+1, V], j) -> logits [B, V]: j traced, one program for every j
+
+
+@dataclass
+class Steps:
+    """The compiled steps of one engine (see the module doc). `rings` is None without a drafter."""
+
+    prefill: Callable  # (params, tokens, cache, rings, ids, spans) -> (logits [1, V], cache, rings)
+    encode: Callable  # (params, tokens, cache, buffers, ids, spans) -> (cache, buffers)
+    finish: Callable  # (params, buffers, cache, rings, floor, ids, vl) -> (logits [1, V], cache, rings)
+    replay: Callable  # (params, tokens, cache, ids, spans) -> (logits [1, V], cache)
+    decode: Callable  # (params, tokens [B, 1], cache, rings, active, ids) -> (logits [B, V], cache, rings)
+    insert: Callable  # (table, row, slot) -> table with row written at slot
+    drafting: Drafting | None
+
+
+def _write_rings(model, rings, taps, start, n, mode: str):
+    """The drafter's rings with the taps of n positions from `start` written in (None stays None)."""
+    if rings is None:
+        return None
+    return dspark.write_rings(model, rings, dspark.main_x(model, taps, mode), start, n, mode)
+
+
+def build_steps(graphdef, runtime, plan, tail: int, constrain, k: int) -> Steps:
+    """The engine's steps (module doc): `plan` is the decode plan, `tail` Graph B's length,
+    `constrain` the placement's in-step layout, `k` the drafts per step (0: no drafter)."""
+    gd, rt, mode = graphdef, runtime, runtime.mode
+    jit = functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
+    keep = lambda buf, new: jnp.concatenate([buf, new], 1)[:, -tail:]
+
+    @functools.partial(jit, donate_argnums=(2, 3))
+    def prefill(params, tokens, cache, rings, ids, spans):
+        model = nnx.merge(gd, params)
+        start = cache["length"]
+        logits, cache, aux = exact_prefill(model, tokens, cache, runtime=rt, engram_ids=ids, spans=spans,
+                                           taps=rings is not None)
+        n = jnp.full(start.shape, tokens.shape[1], jnp.int32)
+        rings = _write_rings(model, rings, aux.get("main_hidden"), start, n, mode)
+        return constrain(logits[:, -1]), constrain(cache), rings
+
+    @functools.partial(jit, donate_argnums=(2, 3))
+    def encode(params, tokens, cache, buffers, ids, spans):
+        """Graph A's piece; with a drafter the buffers also keep the tail's taps of the encoder's
+        target layers."""
+        out = encoder_pass(nnx.merge(gd, params), tokens, cache, runtime=rt, engram_ids=ids, spans=spans,
+                           taps="taps" in buffers)
+        new = {"h": out[0], "pre": out[1], **({"taps": out[3]} if "taps" in buffers else {})}
+        return constrain(out[2]), jax.tree.map(keep, buffers, new)
+
+    @functools.partial(jit, donate_argnums=(2, 3))
+    def finish(params, buffers, cache, rings, floor, ids, vl):
+        """Graph B over the tail; with a drafter its taps and the encoder's of the tail go into the
+        rings (the newest W positions: all a ring holds)."""
+        model = nnx.merge(gd, params)
+        start = cache["length"] - tail
+        logits, cache, aux = decoder_pass(model, buffers["h"], buffers["pre"], cache, start=start, floor=floor,
+                                          runtime=rt, engram_ids=ids, vl=vl, taps=rings is not None)
+        if rings is not None:
+            taps = jnp.concatenate([buffers["taps"], aux["main_hidden"]], -1)
+            rings = _write_rings(model, rings, taps, start, jnp.full(start.shape, tail, jnp.int32), mode)
+        return constrain(logits[:, -1]), constrain(cache), rings
+
+    @functools.partial(jit, donate_argnums=(2,))
+    def replay(params, tokens, cache, ids, spans):
+        logits, cache = replay_window(nnx.merge(gd, params), tokens, cache, runtime=rt, engram_ids=ids, spans=spans)
+        return constrain(logits[:, -1]), constrain(cache)
+
+    @functools.partial(jit, donate_argnums=(2, 3))
+    def decode(params, tokens, cache, rings, active, ids):
+        """One token per slot; with a drafter its taps go into the rings, so a slot's rings hold
+        every position it has cached (what a stored conversation keeps for its next turn)."""
+        model = nnx.merge(gd, params)
+        start = cache["length"]
+        logits, cache, aux = decode_step(model, tokens, cache, plan, engram_ids=ids, active=active,
+                                         taps=rings is not None)
+        rings = _write_rings(model, rings, aux.get("main_hidden"), start, active.astype(jnp.int32), mode)
+        return constrain(logits[:, -1]), constrain(cache), rings
+
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def insert(table, row, slot):
+        return constrain(jax.tree.map(
+            lambda a, r: jax.lax.dynamic_update_index_in_dim(a, r[0].astype(a.dtype), slot, 0), table, row))
+
+    drafting = _drafting(gd, mode, plan, k, jit, constrain) if k else None
+    return Steps(prefill, encode, finish, replay, decode, insert, drafting)
+
+
+def _drafting(gd, mode: str, plan, k: int, jit, constrain) -> Drafting:
+    verify_plan = dataclasses.replace(plan, writes="pending")
+
+    @jit
+    def verify(params, tokens, cache, ids):
+        logits, _, aux = decode_step(nnx.merge(gd, params), tokens, cache, verify_plan, engram_ids=ids, taps=True)
+        return constrain(logits), aux["pending"], aux["main_hidden"]
+
+    @functools.partial(jit, donate_argnums=(4, 5))
+    def commit_step(params, cache, pending, taps, rings, history, chunk, n):
+        model = nnx.merge(gd, params)
+        rings = _write_rings(model, rings, taps, pending["start"], n, mode)
+        return constrain(commit(model.cfg, cache, pending, n)), rings, speculation.count(history, chunk, n)
+
+    return Drafting(draft=jit(speculation.draft_fn(gd, mode, k)), draft_sampled=jit(speculation.draft_sampled_fn(gd, mode, k)),
+                    verify=verify, commit=commit_step, targets=jit(speculation.targets_fn(k)),
+                    reject=jit(speculation.rejection_fn(k)), position=jax.jit(lambda logits, j: logits[:, j]))
