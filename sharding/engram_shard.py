@@ -235,7 +235,7 @@ def unpadded_tables(params, cfg):
 
 def split_host_tables(model, cfg, **kwargs):
     """(the model with empty Engram tables, `HostEngramTables` holding them) for an engine that keeps
-    the tables in host memory (`Engine(engram_host=True)`). The empty tables are zero-row
+    the tables in host memory (`sharding.serving.HostTables`). The empty tables are zero-row
     placeholders, replicated where the other weights live: every step gets `compact_params` in
     their place, so they are never indexed, and the devices hold none of the tables. kwargs go to
     `HostEngramTables` (storage=...)."""

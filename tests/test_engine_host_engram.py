@@ -1,4 +1,4 @@
-"""The serving engine with its Engram tables in host memory (`Engine(engram_host=True)`,
+"""The serving engine with its Engram tables in host memory (`sharding.serving.HostTables`,
 `dsv41 serve --engram host`) against the same engine with the tables in HBM.
 
 Oracle: the HBM engine (row-sharded tables on a mesh). The host engine gathers each step's rows

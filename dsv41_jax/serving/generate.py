@@ -56,7 +56,7 @@ def one_slot_engine(model, *, runtime: Runtime = Runtime(), banned_ids=(), engra
     engram: (layout, token map) for models with Engram layers; prefill_chunk 1 compiles a single
     prefill shape (the demo's short prompt: compile time dominates on CPU); speculative: K DSpark
     drafts per step (`serving.speculation`; the model must carry the drafter); engram_host: the
-    Engram tables in host memory (`Engine(engram_host=True)`)."""
+    Engram tables in host memory (`sharding.serving.HostTables`)."""
     cfg = model.cfg
     settings = EngineSettings(slots=1, max_seq_len=cfg.max_seq_len, min_capacity=min(256, cfg.max_seq_len),
                               prefill_chunk=prefill_chunk, exact_prefill=True, runtime=runtime,

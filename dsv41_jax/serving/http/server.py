@@ -34,9 +34,9 @@ class ServeOptions:
     runtime: Runtime = Runtime()
     max_request_bytes: int = 32 << 20
     warm: bool = False  # compile every program before /ready says ready (`dsv41 serve` turns it on)
-    mesh: object = None  # a jax.sharding.Mesh to serve on (Engine(mesh=...)); None = one device
+    mesh: object = None  # a jax.sharding.Mesh to serve on (engine.strategies); None = one device
     preset: str = "inference"  # its sharding preset (the vocabulary of `dsv41 plan`)
-    engram_host: bool = False  # Engram tables in host memory (Engine(engram_host=True), --engram host)
+    engram_host: bool = False  # Engram tables in host memory (engine.strategies, --engram host)
     test_hooks: bool = False  # tests build the app with this; no `dsv41 serve` flag sets it
     images: object = None  # images.ImageOptions (limits); None = the defaults
     speculative: int = 0  # K DSpark drafts per step (Engine(speculative=K); needs exact_prefill)
