@@ -101,12 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _extra_commands():
-    """Subcommands owned by other modules (generate, convert, plan, train, demo, serve), when present."""
+    """Subcommands owned by other modules (generate, convert, plan, compile, train, demo, serve), when present."""
     import importlib
 
     out = []
-    for mod in ("dsv41_jax.cli.generate", "dsv41_jax.cli.convert", "sharding.cli_plan", "dsv41_jax.cli.train",
-                "dsv41_jax.cli.serve"):
+    for mod in ("dsv41_jax.cli.generate", "dsv41_jax.cli.convert", "sharding.cli_plan", "sharding.cli_compile",
+                "dsv41_jax.cli.train", "dsv41_jax.cli.serve"):
         try:
             out.append(importlib.import_module(mod).register)
         except ModuleNotFoundError as e:
@@ -122,8 +122,37 @@ def _format_warning(message, category, filename, lineno, line=None, _default=war
     return _default(message, category, filename, lineno, line)
 
 
+def _keep_jax_off_absent_tpu() -> None:
+    """On a machine with neither TPU chips nor a GPU, and JAX_PLATFORMS unset, run JAX on the CPU alone.
+
+    The dev install brings libtpu (the TPU compiler `dsv41 compile` uses); with it installed JAX's
+    default platform search loads it and tries to start a TPU that is not there: a warning on every
+    command, ~100 MB of memory and libtpu's one-process lock (/tmp/libtpu_lockfile) held while the
+    command runs. Compiling for a TPU topology does not need that backend. Child processes inherit
+    the setting.
+    """
+    import os
+
+    if "JAX_PLATFORMS" in os.environ:
+        return
+    try:
+        from jax._src import hardware_utils  # private: guarded, the fallback is JAX's own search
+
+        tpu_chips = hardware_utils.num_available_tpu_chips_and_device_id()[0]
+        gpu = hardware_utils.has_visible_nvidia_gpu() or os.path.exists("/dev/kfd")
+    except (ImportError, AttributeError):
+        return
+    if tpu_chips or gpu:
+        return
+    import jax
+
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    jax.config.update("jax_platforms", "cpu")  # jax read the environment when it was imported
+
+
 def main(argv=None) -> int:
     warnings.formatwarning = _format_warning
+    _keep_jax_off_absent_tpu()
     args = build_parser().parse_args(argv)
     return args.func(args)
 
