@@ -17,15 +17,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from dsv41_jax.config_checks import ConfigError, ConfigWarning, check_layout
+
 SUPPORTED_MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
-
-
-class ConfigError(ValueError):
-    """A config that cannot describe a working V4.1 model."""
-
-
-class ConfigWarning(UserWarning):
-    """A config key that is probably a typo of a field (it is kept, unused, as an extra key)."""
 
 
 @dataclass(frozen=True)
@@ -382,7 +376,11 @@ class ModelConfig:
         return {s: min(self.index_topk, self.max_seq_len // self.compress_ratios[s]) for s in self.kv_source_layers}
 
     def validated(self) -> "ModelConfig":
-        _validate(self)
+        """This config, checked: each field's type and size here, how the layers fit together in
+        `config_checks.check_layout`; a ConfigError names the field (and the layer)."""
+        _check_types(self)
+        _check_sizes(self)
+        check_layout(self)
         return self
 
 
@@ -478,124 +476,6 @@ def _warn_misspelt(extra: Mapping, known: set) -> None:
         if close:
             warnings.warn(f"config key {key!r} is not a V4.1 field; did you mean {close[0]!r}? "
                           "(it is kept as an extra key and not used)", ConfigWarning, stacklevel=3)
-
-
-def _validate(c: ModelConfig) -> None:
-    def fail(field_name: str, msg: str):
-        raise ConfigError(f"{field_name}: {msg}")
-
-    _check_types(c)
-    _check_sizes(c)
-    if len(c.compress_ratios) < c.n_layers:
-        fail("compress_ratios", f"has {len(c.compress_ratios)} entries but n_layers is {c.n_layers}")
-    for l, r in enumerate(c.compress_ratios[: c.n_layers]):
-        if r < 0:
-            fail("compress_ratios", f"layer {l} has negative ratio {r}")
-    if c.head_dim % 32:
-        fail("head_dim", f"{c.head_dim} must be a multiple of 32 (FP8 window scales per 32, FP4 KV scales per 16)")
-    if c.index_head_dim % 32:
-        fail("index_head_dim", f"{c.index_head_dim} must be a multiple of 32 (MXFP4 blocks)")
-    if c.rope_head_dim % 2 or not 0 < c.rope_head_dim <= c.head_dim or c.rope_head_dim > c.index_head_dim:
-        fail("rope_head_dim", f"{c.rope_head_dim} must be even, positive and at most head_dim/index_head_dim")
-    if c.n_heads % c.o_groups:
-        fail("o_groups", f"n_heads {c.n_heads} is not divisible by o_groups {c.o_groups}")
-    if c.n_activated_experts > c.n_routed_experts:
-        fail("n_activated_experts", f"{c.n_activated_experts} exceeds n_routed_experts {c.n_routed_experts}")
-    if c.n_shared_experts != 1:
-        fail("n_shared_experts", f"V4.1 has exactly one shared expert, got {c.n_shared_experts}")
-    if c.score_func not in ("sqrtsoftplus", "sigmoid", "softmax"):
-        fail("score_func", f"unknown scoring function {c.score_func!r}")
-    if c.dtype not in ("fp8", "bf16"):
-        fail("dtype", f"{c.dtype!r} must be 'fp8' or 'bf16'")
-    if c.expert_dtype not in ("fp4", None):
-        fail("expert_dtype", f"{c.expert_dtype!r} must be 'fp4' or null")
-    for name in ("kv_source_layers", "index_source_layers"):
-        seq = getattr(c, name)
-        if list(seq) != sorted(set(seq)):
-            fail(name, f"{list(seq)} must be strictly increasing")
-        for l in seq:
-            if not 0 <= l < c.n_layers:
-                fail(name, f"layer {l} is outside 0..{c.n_layers - 1}")
-            if c.compress_ratios[l] == 0:
-                fail(name, f"layer {l} has compress ratio 0 (sliding window only) and cannot be a source")
-    for l in range(c.n_layers):
-        r = c.compress_ratios[l]
-        if r == 0:
-            continue
-        kv = [s for s in c.kv_source_layers if s <= l]
-        if not kv:
-            fail("kv_source_layers", f"layer {l} has compress ratio {r} but no KV source at or before it")
-        if c.compress_ratios[kv[-1]] != r:
-            fail("compress_ratios", f"layer {l} has ratio {r} but its KV source (layer {kv[-1]}) has ratio {c.compress_ratios[kv[-1]]}")
-        ix = [s for s in c.index_source_layers if s <= l]
-        if not ix or ix[-1] < kv[-1]:
-            fail("index_source_layers", f"layer {l} reads KV of layer {kv[-1]} but no index source at or after it precedes layer {l}")
-        if kv[-1] not in c.index_source_layers:
-            fail("index_source_layers", f"KV source layer {kv[-1]} (used by layer {l}) must also be an index source: it owns the index keys")
-    cs = c.candidate_source_layer
-    if cs >= 0:
-        if cs not in c.kv_source_layers or cs not in c.index_source_layers:
-            fail("candidate_source_layer", f"layer {cs} must be both a KV source and an index source (a Full layer)")
-        if c.candidate_block_size <= 0 or c.candidate_topk_blocks <= 0:
-            fail("candidate_topk_blocks", "candidate_topk_blocks and candidate_block_size must be positive")
-        # the newest block may be partial, so a full pool supplies (blocks-1)*size+1 visible positions
-        supply = (c.candidate_topk_blocks - 1) * c.candidate_block_size + 1
-        if supply < c.index_topk:
-            fail("candidate_topk_blocks", f"a pool of {c.candidate_topk_blocks} blocks x {c.candidate_block_size} can guarantee only "
-                 f"{supply} visible positions, fewer than index_topk={c.index_topk}; masked candidates would fill top-k slots")
-    for l in c.engram_layer_ids:
-        if not 0 <= l < c.n_layers:
-            fail("engram_layer_ids", f"layer {l} is outside 0..{c.n_layers - 1}")
-    if c.engram_layer_ids:
-        if c.engram_max_ngram_size < 2 or c.engram_n_heads <= 0 or c.engram_head_dim % 32:
-            fail("engram_head_dim", "Engram needs max_ngram_size >= 2, heads > 0 and head_dim a multiple of 32")
-        if c.engram_num_embeddings and len(c.engram_num_embeddings) != len(c.engram_layer_ids):
-            fail("engram_num_embeddings", f"{len(c.engram_num_embeddings)} entries for {len(c.engram_layer_ids)} Engram layers")
-    if c.vision_n_layers < 0:
-        fail("vision_n_layers", f"must be >= 0 (0 = no vision tower), got {c.vision_n_layers}")
-    if c.vision_enabled:
-        if c.vision_dim <= 0 or c.vision_n_heads <= 0 or c.vision_dim % c.vision_n_heads:
-            fail("vision_n_heads", f"vision_dim {c.vision_dim} must be a positive multiple of vision_n_heads {c.vision_n_heads}")
-        if (c.vision_dim // c.vision_n_heads) % 4:
-            fail("vision_n_heads", f"vision head dim {c.vision_dim // c.vision_n_heads} must be a multiple of 4 "
-                 "(2-D RoPE rotates half-split pairs, half of them by row and half by column)")
-        for name in ("vision_inter_dim", "vision_patch_size", "vision_downsample_ratio", "vision_min_pixels"):
-            if getattr(c, name) <= 0:
-                fail(name, f"must be positive, got {getattr(c, name)}")
-        if c.vision_max_n_token < 4:
-            fail("vision_max_n_token", f"{c.vision_max_n_token} cannot hold START, one IMAGE row and END")
-        if c.vision_max_wh_ratio is not None and c.vision_max_wh_ratio <= 0:
-            fail("vision_max_wh_ratio", f"must be positive or null, got {c.vision_max_wh_ratio}")
-        if not 0 <= c.image_token_id < c.vocab_size:
-            fail("image_token_id", f"{c.image_token_id} is outside the vocabulary 0..{c.vocab_size - 1}")
-    if c.has_dspark:
-        _validate_dspark(c, fail)
-    for s in c.kv_source_layers:
-        r = c.compress_ratios[s]
-        if c.max_seq_len % r:
-            fail("max_seq_len", f"{c.max_seq_len} must be a multiple of layer {s}'s compress ratio {r}")
-
-
-def _validate_dspark(c: ModelConfig, fail) -> None:
-    if not c.dspark_target_layer_ids:
-        fail("dspark_target_layer_ids", "DSpark needs at least one target layer (its taps feed main_proj)")
-    for l in c.dspark_target_layer_ids:
-        if not 0 <= l < c.n_layers:
-            fail("dspark_target_layer_ids", f"layer {l} is outside 0..{c.n_layers - 1}")
-    if list(c.dspark_target_layer_ids) != sorted(set(c.dspark_target_layer_ids)):
-        fail("dspark_target_layer_ids", f"{list(c.dspark_target_layer_ids)} must be strictly increasing")
-    if c.dspark_block_size < 2:
-        fail("dspark_block_size", f"{c.dspark_block_size}: a block is the anchor plus at least one draft")
-    if not 0 <= c.dspark_noise_token_id < c.vocab_size:
-        fail("dspark_noise_token_id", f"{c.dspark_noise_token_id} is outside the vocabulary 0..{c.vocab_size - 1}")
-    if c.dspark_markov_rank <= 0:
-        fail("dspark_markov_rank", f"must be positive, got {c.dspark_markov_rank}")
-    routed, active = c.dspark_moe
-    if active > routed:
-        fail("dspark_n_activated_experts", f"{active} exceeds dspark_n_routed_experts {routed}")
-    stage_ratios = c.compress_ratios[c.n_layers: c.n_layers + c.n_mtp_layers]
-    if any(stage_ratios):
-        fail("compress_ratios", f"DSpark stages (layers {c.n_layers}..) are window-only: their ratios must be 0, got {list(stage_ratios)}")
 
 
 def _derive_roles(c: ModelConfig) -> tuple[LayerRole, ...]:
