@@ -84,6 +84,33 @@ def register(subparsers) -> None:
     d.set_defaults(func=_cmd_demo)
 
 
+def _train_config(args, cfg, seq_len: int):
+    """The TrainConfig the flags ask for (the DSpark loss only where the config has a drafter)."""
+    from dsv41_jax.train.optim import OptimConfig
+    from dsv41_jax.train.step import TrainConfig
+
+    warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
+    dspark = None
+    if args.dspark:
+        from dsv41_jax.train.dspark import DSparkLoss
+
+        if not cfg.has_dspark:
+            raise ValueError(f"--dspark: the config has no DSpark drafter (n_mtp_layers={cfg.n_mtp_layers}, "
+                             f"dspark_block_size={cfg.dspark_block_size}); pass a config or checkpoint with one")
+        dspark = DSparkLoss(anchors=args.dspark_anchors, ce_weight=args.dspark_ce_weight,
+                            l1_weight=args.dspark_l1_weight, confidence_weight=args.dspark_confidence_weight,
+                            decay_gamma=args.dspark_decay_gamma)
+    tcfg = TrainConfig(seq_len=seq_len, batch_size=args.batch_size, steps=args.steps, seed=args.seed, qat=args.qat,
+                       lora_rank=args.lora, lora_alpha=args.lora_alpha, balance_weight=args.balance_weight,
+                       bias_rate=args.bias_rate, indexer_kl_weight=args.indexer_kl_weight,
+                       kl_positions=args.kl_positions, replay_prob=args.replay_prob, impl=args.impl,
+                       optim=OptimConfig(optimizer=args.optimizer, lr=args.lr, warmup_steps=warmup,
+                                         total_steps=args.steps, weight_decay=args.weight_decay, clip_norm=args.clip,
+                                         lr_embed_mult=args.lr_embed_mult, lr_engram_mult=args.lr_engram_mult),
+                       dspark=dspark)
+    return tcfg
+
+
 def _cmd_train(args) -> int:
     if (rc := distributed.join(args, "dsv41 train")) is not None:  # first: before any other JAX call
         return rc
@@ -101,9 +128,7 @@ def _cmd_train(args) -> int:
     from dsv41_jax.train.checkpoint import Checkpointer
     from dsv41_jax.train.export import export_checkpoint, masters_from_checkpoint
     from dsv41_jax.train.loop import prepare, train
-    from dsv41_jax.train.optim import OptimConfig
     from dsv41_jax.train.params import serving_formats
-    from dsv41_jax.train.step import TrainConfig
 
     try:
         if args.export:  # found now, not after the training steps are spent
@@ -118,25 +143,7 @@ def _cmd_train(args) -> int:
         docs = D.read_documents(args.data, tok)
         rows = D.pack(docs, seq_len, D.alignment(cfg), tok.pad_id, args.seed)
         data = D.PackedData(rows, args.batch_size, args.seed, D.engram_setup(cfg, tok))
-        warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
-        dspark = None
-        if args.dspark:
-            from dsv41_jax.train.dspark import DSparkLoss
-
-            if not cfg.has_dspark:
-                raise ValueError(f"--dspark: the config has no DSpark drafter (n_mtp_layers={cfg.n_mtp_layers}, "
-                                 f"dspark_block_size={cfg.dspark_block_size}); pass a config or checkpoint with one")
-            dspark = DSparkLoss(anchors=args.dspark_anchors, ce_weight=args.dspark_ce_weight,
-                                l1_weight=args.dspark_l1_weight, confidence_weight=args.dspark_confidence_weight,
-                                decay_gamma=args.dspark_decay_gamma)
-        tcfg = TrainConfig(seq_len=seq_len, batch_size=args.batch_size, steps=args.steps, seed=args.seed, qat=args.qat,
-                           lora_rank=args.lora, lora_alpha=args.lora_alpha, balance_weight=args.balance_weight,
-                           bias_rate=args.bias_rate, indexer_kl_weight=args.indexer_kl_weight,
-                           kl_positions=args.kl_positions, replay_prob=args.replay_prob, impl=args.impl,
-                           optim=OptimConfig(optimizer=args.optimizer, lr=args.lr, warmup_steps=warmup,
-                                             total_steps=args.steps, weight_decay=args.weight_decay, clip_norm=args.clip,
-                                             lr_embed_mult=args.lr_embed_mult, lr_engram_mult=args.lr_engram_mult),
-                           dspark=dspark)
+        tcfg = _train_config(args, cfg, seq_len)
         init = masters_from_checkpoint(args.init_from, serving_formats(cfg), cfg) if args.init_from else None
         ckpt = Checkpointer(args.ckpt_dir, keep=args.keep) if args.ckpt_dir else None
         # the tokenized corpus (so also the tokenizer), not its paths: moving the files is no change

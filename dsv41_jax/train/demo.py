@@ -134,6 +134,26 @@ def train_drafter(cfg: ModelConfig, master: dict, data, *, steps: int, seed: int
     return {"master": run.master(), "steps": run.step, "first_tau": first, "last_tau": last}
 
 
+def _sample_speculative(model, tok, engram, *, seed: int, tokens: int, print_fn) -> tuple[str, float]:
+    """Sample `tokens` after "def " from the exported model on a one-slot engine that speculates with
+    its DSpark drafter; print the text and the acceptance. Returns (text, mean acceptance length)."""
+    from dsv41_jax.serving.engine import Engine
+    from dsv41_jax.serving.generate import generate
+    from dsv41_jax.serving.sampling import SamplingParams
+
+    prompt, cfg = "def ", model.cfg
+    engine = Engine(model, slots=1, max_seq_len=cfg.max_seq_len, min_capacity=min(256, cfg.max_seq_len),
+                    prefill_chunk=1, exact_prefill=True, engram=engram, speculative=cfg.dspark_block_size - 1)
+    ids = generate(engine, [tok.bos_id] + tok.encode(prompt), max_new_tokens=tokens,
+                   sampling=SamplingParams(temperature=0.7, seed=seed), stop_tokens=(tok.eos_id,)).tokens
+    text = prompt + tok.decode(ids, skip_special=True)
+    print_fn("-" * 60 + "\n" + text + "\n" + "-" * 60)
+    acceptance = acceptance_length(engine)
+    print_fn(f"speculation: mean acceptance length {acceptance:.2f} tokens per target forward "
+             f"({engine.spec_stats['accepted']} of {engine.spec_stats['drafted']} drafts accepted, T=0.7)")
+    return text, acceptance
+
+
 def run_demo(out_dir=None, *, steps: int = 50, batch_size: int = 8, seq_len: int = 128, time_budget: float = 90.0,
              seed: int = 0, progress: bool = True, print_fn=_say, sample_tokens: int = 64,
              serve_context: int = SERVE_CONTEXT, drafter_steps: int = 40, drafter_budget: float = 15.0) -> dict:
@@ -145,9 +165,6 @@ def run_demo(out_dir=None, *, steps: int = 50, batch_size: int = 8, seq_len: int
     from dsv41_jax.train.checkpoint import Checkpointer
     from dsv41_jax.train.export import export_checkpoint, load_exported
     from dsv41_jax.train.loop import format_metrics, prepare, train
-    from dsv41_jax.serving.engine import Engine
-    from dsv41_jax.serving.generate import generate
-    from dsv41_jax.serving.sampling import SamplingParams
 
     t0 = time.perf_counter()
     out = pathlib.Path(out_dir) if out_dir else pathlib.Path(tempfile.mkdtemp(prefix="dsv41-demo-"))
@@ -192,21 +209,13 @@ def run_demo(out_dir=None, *, steps: int = 50, batch_size: int = 8, seq_len: int
 
     drafter = train_drafter(cfg, run.master(), data, steps=drafter_steps, seed=seed, time_budget=drafter_budget,
                             progress=progress, print_fn=print_fn)
+    print_fn("exporting the served FP8/FP4 checkpoint (backbone and drafter) ...")
     served_dir = export_checkpoint(out / "served", cfg.replace(max_seq_len=serve_context), drafter["master"],
                                    run.formats, tokenizer=tok)
-    gen_cfg, model = load_exported(served_dir, cfg.replace(max_seq_len=2 * seq_len, max_batch_size=1))
-    print_fn(f"exported FP8/FP4 checkpoint (backbone and drafter) to {served_dir}; sampling from it with "
-             f"speculative decoding ({cfg.dspark_block_size - 1} drafts per step):")
-    prompt = "def "
-    engine = Engine(model, slots=1, max_seq_len=model.cfg.max_seq_len, min_capacity=min(256, model.cfg.max_seq_len),
-                    prefill_chunk=1, exact_prefill=True, engram=engram, speculative=cfg.dspark_block_size - 1)
-    ids = generate(engine, [tok.bos_id] + tok.encode(prompt), max_new_tokens=sample_tokens,
-                   sampling=SamplingParams(temperature=0.7, seed=seed), stop_tokens=(tok.eos_id,)).tokens
-    text = prompt + tok.decode(ids, skip_special=True)
-    print_fn("-" * 60 + "\n" + text + "\n" + "-" * 60)
-    acceptance = acceptance_length(engine)
-    print_fn(f"speculation: mean acceptance length {acceptance:.2f} tokens per target forward "
-             f"({engine.spec_stats['accepted']} of {engine.spec_stats['drafted']} drafts accepted, T=0.7)")
+    _, model = load_exported(served_dir, cfg.replace(max_seq_len=2 * seq_len, max_batch_size=1))
+    print_fn(f"exported to {served_dir}; sampling from it with speculative decoding "
+             f"({cfg.dspark_block_size - 1} drafts per step; compiling the engine's programs first) ...")
+    text, acceptance = _sample_speculative(model, tok, engram, seed=seed, tokens=sample_tokens, print_fn=print_fn)
     print_fn("cache memory and prefill savings (dsv41_jax.model.info.model_info):")
     figures = {"demo_model_1k": cache_figures(cfg, 1024),
                "v41_flash_128k": cache_figures(ModelConfig.v41_flash(), 131072)}
