@@ -85,12 +85,18 @@ def grouped_fp4_gemm_tpu(x_sorted, group_sizes, w_packed, w_scale, *, interpret=
         ],
         out_specs=pl.BlockSpec((tm, tn), lambda n, w, t, g, lo, hi, r: (t[w], n)),
     )
+    # per work item (an upper bound on the items that run): a [tm, K] activation tile, one expert's
+    # [tn, K] FP4 weight tile with its scales, per column tile; the whole [Mp, N] output once
+    cost = pl.CostEstimate(flops=2 * n_items * tm * N * K, transcendentals=0,
+                           bytes_accessed=n_items * (N // tn) * (tm * K * 2) + n_items * N * (K // 2 + K // 32)
+                           + Mp * N * 4)
     out = pl.pallas_call(
         functools.partial(_grouped_kernel, tile_rows=tm),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((Mp, N), jnp.float32),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=interpret,
+        cost_estimate=cost,
         name="grouped_fp4_gemm_tpu",
     )(*wl, xp, words, swords)
     return out[:M]
@@ -133,6 +139,9 @@ def fp8_block_gemm_tpu(x, w, w_scale, *, interpret=False, tile_rows=128, tile_co
     tn = tile_cols if N % tile_cols == 0 else N
     st = tn // 32 if tn != N else s.shape[0]
     xp = layout.activation_planes(jnp.pad(xd, ((0, Mp - M), (0, 0))))
+    # activations read once per column tile, the weight (1 byte a value) and its scales once per row tile
+    cost = pl.CostEstimate(flops=2 * Mp * N * Kp, transcendentals=0,
+                           bytes_accessed=(N // tn) * Mp * Kp * 2 + (Mp // tm) * (N * Kp + s.size * 4) + Mp * N * 4)
     # the view passed twice: its low-word plane and its high-word plane, each block [tn, Kp/8]
     out = pl.pallas_call(
         _fp8_kernel,
@@ -147,6 +156,7 @@ def fp8_block_gemm_tpu(x, w, w_scale, *, interpret=False, tile_rows=128, tile_co
         out_shape=jax.ShapeDtypeStruct((Mp, N), jnp.float32),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret,
+        cost_estimate=cost,
         name="fp8_block_gemm_tpu",
     )(xp, words, words, s)
     return out[:M]

@@ -119,6 +119,11 @@ def indexer_scores_tpu(q_packed, q_scale, keys, weights, compress_len, pool_mask
         _kernel, heads=Hi, key_tile=tg, bf16_rounding=bf16_rounding, has_pool=pool_mask is not None,
         exact=bool(exact),
     )
+    # every (query, key) pair: Hi head dots of Di, then the Hi-term weighted sum; the queries are read
+    # once per key tile, the FP4 keys once per query tile
+    cost = pl.CostEstimate(flops=B * Sp * Gp * (2 * Hi * Di + 2 * Hi), transcendentals=0,
+                           bytes_accessed=(Gp // tg) * q.size * 2 + (Sp // ts) * (kp.size + ks.size) * 4
+                           + B * Sp * Gp * 4 * (2 if pool_mask is not None else 1))
     out = pl.pallas_call(
         kernel,
         grid=(B, Sp // ts, Gp // tg),
@@ -127,6 +132,7 @@ def indexer_scores_tpu(q_packed, q_scale, keys, weights, compress_len, pool_mask
         out_shape=jax.ShapeDtypeStruct((B, Sp, Gp), jnp.float32),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel")),
         interpret=interpret,
+        cost_estimate=cost,
         name="indexer_scores_tpu",
     )(*args)
     return out[:, :S, :G]

@@ -300,6 +300,13 @@ def sparse_sink_attention_tpu(
         scale=float(scale),
         exact=bool(exact),
     )
+    # per query row: H heads score and weigh every gathered key (k_win + k_comp) over D dims, one exp
+    # per score (and the sink); it gathers its rows of the window (FP8 + scales) and compressed cache
+    # (FP4 + scales), reads its query and indices, writes its output
+    keys = k_win + k_comp
+    cost = pl.CostEstimate(
+        flops=4 * R * H * keys * D, transcendentals=R * H * (keys + 1),
+        bytes_accessed=R * (k_win * (D + D // 32) + k_comp * (D // 2 + D // 16) + 2 * H * D * 2 + 3 * keys * 4))
     out = pl.pallas_call(
         kernel,
         grid=(R,),
@@ -309,6 +316,7 @@ def sparse_sink_attention_tpu(
         scratch_shapes=scratch,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         interpret=interpret,
+        cost_estimate=cost,
         name="sparse_sink_attention_tpu",
     )(*args)
     return from_planes(out.reshape(B, S, 8, H, D8))

@@ -1,0 +1,145 @@
+"""The model's decode step compiled by XLA:TPU for a TPU slice, from a machine without a TPU.
+
+The parameters are abstract (`nnx.eval_shape` of the Transformer: the stored FP8/FP4 formats,
+Engram tables padded to the row shards), laid out by the preset's rules on a mesh of the
+topology's devices (`jax.make_mesh`: the same device order a pod's `dsv41 serve` builds), and
+the step is `make_sharded_step`'s, the one the engine runs. Nothing is allocated. The figures are
+the compiler's: its buffer assignment per device, the collectives left in the optimized program
+and the TPU cost model's estimate, not measurements on a TPU.
+
+A whole-depth compile of the released model takes long on a small machine, so
+`layers_per_kind` keeps `n` layers of each kind the released stack has (see `layer_kinds`) at
+the released width: per-device argument bytes of the full depth are then the plan's exact
+figure, and the compiled depth is stated beside every figure.
+"""
+from __future__ import annotations
+
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.runtime import Runtime
+from pallas_kernels.common import tpu_compile
+from sharding.layer_compile import COLLECTIVES
+from sharding.mesh import make_mesh
+from sharding.plan import mesh_sizes, plan_context, table_shards
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+                "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+
+
+def layer_kinds(cfg: ModelConfig) -> dict[str, list[int]]:
+    """The released stack's layers grouped by what they compute (each kind compiles to the same body)."""
+    kinds: dict[str, list[int]] = {}
+    for layer in range(cfg.n_layers):
+        r = cfg.compress_ratios[layer]
+        role = ("kv-source" if layer in cfg.kv_source_layers else
+                "index-source" if layer in cfg.index_source_layers else "reader") if r else "window"
+        name = f"ratio{r}-{role}" + ("-candidates" if layer == cfg.candidate_source_layer else "") \
+            + ("-engram" if layer in cfg.engram_layer_ids else "")
+        kinds.setdefault(name, []).append(layer)
+    return kinds
+
+
+def subset_config(cfg: ModelConfig, per_kind: int) -> tuple[ModelConfig, dict[str, int]]:
+    """The first `per_kind` layers of each kind, renumbered in order (sources keep preceding their readers)."""
+    keep = sorted(layer for layers in layer_kinds(cfg).values() for layer in layers[:per_kind])
+    new = {old: i for i, old in enumerate(keep)}
+    sub = cfg.replace(
+        n_layers=len(keep), compress_ratios=tuple(cfg.compress_ratios[i] for i in keep),
+        kv_source_layers=tuple(new[s] for s in cfg.kv_source_layers if s in new),
+        index_source_layers=tuple(new[s] for s in cfg.index_source_layers if s in new),
+        candidate_source_layer=new.get(cfg.candidate_source_layer, -1),
+        engram_layer_ids=tuple(new[s] for s in cfg.engram_layer_ids if s in new),
+        engram_num_embeddings=tuple(n for s, n in zip(cfg.engram_layer_ids, cfg.engram_num_embeddings) if s in new)
+        if cfg.engram_num_embeddings else (),
+        n_mtp_layers=0)
+    return sub, {k: min(per_kind, len(v)) for k, v in layer_kinds(cfg).items()}
+
+
+def collectives(hlo: str) -> dict[str, dict]:
+    """Collectives of an optimized HLO text by kind: how many, and the bytes of their results."""
+    out: dict[str, dict] = {}
+    for line in hlo.splitlines():
+        m = re.search(r"=\s*(\(.*?\)|\S+)\s+(" + "|".join(COLLECTIVES) + r")(?:-start)?\(", line)
+        if m is None:
+            continue
+        nbytes = sum(_DTYPE_BYTES.get(dt, 4) * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+                     for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)))
+        entry = out.setdefault(m.group(2), {"count": 0, "bytes": 0})
+        entry["count"] += 1
+        entry["bytes"] += nbytes
+    return out
+
+
+def abstract_step_args(cfg: ModelConfig, mesh, preset, *, batch: int, tokens: int):
+    """(abstract model, [params, tokens, cache(, engram ids)]) as sharded ShapeDtypeStructs."""
+    from flax import nnx
+
+    from dsv41_jax.model.transformer import Transformer, engram_table_rows, init_cache
+    from sharding.rules import batch_sharding, cache_shardings, param_shardings
+
+    shards = table_shards(dict(zip(mesh.axis_names, mesh.devices.shape)), preset)
+    rows = tuple(-(-r // shards) * shards for r in engram_table_rows(cfg)) if cfg.engram_layer_ids else None
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=0, engram_rows=rows))
+    _, state = nnx.split(abstract)
+
+    def sds(a, s):
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+
+    params = jax.tree.map(sds, state, param_shardings(state, mesh, preset))
+    cache_abs = jax.eval_shape(lambda: init_cache(cfg, batch))
+    cache = jax.tree.map(sds, cache_abs, cache_shardings(cache_abs, mesh, preset))
+    args = [params, jax.ShapeDtypeStruct((batch, tokens), jnp.int32,
+                                         sharding=batch_sharding(mesh, (batch, tokens), preset)), cache]
+    if cfg.engram_layer_ids:
+        shape = (batch, tokens, len(cfg.engram_layer_ids), (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads)
+        args.append(jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding(mesh, shape, preset)))
+    return abstract, args
+
+
+def compile_decode(cfg: ModelConfig, topology: str, mesh_spec, *, batch: int, context: int, preset="inference",
+                   impl: str = "xla") -> dict:
+    """Compile one decode step for the slice; a JSON-ready report (ok False with the compiler's reason)."""
+    from sharding.step import make_sharded_step
+
+    topo = tpu_compile.topology(topology)
+    sizes = mesh_sizes(mesh_spec)
+    n = int(np.prod(list(sizes.values())))
+    if n > len(topo.devices):
+        raise ValueError(f"mesh {mesh_spec} has {n} devices but topology {topology} has {len(topo.devices)} chips; "
+                         "make the axis sizes multiply to the chip count (or fewer)")
+    mesh = make_mesh(sizes, devices=topo.devices[:n])
+    run_cfg = cfg.replace(max_seq_len=plan_context(cfg, context), max_batch_size=batch)
+    abstract, args = abstract_step_args(run_cfg, mesh, preset, batch=batch, tokens=1)
+    step = make_sharded_step(abstract, mesh, preset, Runtime(impl=impl, interpret=False))
+    device = topo.devices[0]
+    report = {"topology": topology, "chips": n, "hosts": len({d.process_index for d in topo.devices}),
+              "device_kind": device.device_kind, "hbm_bytes": tpu_compile.hbm_bytes(device),
+              "mesh": sizes, "preset": preset, "impl": impl, "batch": batch, "context": run_cfg.max_seq_len,
+              "layers": cfg.n_layers}
+    t0 = time.perf_counter()
+    try:
+        compiled = step.lower(*args).compile()
+    except Exception as e:  # noqa: BLE001 (reported: the command says which program and why, exit 1)
+        return {**report, "ok": False, "seconds": time.perf_counter() - t0,
+                "error": f"{type(e).__name__}: {str(e)[:3000]}"}
+    seconds = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis() or {}
+    hlo = compiled.as_text()
+    per_device = {k: int(getattr(mem, f"{k}_size_in_bytes", 0) or 0)
+                  for k in ("argument", "output", "alias", "temp", "generated_code")}
+    # donated/aliased outputs share the argument's buffer
+    per_device["peak"] = per_device["argument"] + per_device["output"] - per_device["alias"] + per_device["temp"] \
+        + per_device["generated_code"]
+    return {**report, "ok": True, "seconds": seconds, "per_device_bytes": per_device,
+            "fits": report["hbm_bytes"] is None or per_device["peak"] <= report["hbm_bytes"],
+            "collectives": collectives(hlo), "mosaic_kernels": sorted(set(tpu_compile.mosaic_kernels(hlo))),
+            "mosaic_calls": len(tpu_compile.mosaic_kernels(hlo)),
+            "flops": float(cost.get("flops", 0.0)), "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+            "cost_model_seconds": float(cost.get("optimal_seconds", 0.0))}
