@@ -47,7 +47,7 @@ def _greedy_case(engram):
     kw = dict(runtime=Runtime(mode="exact"), engram=_engram_tables(cfg))
     k = cfg.dspark_block_size
     plain, spec = one_slot_engine(model, **kw), one_slot_engine(model, speculative=k, **kw)
-    own_draft = spec._draft
+    own_draft = spec.steps.drafting.draft
     schedule = [0, 3, 5, 1, 4, 2, 5, 0]
     for prompt_len in (7, 10):
         prompt = list(np.random.default_rng(prompt_len).integers(3, cfg.vocab_size, prompt_len))
@@ -64,7 +64,7 @@ def _greedy_case(engram):
                 d[a] = (d[a] + 1) % cfg.vocab_size  # the first wrong draft
             return d[None]
 
-        spec._draft = follower
+        spec.steps.drafting.draft = follower
         before = dict(spec.spec_stats)
         got = generate(spec, prompt, max_new_tokens=n)
         assert got.tokens == want[:n]
@@ -73,7 +73,7 @@ def _greedy_case(engram):
         assert spec.spec_stats["accepted"] - before["accepted"] == sum(blocks)
         assert spec.spec_stats["slot_steps"] - before["slot_steps"] == len(blocks)
     # its own (random) drafter: acceptance is whatever it is, the output is still plain greedy
-    spec._draft = own_draft
+    spec.steps.drafting.draft = own_draft
     assert generate(spec, prompt, max_new_tokens=12).tokens == want[:12]
 
 
@@ -190,7 +190,7 @@ def _engine_case():
 
     spec = Engine(model, speculative=K, spec_acceptance="match", **kw)  # the T = 1 request: plain's own draws
     schedule, blocks = [K, 0, 3, K, 1, 4, 2, K], []
-    own_draft = spec._draft
+    own_draft = spec.steps.drafting.draft
 
     def follower(p, rings, anchor, newest):
         d = np.array(own_draft(p, rings, anchor, newest))
@@ -208,11 +208,11 @@ def _engine_case():
         return d
 
     reqs = requests(stop)
-    spec._draft = follower
+    spec.steps.drafting.draft = follower
     assert [r.tokens for r in spec.run(reqs)] == want
     stats = dict(spec.spec_stats)
     assert stats["accepted"] > stats["steps"] and stats["drafted"] > 0  # long blocks were accepted
-    spec._draft = own_draft
+    spec.steps.drafting.draft = own_draft
     reqs = requests(stop)
     assert [r.tokens for r in spec.run(reqs)] == want
 
@@ -220,7 +220,7 @@ def _engine_case():
 
     # the runtime's finite guard covers the verify positions: NaN logits at the first position of the
     # first request's verify fail that request alone, naming the position; the others go on
-    verify = spec._verify
+    verify = spec.steps.drafting.verify
     calls = []
 
     def poisoned(p, tokens, cache, ids):
@@ -228,7 +228,7 @@ def _engine_case():
         calls.append(len(calls))
         return (logits.at[0, 0].set(np.nan) if len(calls) == 2 else logits), pending, taps
 
-    spec._verify, spec.runtime = poisoned, dataclasses.replace(spec.runtime, check_finite=True)
+    spec.steps.drafting.verify, spec.runtime = poisoned, dataclasses.replace(spec.runtime, check_finite=True)
     reqs = requests(stop)
     ids = [spec.submit(r) for r in reqs]
     while not spec.idle():
@@ -453,13 +453,13 @@ def test_rejection_sampling_in_the_engine_keeps_the_target_distribution():
     assert 0 < s["accepted"] < s["drafted"], s  # both branches ran: accepted drafts and residual draws
     p_ours = _chi2_pvalue(got, want)
 
-    real = eng._reject
+    real = eng.steps.drafting.reject
 
     def always_accept(logits, a, drawn, history, chunk, active, banned, masks, q):
         out, n = real(logits, a, drawn, history, chunk, active, banned, masks, q)
         return jnp.concatenate([chunk[:, 1:], chunk[:, 1:2]], 1), jnp.full_like(n, chunk.shape[1] - 1)
 
-    eng._reject = always_accept
+    eng.steps.drafting.reject = always_accept
     wrong = [r.tokens for r in eng.run(_rejection_requests(prompt, 500, seed0=10_000))]
     p_wrong = _chi2_pvalue(wrong, want)
     assert p_ours > 1e-3, (p_ours, want)
