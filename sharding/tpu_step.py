@@ -62,10 +62,13 @@ def subset_config(cfg: ModelConfig, per_kind: int) -> tuple[ModelConfig, dict[st
 
 
 def collectives(hlo: str) -> dict[str, dict]:
-    """Collectives of an optimized HLO text by kind: how many, and the bytes of their results."""
+    """Collectives of an optimized HLO text by kind: how many, and the bytes of their results.
+
+    An asynchronous collective is counted at its `-done` op, whose result is the output alone (the
+    `-start` op's tuple also holds the operands)."""
     out: dict[str, dict] = {}
     for line in hlo.splitlines():
-        m = re.search(r"=\s*(\(.*?\)|\S+)\s+(" + "|".join(COLLECTIVES) + r")(?:-start)?\(", line)
+        m = re.search(r"=\s*(\(.*?\)|\S+)\s+(" + "|".join(COLLECTIVES) + r")(?:-done)?\(", line)
         if m is None:
             continue
         nbytes = sum(_DTYPE_BYTES.get(dt, 4) * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))

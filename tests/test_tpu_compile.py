@@ -43,3 +43,29 @@ def test_bad_input_exits_2_naming_it():
     assert proc.returncode == 2 and "v6e:3x3" in proc.stderr, proc.stderr[-2000:]
     proc = _dsv41("compile", "--config", "tiny", "--topology", "v6e:2x2", "--mesh", "data=8")
     assert proc.returncode == 2 and "has 8 devices but topology v6e:2x2 has 4 chips" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_collectives_are_counted_once_with_their_output_bytes():
+    from sharding.tpu_step import collectives
+
+    hlo = """  %ar = f32[8,128]{1,0} all-reduce(%a), replica_groups={}
+  %ags = (bf16[2,64]{1,0}, bf16[8,64]{1,0}) all-gather-start(%x)
+  %agd = bf16[8,64]{1,0} all-gather-done(%ags)
+  %cps = (f32[4]{0}, f32[4]{0}, u32[], u32[]) collective-permute-start(%y)
+  %cpd = f32[4]{0} collective-permute-done(%cps)
+  %a2a = (s32[2,3]{1,0}, s32[2,3]{1,0}) all-to-all(%p, %q)"""
+    assert collectives(hlo) == {"all-reduce": {"count": 1, "bytes": 8 * 128 * 4},
+                                "all-gather": {"count": 1, "bytes": 8 * 64 * 2},
+                                "collective-permute": {"count": 1, "bytes": 16},
+                                "all-to-all": {"count": 1, "bytes": 2 * 6 * 4}}
+
+
+def test_fewer_layers_keep_every_layer_kind_of_the_released_stack():
+    from dsv41_jax.config import ModelConfig
+    from sharding.tpu_step import layer_kinds, subset_config
+
+    full = ModelConfig.load("v41-flash")
+    sub, kept = subset_config(full, 1)
+    assert sum(len(v) for v in layer_kinds(full).values()) == full.n_layers == 40
+    assert sorted(layer_kinds(sub)) == sorted(layer_kinds(full)) and set(kept.values()) == {1}
+    assert sub.n_layers == len(kept) and sub.dim == full.dim and sub.n_routed_experts == full.n_routed_experts
