@@ -66,12 +66,14 @@ def _compile(args) -> dict:
 
 
 def _format(r: dict) -> str:
+    from sharding.mesh import format_mesh_spec
+
     def g(b):
         return f"{b / GiB:.2f} GiB"
 
     head = (f"{r['what']} step, config {r['config']}, {r['layers']} of {r['layers_of_full_stack']} layers, "
             f"impl {r['impl']}, batch {r['batch']}, context {r['context']}; {r['topology']}: {r['chips']} chips "
-            f"({r['device_kind']}), {r['hosts']} hosts; mesh {r['mesh']}, preset {r['preset']}")
+            f"({r['device_kind']}), {r['hosts']} hosts; mesh {format_mesh_spec(r['mesh'])}, preset {r['preset']}")
     if not r["ok"]:
         return f"{head}\ncompile FAILED after {r['seconds']:.1f} s: {r['error']}"
     d, plan = r["per_device_bytes"], r["plan_compiled_layers"]
@@ -80,7 +82,7 @@ def _format(r: dict) -> str:
              "per device (TPU compiler's buffer assignment, not measured on a TPU):",
              f"  arguments {g(d['argument'])} (plan: {g(plan['arguments'])}), temp {g(d['temp'])} "
              f"(plan's activation estimate: {g(plan['activations'])}), output {g(d['output'])} "
-             f"(aliased {g(d['alias'])}), code {g(d['generated_code'])}",
+             f"(aliased {g(d['alias'])}), code {d['generated_code'] / 2 ** 20:.1f} MiB",
              f"  peak {g(d['peak'])} of {g(hbm) if hbm else '?'} HBM -> {'fits' if r['fits'] else 'does NOT fit'}"]
     if "plan_full_stack" in r:
         kept = ", ".join(f"{k} {v}" for k, v in r["layers_kept_per_kind"].items())
