@@ -550,11 +550,11 @@ def test_request_body_limit_is_413_before_reading(server):
 def test_prompt_over_the_limit_is_refused_before_tokenizing(server, monkeypatch):
     """A prompt whose text cannot fit is refused without being tokenized (a 50 MB prompt used to stall every
     client while it was tokenized on the event loop)."""
-    import dsv41_jax.serving.http.app as app_module
+    import dsv41_jax.serving.http.prompts as prompts_module
 
     def no_tokenizing(*a, **k):
         raise AssertionError("tokenized a prompt that cannot fit")
-    monkeypatch.setattr(app_module, "encode_chat_ids", no_tokenizing)
+    monkeypatch.setattr(prompts_module, "encode_chat_ids", no_tokenizing)
     r = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * 900_000}]})
     assert r.status_code == 400 and "bytes" in r.json()["error"]["message"]
     r = _post(server, "/v1/completions", {"prompt": "a" * 900_000})
@@ -698,15 +698,15 @@ def test_tokenizing_runs_off_the_event_loop(server, client, monkeypatch):
     """While one request's prompt is being tokenized (held here on an event), /health and other clients are
     served: tokenization runs in a worker thread, not on the event loop (a 5 MB prompt used to stall
     every client for seconds)."""
-    import dsv41_jax.serving.http.app as app_module
+    import dsv41_jax.serving.http.prompts as prompts_module
 
-    real, entered, release = app_module.encode_chat_ids, threading.Event(), threading.Event()
+    real, entered, release = prompts_module.encode_chat_ids, threading.Event(), threading.Event()
 
     def slow_encode(*a, **k):
         entered.set()
         assert release.wait(300)
         return real(*a, **k)
-    monkeypatch.setattr(app_module, "encode_chat_ids", slow_encode)
+    monkeypatch.setattr(prompts_module, "encode_chat_ids", slow_encode)
     done = {}
     t = threading.Thread(target=lambda: done.update(r=client.chat.completions.create(
         model="tiny", messages=USER, max_tokens=1, temperature=0)))

@@ -194,7 +194,7 @@ class Watchdog:
 # ---------------------------------------------------------------------------------- serving
 
 # What a request may not use across processes, and why: its work runs outside the engine's lockstep
-# steps, on process 0 only. The server refuses each with HTTP 400 before any compute (app.py);
+# steps, on process 0 only. The server refuses each with HTTP 400 before any compute (http/checks.py `single_process`);
 # LeaderEngine.submit refuses the engine-level ones again (docs/SERVING.md "Across hosts (processes)").
 NOT_ACROSS = {
     "image input": "the vision tower runs outside the engine's lockstep steps",

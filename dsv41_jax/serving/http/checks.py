@@ -1,0 +1,141 @@
+"""The checks every endpoint runs before any compute: the API key, the body (size, JSON), the
+model name, the prompt's size before it is tokenized, token ids against the vocabulary, the
+token budget, and the features refused across processes. Field-by-field validation of a body is
+`protocol.py`'s; each check here raises a `protocol.APIError`."""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+
+from fastapi import Request as HTTPRequest
+
+from dsv41_jax.serving.http import protocol as P
+from dsv41_jax.serving.http.images import has_images
+from dsv41_jax.serving.http.state import ServerConfig, ServingState, serving_state
+from dsv41_jax.serving.lockstep import refusal
+
+
+def authorize(cfg: ServerConfig, request: HTTPRequest) -> None:
+    if cfg.api_key is None:
+        return
+    header = request.headers.get("authorization", "")
+    if header != f"Bearer {cfg.api_key}":
+        raise P.APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' with the key the server "
+                              "was started with (--api-key)")
+
+
+def _too_large(n, limit: int) -> P.APIError:
+    return P.APIError(413, f"the request body has {n} bytes, over this server's limit of {limit} bytes "
+                           "(dsv41 serve --max-request-bytes)", kind="invalid_request_error")
+
+
+async def read_body(request: HTTPRequest, limit: int) -> dict:
+    """The JSON object of the request, refused with 413 before it is read whole when it is over `limit`
+    bytes (by its Content-Length, or while it streams in); parsed off the event loop, so a large body
+    never stalls the other clients."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(f"more than {limit}", limit)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    try:
+        body = json.loads(raw) if size < (1 << 16) else await asyncio.to_thread(json.loads, raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise P.APIError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise P.APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def check_model(cfg: ServerConfig, body: dict) -> None:
+    model = body.get("model")
+    if model is not None and model != cfg.model_name:
+        raise P.APIError(400, f"unknown model {model!r}; this server serves {cfg.model_name!r} (GET /v1/models)",
+                         param="model")
+
+
+async def read_request(request: HTTPRequest,
+                       check_fields: Callable[[dict, ServingState], None]) -> tuple[ServingState, dict]:
+    """Every POST endpoint's preamble: the key, the body, its fields (`check_fields(body, state)`),
+    the model name; (the server's state, the body)."""
+    state = serving_state(request)
+    authorize(state.cfg, request)
+    body = await read_body(request, state.cfg.max_request_bytes)
+    check_fields(body, state)
+    check_model(state.cfg, body)
+    return state, body
+
+
+def get_bool(body: dict, key: str, default: bool) -> bool:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise P.bad(key, f"expected true or false, got {v!r:.80}")
+    return v
+
+
+def _text_bytes(value) -> int:
+    """UTF-8 bytes of every string inside a JSON value (the text a prompt is made of)."""
+    if isinstance(value, str):
+        return len(value.encode("utf-8", "surrogatepass"))
+    if isinstance(value, dict):
+        return sum(_text_bytes(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_text_bytes(v) for v in value)
+    return 0
+
+
+def check_prompt_size(state: ServingState, param: str, value) -> None:
+    """A prompt whose text cannot fit in the context is refused before it is tokenized
+    (`state.max_token_bytes`)."""
+    n, most = _text_bytes(value), state.max_token_bytes
+    if n > state.cfg.max_model_len * most:
+        raise P.APIError(400, f"the prompt's text has {n} bytes, more than the maximum model length "
+                              f"{state.cfg.max_model_len} tokens can hold (at most {most} bytes a token); shorten it",
+                         param=param)
+
+
+def refuse_images(state: ServingState, messages) -> bool:
+    """Whether the messages hold images; a 400 naming the reason where this server takes none."""
+    with_images = has_images(messages)
+    if with_images and state.cfg.images is None:
+        P.check_images(messages, state.cfg.has_vision)
+    return with_images
+
+
+def check_ids(state: ServingState, param: str, ids) -> list[int]:
+    vocab = state.vocab_size
+    wrong = next((t for t in ids if not 0 <= t < vocab), None)
+    if wrong is not None:
+        raise P.bad(param, f"token id {wrong} is outside the model's vocabulary [0, {vocab})")
+    return [int(t) for t in ids]
+
+
+def token_budget(cfg: ServerConfig, prompt: list[int], sp: P.Sampling) -> int:
+    """The tokens a reply may take: max_tokens, or the rest of the context; a 400 when the prompt
+    or prompt + max_tokens is over the maximum model length."""
+    n = len(prompt)
+    if n >= cfg.max_model_len:
+        raise P.APIError(400, f"the prompt has {n} tokens but the maximum model length is {cfg.max_model_len}",
+                         param="messages")
+    if sp.max_tokens is None:
+        return cfg.max_model_len - n
+    if n + sp.max_tokens > cfg.max_model_len:
+        raise P.APIError(400, f"prompt ({n} tokens) plus max_tokens ({sp.max_tokens}) is {n + sp.max_tokens}, "
+                              f"beyond the maximum model length {cfg.max_model_len}; lower max_tokens",
+                         param="max_tokens")
+    return sp.max_tokens
+
+
+def single_process(cfg: ServerConfig, param: str, feature: str) -> None:
+    """Across processes (`dsv41 serve --coordinator ...`), a feature whose work runs outside the
+    engine's lockstep steps (`lockstep.NOT_ACROSS`) is refused (400) before any compute."""
+    if cfg.processes is not None:
+        raise P.bad(param, refusal(feature, len(cfg.processes())))

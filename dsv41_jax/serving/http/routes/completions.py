@@ -1,0 +1,88 @@
+"""POST /v1/completions: a text or token-id prompt, with `echo` (the prompt, and its tokens'
+logprobs with `logprobs`) and `max_tokens: 0` (score the prompt, generate nothing)."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from fastapi import APIRouter, Request as HTTPRequest
+
+from dsv41_jax.serving.http import protocol as P
+from dsv41_jax.serving.http import schema as S
+from dsv41_jax.serving.http.checks import get_bool, read_request, single_process, token_budget
+from dsv41_jax.serving.http.choices import TextChoice
+from dsv41_jax.serving.http.grammar import build_constraints
+from dsv41_jax.serving.http.prompts import build_prompt, prompt_text
+from dsv41_jax.serving.http.runs import start_runs
+from dsv41_jax.serving.http.state import ServingState
+from dsv41_jax.serving.http.streaming import DONE, event_stream, respond, sse
+from dsv41_jax.serving.prompt_logprobs import prompt_logprobs
+
+router = APIRouter()
+
+
+def _fields(body: dict, state: ServingState) -> None:
+    P.check_fields(body, chat=False, extra=state.extra_fields)
+
+
+@router.post("/v1/completions", openapi_extra=S.route(S.COMPLETION_REQUEST, S.COMPLETION_RESPONSE))
+async def completions(request: HTTPRequest):
+    state, body = await read_request(request, _fields)
+    cfg = state.cfg
+    source = body.get("prompt")
+    prompt = await build_prompt(state, source, split_special=get_bool(body, "split_special_tokens", False))
+    ids = prompt.ids
+    sp = P.sampling_fields(body, chat=False)
+    echo = get_bool(body, "echo", False)
+    spec = P.constraint_spec(body, chat=False)
+    if echo:
+        single_process(cfg, "echo", "echo (the prompt's logprobs)")
+    if spec:
+        single_process(cfg, spec.param, "constrained decoding")
+    if sp.max_tokens == 0:  # score the prompt only (sampling_fields allows 0 with echo alone)
+        if len(ids) > cfg.max_model_len:
+            raise P.APIError(400, f"the prompt has {len(ids)} tokens but the maximum model length is "
+                                  f"{cfg.max_model_len}", param="prompt")
+        return await _echo_only(state, request, ids, sp, prompt_text(state.tokenizer, source, ids))
+    constraints = spec and await asyncio.to_thread(build_constraints, state, spec, None, len(sp.seeds))
+    token_budget(cfg, ids, sp)  # its 400 before any compute
+    prefix = await _echo(state, ids, sp, prompt_text(state.tokenizer, source, ids)) if echo else None
+    runs = start_runs(state, body, prompt, sp, None, constraints)
+    choices = [TextChoice(i, run, sp, prefix) for i, run in enumerate(runs)]
+    return await respond(state, request, runs, sp, choices, runs[0].request_id, "text_completion", "text_completion")
+
+
+async def _echo(state: ServingState, ids: list[int], sp: P.Sampling, text: str) -> tuple[str, dict | None]:
+    """(the prompt's text, its legacy logprobs block or None): echo's prefix of every choice. The
+    block has one entry per prompt token (a text prompt's first is the BOS the server adds), the
+    first with null logprobs."""
+    if not sp.logprobs:
+        return text, None
+    lps, tops = await state.worker.call(lambda engine: prompt_logprobs(engine, list(ids)))
+    piece = lambda i: state.tokenizer.decode([i])  # noqa: E731
+    k = sp.top_logprobs
+    return text, {"tokens": [piece(t) for t in ids], "token_logprobs": lps,
+                  "top_logprobs": [None] + [{piece(i): v for i, v in top[:k]} for top in tops[1:]]}
+
+
+async def _echo_only(state: ServingState, request: HTTPRequest, ids: list[int], sp: P.Sampling, text: str):
+    """max_tokens 0: every choice is the prompt `text` (and its logprobs); nothing is generated."""
+    text, block = await _echo(state, ids, sp, text)
+    head = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
+            "model": state.cfg.model_name}
+    choices = [{"index": i, "text": text, "logprobs": block, "finish_reason": "length"}
+               for i in range(len(sp.seeds))]
+    usage = {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    state.metrics.requests.labels(request.url.path, "200").inc()
+    if not sp.stream:
+        return {**head, "choices": choices, "usage": usage}
+
+    async def events():
+        for c in choices:
+            yield sse({**head, "choices": [c]})
+        if sp.include_usage:
+            yield sse({**head, "choices": [], "usage": usage})
+        yield DONE
+
+    return event_stream(events())

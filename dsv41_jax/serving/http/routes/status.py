@@ -1,0 +1,48 @@
+"""GET endpoints about the server itself: /health (liveness), /ready (readiness), /metrics
+(Prometheus text) and /v1/models."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Request as HTTPRequest
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from dsv41_jax.serving.http.checks import authorize
+from dsv41_jax.serving.http.state import serving_state
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: HTTPRequest):
+    """Liveness: 200 while the engine thread runs, warming included (readiness is /ready)."""
+    state = serving_state(request)
+    worker, processes = state.worker, state.cfg.processes
+    alive = worker.thread.is_alive()
+    body = {"status": "ok" if alive else "engine thread stopped", "ready": worker.ready.is_set()}
+    if processes is not None:  # across processes: every process's heartbeat, as process 0 sees it
+        body["processes"] = processes()
+        dead = [p["process"] for p in body["processes"] if not p["alive"]]
+        if dead:
+            alive, body["status"] = False, f"process {', '.join(map(str, dead))} stopped answering"
+    return JSONResponse(body, status_code=200 if alive else 503)
+
+
+@router.get("/ready")
+async def ready(request: HTTPRequest):
+    """Readiness: 200 once every program is compiled (dsv41 serve warms before serving), else 503
+    with the progress ({"status": "warming", "done": 3, "total": 25, "current": "graph_a 64"}).
+    Requests sent before then are queued, not refused."""
+    progress = serving_state(request).worker.readiness()
+    return JSONResponse(progress, status_code=200 if progress["status"] == "ready" else 503)
+
+
+@router.get("/metrics")
+async def metrics_text(request: HTTPRequest):
+    return PlainTextResponse(serving_state(request).metrics.text(), media_type="text/plain; version=0.0.4")
+
+
+@router.get("/v1/models")
+async def models(request: HTTPRequest):
+    cfg = serving_state(request).cfg
+    authorize(cfg, request)
+    return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": 0,
+                                        "owned_by": "dsv41", "max_model_len": cfg.max_model_len}]}
