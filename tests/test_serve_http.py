@@ -95,6 +95,23 @@ def metrics(server) -> dict:
 USER = [{"role": "user", "content": "hello there"}]
 
 
+
+def test_models_retrieve_by_id(server, client):
+    """GET /v1/models/{id} (the `openai` client's models.retrieve): the served model's card, the same as
+    its entry in the list; any other id is a 404 in OpenAI's error shape; the key is checked."""
+    card = client.models.retrieve("tiny")
+    assert card.id == "tiny" and card.object == "model"
+    listed = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"][0]
+    one = httpx.get(server.url + "/v1/models/tiny", headers={"Authorization": f"Bearer {KEY}"})
+    assert one.status_code == 200 and one.json() == listed
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("org/other-model")
+    r = httpx.get(server.url + "/v1/models/org/other-model", headers={"Authorization": f"Bearer {KEY}"})
+    err = r.json()["error"]
+    assert r.status_code == 404 and err["code"] == 404 and err["param"] == "model"
+    assert "'org/other-model' does not exist" in err["message"] and "'tiny'" in err["message"]
+    assert httpx.get(server.url + "/v1/models/tiny").status_code == 401
+
 # ------------------------------------------------------------------------------ chat
 def test_chat_streaming_equals_non_streaming_and_usage(server, client):
     before = metrics(server)

@@ -1,12 +1,13 @@
 """GET endpoints about the server itself: /health (liveness), /ready (readiness), /metrics
-(Prometheus text) and /v1/models."""
+(Prometheus text), /v1/models and /v1/models/{id}."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from dsv41_jax.serving.http import protocol as P
 from dsv41_jax.serving.http.checks import authorize
-from dsv41_jax.serving.http.state import serving_state
+from dsv41_jax.serving.http.state import ServerConfig, serving_state
 
 router = APIRouter()
 
@@ -40,9 +41,25 @@ async def metrics_text(request: HTTPRequest):
     return PlainTextResponse(serving_state(request).metrics.text(), media_type="text/plain; version=0.0.4")
 
 
+def _model_card(cfg: ServerConfig) -> dict:
+    return {"id": cfg.model_name, "object": "model", "created": 0, "owned_by": "dsv41",
+            "max_model_len": cfg.max_model_len}
+
+
 @router.get("/v1/models")
 async def models(request: HTTPRequest):
     cfg = serving_state(request).cfg
     authorize(cfg, request)
-    return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": 0,
-                                        "owned_by": "dsv41", "max_model_len": cfg.max_model_len}]}
+    return {"object": "list", "data": [_model_card(cfg)]}
+
+
+# `:path`: a model id may hold slashes (`org/name`), as Hugging Face ids do
+@router.get("/v1/models/{model_id:path}")
+async def model(request: HTTPRequest, model_id: str):
+    """The served model's card (OpenAI's `models.retrieve`); another id is a 404."""
+    cfg = serving_state(request).cfg
+    authorize(cfg, request)
+    if model_id != cfg.model_name:
+        raise P.APIError(404, f"the model {model_id!r} does not exist; this server serves {cfg.model_name!r} "
+                              "(GET /v1/models)", param="model")
+    return _model_card(cfg)
