@@ -112,6 +112,17 @@ def test_models_retrieve_by_id(server, client):
     assert "'org/other-model' does not exist" in err["message"] and "'tiny'" in err["message"]
     assert httpx.get(server.url + "/v1/models/tiny").status_code == 401
 
+
+def test_max_tokens_defaults_as_openai(client):
+    """Without max_tokens a completion stops at 16 tokens (OpenAI's default for /v1/completions), or at what
+    the context has left when that is fewer (chat's default, the rest of the context, is as before); forced
+    tokens keep a sampled stop token from ending it first."""
+    force = {"dsv41_test": {"forced_text": "x" * 40}}
+    r = client.completions.create(model="tiny", prompt="def f", temperature=0, extra_body=force)
+    assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
+    r = client.completions.create(model="tiny", prompt=[5] * (MAX_LEN - 4), temperature=0, extra_body=force)
+    assert r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "length"
+
 # ------------------------------------------------------------------------------ chat
 def test_chat_streaming_equals_non_streaming_and_usage(server, client):
     before = metrics(server)

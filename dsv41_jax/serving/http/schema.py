@@ -87,7 +87,7 @@ COMPLETION_REQUEST = {"type": "object", "required": ["prompt"], "additionalPrope
                          {"type": "array", "minItems": 1, "items": _INT32}]},
     "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 20},
     "max_tokens": {"type": ["integer", "null"], "minimum": 0, "maximum": P.INT32_MAX,
-                   "description": "0 only with echo: score the prompt without generating"},
+                   "description": "0 only with echo: score the prompt without generating; default 16 (OpenAI's)"},
     "echo": {"type": ["boolean", "null"], "description": "return the prompt (and its tokens' logprobs with "
                                                          "logprobs) before the completion"},
     "suffix": {"type": ["string", "null"], "description": "only empty is accepted"},

@@ -1,8 +1,10 @@
 """POST /v1/completions: a text or token-id prompt, with `echo` (the prompt, and its tokens'
-logprobs with `logprobs`) and `max_tokens: 0` (score the prompt, generate nothing)."""
+logprobs with `logprobs`) and `max_tokens: 0` (score the prompt, generate nothing); without
+`max_tokens` at most 16 tokens are generated (OpenAI's default; chat's is the rest of the context)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 
@@ -20,6 +22,7 @@ from dsv41_jax.serving.http.streaming import DONE, event_stream, respond, sse
 from dsv41_jax.serving.prompt_logprobs import prompt_logprobs
 
 router = APIRouter()
+DEFAULT_MAX_TOKENS = 16  # a completions request without max_tokens generates this many at most (OpenAI's)
 
 
 def _fields(body: dict, state: ServingState) -> None:
@@ -45,6 +48,8 @@ async def completions(request: HTTPRequest):
             raise P.APIError(400, f"the prompt has {len(ids)} tokens but the maximum model length is "
                                   f"{cfg.max_model_len}", param="prompt")
         return await _echo_only(state, request, ids, sp, prompt_text(state.tokenizer, source, ids))
+    if sp.max_tokens is None:  # OpenAI's default for completions, within what the context has left
+        sp = dataclasses.replace(sp, max_tokens=max(min(DEFAULT_MAX_TOKENS, cfg.max_model_len - len(ids)), 1))
     constraints = spec and await asyncio.to_thread(build_constraints, state, spec, None, len(sp.seeds))
     token_budget(cfg, ids, sp)  # its 400 before any compute
     prefix = await _echo(state, ids, sp, prompt_text(state.tokenizer, source, ids)) if echo else None
