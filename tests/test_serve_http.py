@@ -575,6 +575,29 @@ def test_request_body_limit_is_413_before_reading(server):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+
+@pytest.mark.parametrize("field", ["messages", "metadata"])
+def test_deeply_nested_bodies_are_a_400_naming_the_limit(server, field):
+    """A body nested 100,000 levels deep (in the prompt or in an ignored field) is a 400 that names the limit,
+    never a 500 or a reset; 64 levels are accepted, 65 are not."""
+    from dsv41_jax.serving.http.checks import MAX_JSON_DEPTH
+
+    headers = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
+
+    def post(depth):  # `field` holds depth - 1 levels: the body object is the first
+        inner = b"[" * (depth - 1) + b"]" * (depth - 1)
+        rest = b'"messages": [{"role": "user", "content": "hi"}], ' if field == "metadata" else b""
+        body = b'{' + rest + b'"max_tokens": 1, "' + field.encode() + b'": ' + inner + b"}"
+        return httpx.post(server.url + "/v1/chat/completions", content=body, headers=headers, timeout=600)
+    for depth in (100_000, MAX_JSON_DEPTH + 1):
+        r = post(depth)
+        assert r.status_code == 400, r.text
+        assert f"limit of {MAX_JSON_DEPTH} levels" in r.json()["error"]["message"]
+    r = post(MAX_JSON_DEPTH)  # within the limit: judged on its fields, as before
+    assert r.status_code == (200 if field == "metadata" else 400), r.text
+    assert "limit of" not in r.text
+    assert httpx.get(server.url + "/health").status_code == 200
+
 def test_prompt_over_the_limit_is_refused_before_tokenizing(server, monkeypatch):
     """A prompt whose text cannot fit is refused without being tokenized (a 50 MB prompt used to stall every
     client while it was tokenized on the event loop)."""

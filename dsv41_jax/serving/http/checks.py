@@ -30,6 +30,30 @@ def _too_large(n, limit: int) -> P.APIError:
                            "(dsv41 serve --max-request-bytes)", kind="invalid_request_error")
 
 
+MAX_JSON_DEPTH = 64  # nesting levels of a request body; a prompt, tools or a JSON schema need far fewer
+
+
+def _too_deep() -> P.APIError:
+    return P.APIError(400, f"the request body nests JSON deeper than this server's limit of {MAX_JSON_DEPTH} "
+                           "levels (objects and arrays inside one another)")
+
+
+def _parse(raw: bytes):
+    """json.loads, refusing bodies nested deeper than MAX_JSON_DEPTH: the decoder's own recursion
+    limit would be a 500, and later walks over the body (the prompt's size) recurse too."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise _too_deep() from None
+    level = [body]
+    for _ in range(MAX_JSON_DEPTH):  # breadth-first, one nesting level at a time; no recursion
+        level = [c for v in level if isinstance(v, (dict, list)) for c in (v.values() if isinstance(v, dict) else v)
+                 if isinstance(c, (dict, list))]
+        if not level:
+            return body
+    raise _too_deep()
+
+
 async def read_body(request: HTTPRequest, limit: int) -> dict:
     """The JSON object of the request, refused with 413 before it is read whole when it is over `limit`
     bytes (by its Content-Length, or while it streams in); parsed off the event loop, so a large body
@@ -45,7 +69,7 @@ async def read_body(request: HTTPRequest, limit: int) -> dict:
         chunks.append(chunk)
     raw = b"".join(chunks)
     try:
-        body = json.loads(raw) if size < (1 << 16) else await asyncio.to_thread(json.loads, raw)
+        body = _parse(raw) if size < (1 << 16) else await asyncio.to_thread(_parse, raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise P.APIError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
