@@ -123,6 +123,32 @@ def test_max_tokens_defaults_as_openai(client):
     r = client.completions.create(model="tiny", prompt=[5] * (MAX_LEN - 4), temperature=0, extra_body=force)
     assert r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "length"
 
+
+def test_completions_take_every_openai_prompt_form(server, client):
+    """A list of texts or of token-id lists is several prompts: choice k is prompt k's completion, equal to
+    that prompt sent alone (temperature 0), and usage counts every prompt; echo with max_tokens 0 (how lm-eval
+    scores a batch) gives each prompt's own logprobs. More choices than batch slots is a 400."""
+    tok = server.tokenizer
+    texts = ["def f", "class A:"]
+    token_lists = [tok.encode(t) for t in texts]
+    for batch in (texts, token_lists):
+        alone = [client.completions.create(model="tiny", prompt=p, max_tokens=3, temperature=0) for p in batch]
+        r = client.completions.create(model="tiny", prompt=batch, max_tokens=3, temperature=0)
+        assert [c.index for c in r.choices] == [0, 1]
+        assert [c.text for c in r.choices] == [a.choices[0].text for a in alone]
+        assert r.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+        assert r.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    one = client.completions.create(model="tiny", prompt=[token_lists[0]], max_tokens=3, temperature=0)
+    assert one.choices[0].text == alone[0].choices[0].text  # a batch of one token list (lm-eval's default)
+    score = dict(model="tiny", echo=True, logprobs=1, max_tokens=0)
+    each = [client.completions.create(prompt=p, **score).choices[0].logprobs.token_logprobs for p in token_lists]
+    both = client.completions.create(prompt=token_lists, **score)
+    assert [c.logprobs.token_logprobs for c in both.choices] == each
+    r = _post(server, "/v1/completions", {"prompt": texts, "n": 2, "max_tokens": 1})
+    assert r.status_code == 400 and "2 prompts x 2 choices need 4 batch slots" in r.json()["error"]["message"]
+    r = _post(server, "/v1/completions", {"prompt": ["a", [5]], "max_tokens": 1})
+    assert r.status_code == 400 and "a list of either" in r.json()["error"]["message"]
+
 # ------------------------------------------------------------------------------ chat
 def test_chat_streaming_equals_non_streaming_and_usage(server, client):
     before = metrics(server)

@@ -25,11 +25,13 @@ def logprob_entry(tokenizer, tok: int, lp, top: int) -> dict:
     return entry
 
 
-def usage(runs: list) -> dict:
-    """The prompt counts once however many choices were drawn from it (as OpenAI counts it)."""
-    prompt, generated = runs[0].prompt_len, sum(len(r.tokens) for r in runs)
+def usage(runs: list, n: int) -> dict:
+    """Each prompt counts once however many choices (`n`, each prompt's in turn) were drawn from it (as
+    OpenAI counts it)."""
+    firsts = runs[::n]
+    prompt, generated = sum(r.prompt_len for r in firsts), sum(len(r.tokens) for r in runs)
     return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
-            "prompt_tokens_details": {"cached_tokens": runs[0].cached}}
+            "prompt_tokens_details": {"cached_tokens": sum(r.cached for r in firsts)}}
 
 
 def tool_call(c) -> dict:

@@ -63,7 +63,17 @@ async def _completion_ids(state: ServingState, prompt, add_special: bool, split_
         return ids
     if isinstance(prompt, list) and prompt and all(P._is_int(t) for t in prompt):
         return check_ids(state, "prompt", prompt)
-    raise P.bad("prompt", f"expected a string or a list of token ids, got {prompt!r:.80} (one prompt per request)")
+    raise P.bad("prompt", f"expected a string or a list of token ids (on /v1/completions also a list of either: "
+                          f"several prompts), got {prompt!r:.80}")
+
+
+def prompt_batch(prompt) -> list:
+    """The prompts of a completions `prompt`: a list of texts or of token-id lists is several prompts
+    (OpenAI's batch forms, each prompt's choices in turn); any other value is one prompt."""
+    if isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
+                                                or all(isinstance(p, list) for p in prompt)):
+        return list(prompt)
+    return [prompt]
 
 
 def prompt_text(tokenizer, prompt, ids: list[int]) -> str:

@@ -82,6 +82,12 @@ def _check_capacity(state: ServingState, sp: P.Sampling) -> None:
 def start_runs(state: ServingState, body: dict, prompt: Prompt, sp: P.Sampling, mode: P.ChatMode | None,
                constraints: list | None = None) -> list[Run]:
     """Submit one engine request per choice (`n`); each holds a slot, so n is at most the batch."""
+    return submit_runs(state, make_runs(state, body, prompt, sp, mode, constraints))
+
+
+def make_runs(state: ServingState, body: dict, prompt: Prompt, sp: P.Sampling, mode: P.ChatMode | None,
+              constraints: list | None = None) -> list[Run]:
+    """One engine request per choice (`n`), checked, not yet submitted (`submit_runs`)."""
     ids = prompt.ids
     max_tokens = token_budget(state.cfg, ids, sp)
     _check_capacity(state, sp)
@@ -106,6 +112,11 @@ def start_runs(state: ServingState, body: dict, prompt: Prompt, sp: P.Sampling, 
             conversations.attach(job, thinking=bool(mode and mode.reply_thinking), chat=mode is not None,
                                  key=prompt.key)
         runs.append(Run(len(ids), job))
+    return runs
+
+
+def submit_runs(state: ServingState, runs: list[Run]) -> list[Run]:
+    """Submit the runs of one request together: the queue admits or refuses them as one (429)."""
     try:
         state.worker.submit_all([run.job for run in runs])
     except QueueFull as e:

@@ -83,8 +83,10 @@ CHAT_REQUEST = {"type": "object", "required": ["messages"], "additionalPropertie
 COMPLETION_REQUEST = {"type": "object", "required": ["prompt"], "additionalProperties": False, "properties": {
     **_SAMPLING,
     "prompt": {"anyOf": [{"type": "string", "minLength": 1},
-                         {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1}},
-                         {"type": "array", "minItems": 1, "items": _INT32}]},
+                         {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+                         {"type": "array", "minItems": 1, "items": _INT32},
+                         {"type": "array", "minItems": 1, "items": {"type": "array", "minItems": 1, "items": _INT32}}],
+               "description": "one prompt, or a list of prompts (each prompt's n choices in turn)"},
     "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 20},
     "max_tokens": {"type": ["integer", "null"], "minimum": 0, "maximum": P.INT32_MAX,
                    "description": "0 only with echo: score the prompt without generating; default 16 (OpenAI's)"},
@@ -98,7 +100,9 @@ COMPLETION_REQUEST = {"type": "object", "required": ["prompt"], "additionalPrope
 }}
 TOKENIZE_REQUEST = {"type": "object", "additionalProperties": False, "properties": {
     "model": {"type": "string"},
-    "prompt": COMPLETION_REQUEST["properties"]["prompt"],
+    "prompt": {"anyOf": [{"type": "string", "minLength": 1},
+                         {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1}},
+                         {"type": "array", "minItems": 1, "items": _INT32}]},
     "messages": CHAT_REQUEST["properties"]["messages"],
     "add_special_tokens": {"type": ["boolean", "null"], "description": "prompt only: BOS first (default true)"},
     "split_special_tokens": COMPLETION_REQUEST["properties"]["split_special_tokens"],

@@ -75,7 +75,7 @@ async def respond(state: ServingState, request: HTTPRequest, runs: list[Run], sp
     texts = await _collect(state, runs, sp, request)
     state.metrics.requests.labels(request.url.path, "200").inc()
     return {"id": cid, "object": whole_object, "created": created, "model": state.cfg.model_name,
-            "choices": [c.whole(t) for c, t in zip(choices, texts)], "usage": usage(runs)}
+            "choices": [c.whole(t) for c, t in zip(choices, texts)], "usage": usage(runs, len(sp.seeds))}
 
 
 async def _chunks(state: ServingState, request: HTTPRequest, runs: list[Run], sp: P.Sampling, choices: list,
@@ -91,7 +91,7 @@ async def _chunks(state: ServingState, request: HTTPRequest, runs: list[Run], sp
             if entry is not None:
                 yield sse({**head, "choices": [entry]})
         if sp.include_usage:
-            yield sse({**head, "choices": [], "usage": usage(runs)})
+            yield sse({**head, "choices": [], "usage": usage(runs, len(sp.seeds))})
         state.metrics.requests.labels(request.url.path, "200").inc()
     except P.APIError as e:
         state.metrics.requests.labels(request.url.path, str(e.status)).inc()

@@ -1,4 +1,5 @@
-"""POST /v1/completions: a text or token-id prompt, with `echo` (the prompt, and its tokens'
+"""POST /v1/completions: a text or token-id prompt, or a list of either (each prompt's choices in
+turn, as OpenAI orders them), with `echo` (the prompt, and its tokens'
 logprobs with `logprobs`) and `max_tokens: 0` (score the prompt, generate nothing); without
 `max_tokens` at most 16 tokens are generated (OpenAI's default; chat's is the rest of the context)."""
 from __future__ import annotations
@@ -15,8 +16,8 @@ from dsv41_jax.serving.http import schema as S
 from dsv41_jax.serving.http.checks import get_bool, read_request, single_process, token_budget
 from dsv41_jax.serving.http.choices import TextChoice
 from dsv41_jax.serving.http.grammar import build_constraints
-from dsv41_jax.serving.http.prompts import build_prompt, prompt_text
-from dsv41_jax.serving.http.runs import start_runs
+from dsv41_jax.serving.http.prompts import Prompt, build_prompt, prompt_batch, prompt_text
+from dsv41_jax.serving.http.runs import make_runs, submit_runs
 from dsv41_jax.serving.http.state import ServingState
 from dsv41_jax.serving.http.streaming import DONE, event_stream, respond, sse
 from dsv41_jax.serving.prompt_logprobs import prompt_logprobs
@@ -33,9 +34,9 @@ def _fields(body: dict, state: ServingState) -> None:
 async def completions(request: HTTPRequest):
     state, body = await read_request(request, _fields)
     cfg = state.cfg
-    source = body.get("prompt")
-    prompt = await build_prompt(state, source, split_special=get_bool(body, "split_special_tokens", False))
-    ids = prompt.ids
+    split_special = get_bool(body, "split_special_tokens", False)
+    sources = prompt_batch(body.get("prompt"))
+    prompts = [await build_prompt(state, source, split_special=split_special) for source in sources]
     sp = P.sampling_fields(body, chat=False)
     echo = get_bool(body, "echo", False)
     spec = P.constraint_spec(body, chat=False)
@@ -43,19 +44,42 @@ async def completions(request: HTTPRequest):
         single_process(cfg, "echo", "echo (the prompt's logprobs)")
     if spec:
         single_process(cfg, spec.param, "constrained decoding")
-    if sp.max_tokens == 0:  # score the prompt only (sampling_fields allows 0 with echo alone)
-        if len(ids) > cfg.max_model_len:
-            raise P.APIError(400, f"the prompt has {len(ids)} tokens but the maximum model length is "
-                                  f"{cfg.max_model_len}", param="prompt")
-        return await _echo_only(state, request, ids, sp, prompt_text(state.tokenizer, source, ids))
-    if sp.max_tokens is None:  # OpenAI's default for completions, within what the context has left
-        sp = dataclasses.replace(sp, max_tokens=max(min(DEFAULT_MAX_TOKENS, cfg.max_model_len - len(ids)), 1))
-    constraints = spec and await asyncio.to_thread(build_constraints, state, spec, None, len(sp.seeds))
-    token_budget(cfg, ids, sp)  # its 400 before any compute
-    prefix = await _echo(state, ids, sp, prompt_text(state.tokenizer, source, ids)) if echo else None
-    runs = start_runs(state, body, prompt, sp, None, constraints)
-    choices = [TextChoice(i, run, sp, prefix) for i, run in enumerate(runs)]
+    texts = [prompt_text(state.tokenizer, source, p.ids) if echo else None for source, p in zip(sources, prompts)]
+    if sp.max_tokens == 0:  # score the prompts only (sampling_fields allows 0 with echo alone)
+        for p in prompts:
+            if len(p.ids) > cfg.max_model_len:
+                raise P.APIError(400, f"the prompt has {len(p.ids)} tokens but the maximum model length is "
+                                      f"{cfg.max_model_len}", param="prompt")
+        return await _echo_only(state, request, prompts, sp, texts)
+    _check_batch(state, len(prompts), len(sp.seeds))
+    runs, choices = [], []
+    for prompt, text in zip(prompts, texts):
+        runs_of_prompt, choices_of_prompt = await _prompt_choices(state, body, prompt, sp, spec, text, len(runs))
+        runs += runs_of_prompt
+        choices += choices_of_prompt
+    submit_runs(state, runs)
     return await respond(state, request, runs, sp, choices, runs[0].request_id, "text_completion", "text_completion")
+
+
+def _check_batch(state: ServingState, prompts: int, n: int) -> None:
+    """Every choice of every prompt holds a slot at once (one prompt's n is checked with its runs)."""
+    slots = state.worker.engine.slots
+    if prompts > 1 and prompts * n > slots:
+        raise P.bad("prompt", f"{prompts} prompts x {n} choices need {prompts * n} batch slots at once; this "
+                              f"server has {slots} (dsv41 serve --max-batch); send fewer prompts per request")
+
+
+async def _prompt_choices(state: ServingState, body: dict, prompt: Prompt, sp: P.Sampling, spec, text: str | None,
+                          first: int) -> tuple[list, list]:
+    """One prompt's runs (not yet submitted) and choices, indexed from `first`."""
+    cfg = state.cfg
+    if sp.max_tokens is None:  # OpenAI's default for completions, within what the context has left
+        sp = dataclasses.replace(sp, max_tokens=max(min(DEFAULT_MAX_TOKENS, cfg.max_model_len - len(prompt.ids)), 1))
+    constraints = spec and await asyncio.to_thread(build_constraints, state, spec, None, len(sp.seeds))
+    token_budget(cfg, prompt.ids, sp)  # its 400 before any compute
+    prefix = await _echo(state, prompt.ids, sp, text) if text is not None else None
+    runs = make_runs(state, body, prompt, sp, None, constraints)
+    return runs, [TextChoice(first + i, run, sp, prefix) for i, run in enumerate(runs)]
 
 
 async def _echo(state: ServingState, ids: list[int], sp: P.Sampling, text: str) -> tuple[str, dict | None]:
@@ -71,14 +95,18 @@ async def _echo(state: ServingState, ids: list[int], sp: P.Sampling, text: str) 
                   "top_logprobs": [None] + [{piece(i): v for i, v in top[:k]} for top in tops[1:]]}
 
 
-async def _echo_only(state: ServingState, request: HTTPRequest, ids: list[int], sp: P.Sampling, text: str):
-    """max_tokens 0: every choice is the prompt `text` (and its logprobs); nothing is generated."""
-    text, block = await _echo(state, ids, sp, text)
+async def _echo_only(state: ServingState, request: HTTPRequest, prompts: list[Prompt], sp: P.Sampling,
+                     texts: list[str]):
+    """max_tokens 0: every choice is its prompt's text (and logprobs); nothing is generated."""
+    n, choices, counted = len(sp.seeds), [], 0
+    for k, (prompt, text) in enumerate(zip(prompts, texts)):
+        text, block = await _echo(state, prompt.ids, sp, text)
+        choices += [{"index": k * n + i, "text": text, "logprobs": block, "finish_reason": "length"}
+                    for i in range(n)]
+        counted += len(prompt.ids)
     head = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
             "model": state.cfg.model_name}
-    choices = [{"index": i, "text": text, "logprobs": block, "finish_reason": "length"}
-               for i in range(len(sp.seeds))]
-    usage = {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    usage = {"prompt_tokens": counted, "completion_tokens": 0, "total_tokens": counted}
     state.metrics.requests.labels(request.url.path, "200").inc()
     if not sp.stream:
         return {**head, "choices": choices, "usage": usage}
