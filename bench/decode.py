@@ -403,12 +403,12 @@ def stored_weight_rows(cfg, context: int, full: bool = False, batches=(1, 64)) -
       the same shapes with bf16 weights (the arithmetic). Not for the kernel path: a kernel is a
       custom call (TPU/GPU) or an interpreted loop (CPU) there, so the figures would leave it out.
     The kernel path twice: on the stored bytes (params "stored") and on the params the engine holds
-    (params "engine": `block.kernel_params`' word views, made once at load)."""
+    (params "engine": `kernel_weights.kernel_params`' word views, made once at load)."""
     import jax
 
     from flax import nnx
 
-    from dsv41_jax.model.block import kernel_params
+    from dsv41_jax.model.kernel_weights import kernel_params
     from dsv41_jax.runtime import Runtime
     from dsv41_jax.serving import cost, split_prefill, weight_traffic
 
@@ -425,7 +425,7 @@ def stored_weight_rows(cfg, context: int, full: bool = False, batches=(1, 64)) -
             rt = Runtime(mode="fast", impl=impl, interpret=False if impl == "pallas" else None)
             plan = split_prefill.decode_plan(rt)
             # the params as the engine holds them for its plan (the kernels' word views, made once at
-            # load: `block.kernel_params`), or the stored bytes, which the kernels' wrappers relayout per call
+            # load: `kernel_weights.kernel_params`), or the stored bytes, which the kernels' wrappers relayout per call
             held = jax.eval_shape(lambda p: kernel_params(gd, p, plan), params) if prepared else params
             tree = jax.tree_util.tree_structure(held)
 

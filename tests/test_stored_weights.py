@@ -8,7 +8,7 @@ decode step of the engine (`split_prefill.decode_step` on `decode_plan`), no wei
 - pallas path (fast numerics): no whole weight is dequantized outside a kernel: the dense FP8
   linears run the FP8 block GEMM and the routed experts the grouped expert GEMM; and no stored
   weight is relaid out inside the step: each enters its kernel as the params hold it, the 32-bit
-  word view `block.kernel_params` made once at load (as `Engine` holds its params).
+  word view `kernel_weights.kernel_params` made once at load (as `Engine` holds its params).
 
 The tracker (`dsv41_jax.serving.weight_traffic`, which bench/decode.py --stored-weights also uses)
 follows each weight parameter through the jaxpr: ops that keep the whole weight (converts, reshapes,
@@ -25,7 +25,7 @@ import pytest
 from flax import nnx
 
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.model.block import kernel_params
+from dsv41_jax.model.kernel_weights import kernel_params
 from dsv41_jax.runtime import Runtime
 from dsv41_jax.serving import cost
 from dsv41_jax.serving import split_prefill as sp
@@ -33,7 +33,7 @@ from dsv41_jax.serving import weight_traffic as wt
 
 def _traced(cfg, batch: int, impl: str, prepared: bool = True):
     """The stored weights' uses (`weight_traffic.WeightUse`) in the engine's decode step, on the params
-    as the engine holds them (`block.kernel_params` for the plan, as `Engine` does), or as stored."""
+    as the engine holds them (`kernel_weights.kernel_params` for the plan, as `Engine` does), or as stored."""
     gd, params = cost.abstract_params(cfg)
     # the kernels as compiled on TPU (the trace needs no compilation): the FP8 GEMM kernel is on
     plan = sp.decode_plan(Runtime(mode="fast", impl=impl, interpret=False if impl == "pallas" else None))

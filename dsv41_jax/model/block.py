@@ -1,4 +1,5 @@
-"""The one layer body (issue 20; ../shared/design/one-body-review.md): `block_step` and the loop over it.
+"""The one layer body: `block_step` and the loop over it (the weights the kernels read are made
+once at load, in `dsv41_jax.model.kernel_weights`).
 
 What differs between the drivers (model.forward, the engine's steps, split prefill, replay) is
 data, never a copy of the body:
@@ -573,50 +574,6 @@ def fp8_linears(plan: Plan):
     """The context the layers' FP8 linears run in under `plan` (`gemm.fp8_kernel`): every driver of a
     layer's linears (`run_layers`, split prefill's `project_ced`) enters it."""
     return gemm.fp8_kernel(_fp8_kernel(plan))
-
-
-def kernel_params(graphdef, params, plan: Plan):
-    """params with the layers' stored weights in the word views `plan`'s TPU kernels read (pure:
-    params in, params out; the one place they are made, once at load, `Engine` for its plan).
-
-    The TPU kernels decode 32-bit words; built per call from the stored bytes, that relayout reads
-    and writes every weight on every step. Here, for a plan in fast numerics on impl "pallas" whose
-    kernels are the TPU ones (compiled, or interpreted on CPU): the routed experts' MXFP4 stacks and
-    scales become `layout.fp4_weight_words`, and, when the plan runs the FP8 block GEMM, the dense
-    FP8 linears' weights `layout.fp8_weight_view` (scales stay bytes: the kernel reads them as they
-    are). The views hold the same bytes (FP8: plus K's zero padding to 32), replacing the stored
-    arrays, so the footprint does not grow. Any other plan (exact mode, impl "xla", the GPU kernels,
-    which read the bytes) gets params back unchanged; the prepared params serve only `plan`
-    (`gemm.linear` and the kernels' wrappers reject a word view elsewhere). The DSpark stages
-    (`model.mtp`) keep their bytes: they run the XLA math. Works on abstract params too
-    (`jax.eval_shape`)."""
-    if plan.numerics != "fast" or plan.impl != "pallas":
-        return params
-    from pallas_kernels.common.backend import resolve  # noqa: WPS433 (optional dependency on the kernels)
-    from pallas_kernels.expert_gemm import layout  # noqa: WPS433
-
-    if resolve("pallas", plan.interpret).kind != "tpu":
-        return params
-    from dsv41_jax.layers.basic import QLinear
-    from dsv41_jax.layers.moe import Experts
-
-    model = nnx.merge(graphdef, params, copy=True)  # fresh Variables (the same arrays): params stay as they are
-    for _, node in nnx.iter_graph(model.layers):
-        if isinstance(node, Experts) and node.kind == "fp4" and not layout.is_words(node.w1):
-            for w, s in ((node.w1, node.w1_scale), (node.w2, node.w2_scale), (node.w3, node.w3_scale)):
-                words, swords = _jit(layout.fp4_weight_words)(w.get_value(), s.get_value())
-                w.set_value(words)
-                s.set_value(swords)
-        elif (isinstance(node, QLinear) and node.kind == "fp8" and plan.fp8_kernel
-              and not layout.is_words(node.weight)):
-            node.weight.set_value(_jit(layout.fp8_weight_view)(node.weight.get_value()))
-    return nnx.state(model)
-
-
-def _jit(fn):
-    """One weight's conversion as one fused program: eagerly, `astype(uint32)` alone would hold a
-    4x copy of the weight; weight by weight, the peak is the params plus one weight's view."""
-    return jax.jit(fn)
 
 
 def _fp8_kernel(plan: Plan):

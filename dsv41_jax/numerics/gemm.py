@@ -204,13 +204,13 @@ def linear(
 def _linear_words(x, words, scale, mode: str, out_dtype):
     """An FP8 linear whose weight is the kernel's int32 word view [2, N, Kp/8]
     (`pallas_kernels.expert_gemm.layout.fp8_weight_view`, made once by
-    `dsv41_jax.model.block.kernel_params` for a plan that runs the FP8 kernel): only the kernel reads it."""
+    `dsv41_jax.model.kernel_weights.kernel_params` for a plan that runs the FP8 kernel): only the kernel reads it."""
     fn = _FP8_KERNEL.get()
     if mode != "fast" or fn is None:
         raise ValueError(
             f"linear(kind='fp8'): the weight is the FP8 kernel's int32 word view {tuple(words.shape)}, but this call "
             f"runs {'exact mode' if mode != 'fast' else 'without the FP8 kernel (no gemm.fp8_kernel context)'}; "
-            f"params prepared by dsv41_jax.model.block.kernel_params(graphdef, params, plan) only serve that plan "
+            f"params prepared by dsv41_jax.model.kernel_weights.kernel_params(graphdef, params, plan) only serve that plan "
             f"(fast numerics, fp8_kernel): run the stored params otherwise")
     k = x.shape[-1]
     if words.ndim != 3 or words.shape[0] != 2 or 8 * words.shape[2] != -(-k // BLOCK) * BLOCK:

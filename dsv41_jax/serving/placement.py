@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsv41_jax.model.block import kernel_params
+from dsv41_jax.model.kernel_weights import kernel_params
 
 
 class OneDevice:

@@ -49,7 +49,7 @@ class WeightUse:
 def stored_weights(params) -> dict[int, WeightUse]:
     """{leaf index: WeightUse} of the stored quantized weights among params' leaves (FP8 matrices,
     packed FP4 expert stacks, or their kernels' int32 word views made at load by
-    `dsv41_jax.model.block.kernel_params`: the same bytes; E8M0 scales and lookup tables' scales
+    `dsv41_jax.model.kernel_weights.kernel_params`: the same bytes; E8M0 scales and lookup tables' scales
     excluded). `elements` counts stored bytes (one FP8 value, or two FP4 values, a byte)."""
     out = {}
     for i, (path, leaf) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0]):

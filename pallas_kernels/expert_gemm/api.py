@@ -31,7 +31,7 @@ def _words_need_tpu(choice, what: str) -> None:
         raise ValueError(
             f"{what}: the weight is the TPU kernel's int32 word view, but this call runs the "
             f"{'XLA reference' if choice.kind == 'xla' else 'GPU kernel'}, which reads the stored bytes; pass the "
-            f"stored weight (params prepared by dsv41_jax.model.block.kernel_params only for a plan whose kernels "
+            f"stored weight (params prepared by dsv41_jax.model.kernel_weights.kernel_params only for a plan whose kernels "
             f"run on TPU or interpreted)")
 
 

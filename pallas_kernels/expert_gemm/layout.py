@@ -5,7 +5,7 @@ element k = 8j + n of a weight row lands in plane n, lane j (the same order as t
 `dsv41_jax.numerics.kv_layout`). The activations are split the same way along K (`activation_planes`), so
 the product is sum_n x_n . w_n^T. Weights are static, so a serving stack builds the word views
 once, when it prepares the params for a plan that runs the kernels (`fp8_weight_view` and
-`fp4_weight_words`, called by `dsv41_jax.model.block.kernel_params`), and the kernels take them as they are: on TPU converting
+`fp4_weight_words`, called by `dsv41_jax.model.kernel_weights.kernel_params`), and the kernels take them as they are: on TPU converting
 uint8 to uint32 is a relayout copy of the whole weight, which a per-call conversion would pay on
 every step. A word view holds the stored bytes (and K's zero padding, FP8 only), so it takes the
 place of the bytes without growing the weights.
