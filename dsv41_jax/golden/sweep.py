@@ -1,4 +1,4 @@
-"""Config sweep against the golden oracle (issue 28, item 4): small golden-format folders for
+"""Config sweep against the golden oracle: small golden-format folders for
 configurations the shared golden set does not cover.
 
     ORACLE_REF=$ORACLE/ref python -m dsv41_jax.golden.sweep OUT_DIR --oracle ../shared/oracle \

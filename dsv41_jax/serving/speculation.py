@@ -1,4 +1,4 @@
-"""Speculative decoding inside the engine (issue 26 item 1): DSpark drafts per slot, one target
+"""Speculative decoding inside the engine: DSpark drafts per slot, one target
 verify forward per step with pending writes, a commit of each slot's accepted prefix.
 
 One engine step with speculation, for slots at positions L_i holding their next input g_i:
@@ -15,7 +15,7 @@ One engine step with speculation, for slots at positions L_i holding their next 
    into the sampling history (`count`).
 
 Two acceptance rules at T > 0 (`Engine(spec_acceptance=...)`; at T = 0 both are greedy):
-- "rejection" (the default, as issue 26 asks): the drafts are sampled from the drafter's processed
+- "rejection" (the default: lossless at any temperature): the drafts are sampled from the drafter's processed
   distribution q (`draft_sampled_fn`) and accepted by standard rejection sampling against the
   target's processed p (`rejection_fn`). The output follows the target distribution exactly and
   accepts a draft with probability 1 - TV(p, q), but its tokens are not those plain decoding

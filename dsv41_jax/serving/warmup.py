@@ -3,7 +3,7 @@
 A request that reaches a cold server pays for compiling the prefill pieces its prompt length
 needs, the CED split's Graph B, the decode step, the sampler and the slot insert: on the demo
 checkpoint that was 70-83 s for a first chat request and as much again for each new prompt
-shape (issue 22). `warm` runs each of those programs once on dummy inputs, at the one cache
+shape. `warm` runs each of those programs once on dummy inputs, at the one cache
 capacity the server keeps (the bucket that holds `max_seq_len`; a request without `max_tokens`
 reserves that much, so a server reaches that bucket at its first request anyway), so that after
 it no request compiles, whatever its length:

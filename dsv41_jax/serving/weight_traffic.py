@@ -1,5 +1,5 @@
 """How a traced step reads its stored FP8/FP4 weights: the bytes of each weight it reads, and what it
-materializes from whole weights outside a kernel (issue 23: stored weights read once, in their stored
+materializes from whole weights outside a kernel (the aim: stored weights read once, in their stored
 format). Platform-independent: it follows each weight through the step's jaxpr, so it also covers
 the kernel path, whose kernels XLA's cost analysis cannot see into (a custom call on TPU/GPU, an
 interpreted loop on CPU), and it is not misled by the CPU lowering of `ragged_dot`.

@@ -196,8 +196,7 @@ def test_exact_model_scores_equal_reference_and_kernel(heads):
     """Exact mode: the model's `Indexer.scores`, the kernel reference and the interpreted kernel give
     the same bits, on random inputs and on a head sum built to show its order. torch sums the
     strided head axis in order, folded in levels of 16 (`exact_ops.torch_sum_axis`); a plain
-    in-order sum agrees with it up to 16 heads (the goldens have 8) and not at the release's 32
-    (issue 20, review item 13b)."""
+    in-order sum agrees with it up to 16 heads (the goldens have 8) and not at the release's 32."""
     from flax import nnx
 
     from dsv41_jax.config import ModelConfig

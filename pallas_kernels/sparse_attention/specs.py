@@ -1,4 +1,4 @@
-"""Benchmark shapes for sparse sink attention (V4.1-Flash: docs/REFERENCE.md §1, issue 3)."""
+"""Benchmark shapes for sparse sink attention (V4.1-Flash: docs/REFERENCE.md §1)."""
 from __future__ import annotations
 
 FLASH = {"heads": 64, "head_dim": 512, "window": 128, "topk": 512}
