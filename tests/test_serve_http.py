@@ -238,16 +238,44 @@ def test_tools_round_trip(server, client):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-def test_reply_cut_inside_dsml_never_leaks(server, client):
+def test_reply_cut_inside_dsml_never_leaks_and_a_cut_call_comes_back(server, client):
+    """max_tokens cutting a reply: before the calls block's tag is whole, nothing of it shows; inside the
+    block, the calls written so far come back (the last one's arguments a JSON prefix, OpenAI's shape for a
+    call cut by the budget) with finish_reason "length", never as content and never as nothing."""
     tok = server.tokenizer
-    body = ids(tok, "Sure.", calls_text([("get_weather", {"city": "Paris"})], lambda s: s))
-    for cut in (len(ids(tok, "Sure.")) + 4, len(body) - 3):
+    head = ids(tok, "Sure.")
+    body = head + ids(tok, calls_text([("get_weather", {"city": "Paris"})], lambda s: s))
+    in_value = len(head) + len(ids(tok, calls_text([("get_weather", {"city": "Paris"})], lambda s: s).split("Paris")[0])) + 2
+    for cut, arguments in ((len(head) + 4, None), (in_value, '{"city": "Pa'), (len(body) - 3, '{"city": "Paris"}')):
         extra = {"dsv41_test": {"forced_tokens": body}}
         chunks = list(client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, max_tokens=cut,
                                                      stream=True, extra_body=extra))
         content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert content == "Sure." and chunks[-1].choices[0].finish_reason == "length"
-        assert not any(c.choices and c.choices[0].delta.tool_calls for c in chunks)
+        streamed = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+        whole = client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, max_tokens=cut, extra_body=extra)
+        assert whole.choices[0].finish_reason == "length" and whole.choices[0].message.content == "Sure."
+        calls = whole.choices[0].message.tool_calls or []
+        if arguments is None:
+            assert not streamed and not calls
+        else:
+            assert [(t.function.name, t.function.arguments) for t in streamed] == [("get_weather", arguments)]
+            assert [(t.function.name, t.function.arguments) for t in calls] == [("get_weather", arguments)]
+
+
+def test_a_forced_call_that_cannot_fit_max_tokens_is_a_400(server, client):
+    """tool_choice "required" or named: a budget below the fewest tokens any complete call takes (the
+    grammar's fixed tags alone, `Grammars.fewest_call_tokens`) is refused before any compute."""
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        with pytest.raises(openai.BadRequestError, match=r"too small for a complete tool call.*at least \d+ tokens"):
+            client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, max_tokens=20, tool_choice=choice)
+    fewest = int(re.search(r"at least (\d+)", _post(server, "/v1/chat/completions", {
+        "messages": USER, "tools": TOOLS, "tool_choice": "required", "max_tokens": 20}).text).group(1))
+    minimal = calls_text([("get_weather", {})], lambda s: s)  # the shortest complete call: no parameters
+    assert 20 < fewest <= len(ids(server.tokenizer, minimal))
+    r = client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, max_tokens=fewest + 40,
+                                       tool_choice="required", temperature=0)
+    assert r.choices[0].finish_reason in ("tool_calls", "length") and r.choices[0].message.tool_calls
 
 
 @pytest.mark.xfail(not hasattr(Tokenizer, "encode_pieces"), reason="needs the chat encoder's escaping (issue 17)")

@@ -87,6 +87,7 @@ class ReplyParser:
         self.buf = ""
         self.calls: list[ToolCall] = []
         self.pending_ws = ""  # whitespace before a possible calls block, shown once it is not one
+        self.cut_calls = False  # finish(cut=True) returned calls from an unterminated block
 
     def _tags(self) -> tuple[str, ...]:
         if self.state == "reasoning":
@@ -154,6 +155,7 @@ class ReplyParser:
         returned as cut calls when `cut` (the budget ended the reply), else dropped."""
         out = Delta()
         if self.state == "calls" and cut:
+            self.cut_calls = True
             for name, args in _cut_invokes(self.buf):
                 if self.max_calls is not None and len(self.calls) >= self.max_calls:
                     break

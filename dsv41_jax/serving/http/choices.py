@@ -59,7 +59,14 @@ class ChatChoice:
         return out
 
     def _finish_reason(self) -> str:
+        if self.parser.cut_calls:  # the budget ended the reply inside a call: OpenAI says "length"
+            return "length"
         return "tool_calls" if self.calls else ("length" if self.run.finish == "length" else "stop")
+
+    def _finish(self):
+        """The parser's flush: a calls block still open when the budget ran out comes back as the
+        calls written so far (the last one cut), as OpenAI's API returns them."""
+        return self.parser.finish(cut=self.run.finish == "length")
 
     def _lp(self):
         lp = {"content": self.run.logprobs[self.sent_lp:]} if self.sp.logprobs else None
@@ -78,13 +85,13 @@ class ChatChoice:
         return {"index": self.index, "delta": self._delta(d), "logprobs": self._lp(), "finish_reason": None}
 
     def closing(self) -> dict:
-        d = self.parser.finish()
+        d = self._finish()
         self.calls += d.tool_calls
         return {"index": self.index, "delta": self._delta(d), "logprobs": self._lp(),
                 "finish_reason": self._finish_reason()}
 
     def whole(self, texts: list[str]) -> dict:
-        pieces = [self.parser.feed(t) for t in texts] + [self.parser.finish()]
+        pieces = [self.parser.feed(t) for t in texts] + [self._finish()]
         self.calls = [c for d in pieces for c in d.tool_calls]
         message = {"role": "assistant",
                    "content": "".join(d.content for d in pieces) or (None if self.calls else "")}

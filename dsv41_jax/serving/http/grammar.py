@@ -27,3 +27,18 @@ def build_constraints(state: ServingState, spec: P.ConstraintSpec, mode: P.ChatM
         return [g.constraint(grammar, start_after=after) for _ in range(n)]
     except ConstraintError as e:
         raise P.bad(e.param, str(e).split(": ", 1)[1]) from None
+
+
+def check_call_budget(state: ServingState, spec: P.ConstraintSpec, mode: P.ChatMode, max_tokens: int | None) -> None:
+    """Under a forced tool call (`tool_choice` "required" or a named function), a `max_tokens` below
+    the fewest tokens any complete call can take could only return a cut call: a 400 before any
+    compute, naming the bound. (A budget above it may still cut a long call; that comes back as the
+    cut call with finish_reason "length".)"""
+    if spec.kind != "tools" or max_tokens is None:
+        return
+    functions = [t["function"] for t in mode.tools]
+    fewest = state.grammars().fewest_call_tokens(functions, parallel=spec.parallel)
+    if max_tokens < fewest:
+        raise P.bad("max_tokens", f"{max_tokens} is too small for a complete tool call: the forced call to "
+                                  f"{', '.join(repr(f.get('name')) for f in functions)} takes at least {fewest} "
+                                  f"tokens; raise max_tokens to {fewest} or more")

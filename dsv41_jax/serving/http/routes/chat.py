@@ -10,7 +10,7 @@ from dsv41_jax.serving.http import protocol as P
 from dsv41_jax.serving.http import schema as S
 from dsv41_jax.serving.http.checks import read_request, refuse_images, single_process
 from dsv41_jax.serving.http.choices import ChatChoice
-from dsv41_jax.serving.http.grammar import build_constraints
+from dsv41_jax.serving.http.grammar import build_constraints, check_call_budget
 from dsv41_jax.serving.http.prompts import build_prompt
 from dsv41_jax.serving.http.runs import start_runs
 from dsv41_jax.serving.http.state import ServingState
@@ -34,6 +34,7 @@ async def chat(request: HTTPRequest):
     spec = P.constraint_spec(body, chat=True)
     if spec:
         single_process(state.cfg, spec.param, "constrained decoding")
+        await asyncio.to_thread(check_call_budget, state, spec, mode, sp.max_tokens)
     prompt = await build_prompt(state, messages, mode)
     constraints = spec and await asyncio.to_thread(build_constraints, state, spec, mode, len(sp.seeds))
     runs = start_runs(state, body, prompt, sp, mode, constraints)
