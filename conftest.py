@@ -43,24 +43,24 @@ if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
 # after the other, sharing one compiled step (the tiny_fast_step fixture: test_model_pallas's impl="xla"
 # prefill-13 and decode steps are test_model.py's fast programs). DSV41_XDIST_SCHEDULE=xdist
 # leaves the scheduling to xdist.
-_SHARED_UNIT = {"tests/test_model_pallas.py": "tests/test_model.py"}
+_SHARED_UNIT = {"tests/model/test_model_pallas.py": "tests/model/test_model.py"}
 # Worker-seconds per file on the 2-core CI box, rounded (setup + call + teardown per file from a clean-clone
 # `.ci/run` with PYTEST_ADDOPTS=--durations=0, session 11, less what was then moved to -m slow); only the
 # order matters, and files not listed go last in collection order.
 _FILE_SECONDS = {
-    "tests/test_sharding.py": 162, "tests/test_serve_mesh.py": 121, "tests/test_model.py": 109,
-    "tests/test_golden.py": 108, "tests/test_model_pallas.py": 88, "tests/test_train.py": 85,
-    "tests/test_serve_images.py": 82, "pallas_kernels/expert_gemm/test_expert_gemm.py": 69,
-    "tests/test_serving.py": 66, "pallas_kernels/sparse_attention/test_sparse_attention.py": 64,
-    "tests/test_stored_weights.py": 56, "pallas_kernels/indexer/test_indexer.py": 50, "tests/test_info.py": 47,
-    "tests/test_serve_http.py": 45, "tests/test_notebooks.py": 45, "tests/test_sparse_attention.py": 43,
-    "tests/test_generate.py": 40, "tests/test_golden_sweep.py": 35, "tests/test_quant.py": 32,
-    "tests/test_checkpoint.py": 30, "tests/test_serve_echo.py": 29, "tests/test_gemm.py": 27,
-    "tests/test_serve_warmup.py": 26, "tests/test_mhc_sinkhorn.py": 26, "tests/test_host_dispatch.py": 23,
-    "tests/test_serve_isolation.py": 19, "tests/test_train_kernels.py": 18, "tests/test_vision_sources.py": 15,
-    "tests/test_layer_body.py": 14, "pallas_kernels/test_bench.py": 13,
+    "tests/sharding/test_sharding.py": 162, "tests/http/test_serve_mesh.py": 121, "tests/model/test_model.py": 109,
+    "tests/golden/test_golden.py": 108, "tests/model/test_model_pallas.py": 88, "tests/train/test_train.py": 85,
+    "tests/http/test_serve_images.py": 82, "pallas_kernels/expert_gemm/test_expert_gemm.py": 69,
+    "tests/serving/test_serving.py": 66, "pallas_kernels/sparse_attention/test_sparse_attention.py": 64,
+    "tests/model/test_stored_weights.py": 56, "pallas_kernels/indexer/test_indexer.py": 50, "tests/model/test_info.py": 47,
+    "tests/http/test_serve_http.py": 45, "tests/project/test_notebooks.py": 45, "pallas_kernels/sparse_attention/test_dense_reference.py": 43,
+    "tests/serving/test_generate.py": 40, "tests/golden/test_golden_sweep.py": 35, "tests/numerics/test_quant.py": 32,
+    "tests/checkpoint/test_checkpoint.py": 30, "tests/http/test_serve_echo.py": 29, "tests/numerics/test_gemm.py": 27,
+    "tests/http/test_serve_warmup.py": 26, "tests/layers/test_mhc_sinkhorn.py": 26, "tests/numerics/test_host_dispatch.py": 23,
+    "tests/http/test_serve_isolation.py": 19, "tests/train/test_train_kernels.py": 18, "tests/vision/test_vision_sources.py": 15,
+    "tests/model/test_layer_body.py": 14, "pallas_kernels/test_bench.py": 13,
     # measured alone on the loaded machine (not from a CI run): XLA:TPU and Mosaic compiles in child processes
-    "tests/test_tpu_compile.py": 65, "pallas_kernels/test_mosaic_compile.py": 20,
+    "tests/sharding/test_tpu_compile.py": 65, "pallas_kernels/test_mosaic_compile.py": 20,
 }
 
 

@@ -7,7 +7,7 @@
 
 Sections (in order; `--only` repeats):
 - `kernels`: the compiled Pallas kernels against their XLA references (`pallas_kernels/common/
-  device_checks.py`, the checks tests/gpu runs). With --tiny they run interpreted at small shapes.
+  device_checks.py`, the checks pallas_kernels/common/test_gpu_kernels.py runs). With --tiny they run interpreted at small shapes.
 - `roofline`: `bench/kernels.py`'s table (kernel time, bytes moved, fraction of the copy roof).
 - `prefill`: on a reduced-depth, full-width model (4 layers of the v41-flash shapes, random weights
   in the stored formats), split vs exact prefill wall time at 16K and 64K prompts.

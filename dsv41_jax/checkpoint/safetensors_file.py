@@ -93,7 +93,7 @@ def _parse_entry(path, name: str, h) -> tuple[str, tuple[int, ...], int, int]:
 
 def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """(tensors by name, __metadata__) of one file, validated as the `safetensors` library
-    validates it (safe_open accepts exactly the files this accepts, tests/test_checkpoint_files.py):
+    validates it (safe_open accepts exactly the files this accepts, tests/checkpoint/test_checkpoint_files.py):
     typed header fields, tensor data contiguous from offset 0 in offset order (no overlap, no gap,
     nothing read from the header), each tensor's byte count equal to its shape and dtype, and
     the data ending exactly at the end of the file."""

@@ -11,7 +11,7 @@ state-dict names, FP8/E8M0/FP4 as raw bytes with `logical_dtypes`; random values
 (`harness.py run`, DeepSeek's reference with the oracle's CPU kernels; it needs the oracle installed,
 docs/NUMERICS.md "Rebuilding the oracle"). EXTENSIONS (one DSpark, one vision folder) instead run the
 oracle's own generators on a backbone written here. `MADE_BY.txt` records the command. Check a folder with
-`dsv41 golden-check OUT_DIR --only <name>` (tests/test_golden_sweep.py).
+`dsv41 golden-check OUT_DIR --only <name>` (tests/golden/test_golden_sweep.py).
 """
 from __future__ import annotations
 

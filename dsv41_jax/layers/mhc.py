@@ -120,6 +120,6 @@ def sinkhorn_split(
         return true_divide(c, sum_in_order(c, -2) + eps)
 
     # A loop, not an unrolled chain: one body in the program instead of iters - 1 copies in every
-    # layer's two sites (compile time), bit-identical to the unrolled rounds (tests/test_mhc_sinkhorn.py).
+    # layer's two sites (compile time), bit-identical to the unrolled rounds (tests/layers/test_mhc_sinkhorn.py).
     comb = jax.lax.fori_loop(0, iters - 1, normalise, comb, unroll=True if _UNROLL_SINKHORN.get() else 1)
     return pre, post, comb

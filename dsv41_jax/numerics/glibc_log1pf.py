@@ -10,7 +10,7 @@ all float32 arithmetic, no fused multiply-adds (x86-64 builds it for the baselin
 k and f with 1 + x = 2^k (1 + f), a correction c for the rounding of 1 + x, s = f / (2 + f), a
 degree-7 polynomial in s^2, and k ln2 split in a high and a low part. Each product is fenced
 (`no_fma`) so XLA cannot contract it. Checked against the C library and torch's scalar path in
-tests/test_glibc_log1pf.py.
+tests/numerics/test_glibc_log1pf.py.
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ x86-64 glibc selects its FMA build (``e_powf-fma.c``) on AVX2/AVX-512 CPUs, wher
 each ``a * b + c`` into a fused multiply-add; `fma` below is an exactly rounded FMA in plain
 float64 numpy, so the result does not depend on numpy's CPU dispatch (float64 multiply, add and
 nextafter are IEEE operations on every path). x86-64 glibc is built without TOINT_INTRINSICS, so
-the unscaled table variant applies. Checked against the C library in tests/test_libm_powf.py.
+the unscaled table variant applies. Checked against the C library in tests/numerics/test_libm_powf.py.
 """
 from __future__ import annotations
 

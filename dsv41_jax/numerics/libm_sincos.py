@@ -16,7 +16,7 @@ sysdeps/ieee754/flt-32: ``s_sinf.c``, ``s_cosf.c``, ``s_sincosf.h``, ``sincosf_p
 x86-64 glibc selects its FMA build on FMA-capable CPUs (every AVX2/AVX512 machine), where GCC
 contracts each ``a + b * c`` into one fused multiply-add; `fma=True` (the default) follows that.
 Plain numpy float64, vectorised; checked against the C library and torch in
-tests/test_rope_tables.py.
+tests/layers/test_rope_tables.py.
 """
 from __future__ import annotations
 

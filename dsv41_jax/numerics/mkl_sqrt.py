@@ -15,7 +15,7 @@ and NaN inputs take MKL's special path, which equals IEEE sqrt (checked against 
 
 An Intel AVX-512 host runs ``Z0HAynn`` instead, another algorithm: the oracle's gate traces
 (DSpark, 1200 values) match this CPU's MKL, so this is the one emulated. Checked against torch
-2.14.1 on 10^7 inputs (tests/test_mkl_sqrt.py, slow; skips on other CPUs, whose torch would be
+2.14.1 on 10^7 inputs (tests/numerics/test_mkl_sqrt.py, slow; skips on other CPUs, whose torch would be
 a different oracle).
 """
 from __future__ import annotations

@@ -11,7 +11,7 @@ FMA double-float helpers of ``df.h`` (ENABLE_FMA_SP) and the AVX-512 ``getexp``/
 (mantissa normalised to [0.75, 1.5)). Host-side numpy float32; each fused multiply-add is
 computed exactly (`_fma32`: the float64 product of two float32 is exact, the sum is rounded to
 odd in float64 and then to nearest in float32), so the result does not depend on numpy's CPU
-dispatch. Checked against torch 2.14.1 in tests/test_sleef_powf.py (slow).
+dispatch. Checked against torch 2.14.1 in tests/numerics/test_sleef_powf.py (slow).
 """
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ check the top-k agreement). Exact mode never uses this: the body's `select` keep
 `Indexer.scores` there, so exact-mode numerics are untouched.
 
 The query side (`wq_b`, RoPE, MXFP4 fake quantization, `weights_proj` and its scale) restates
-`Indexer.scores`; `tests/test_serving.py::test_fast_index_scores_track_the_reference_scoring`
+`Indexer.scores`; `tests/serving/test_serving.py::test_fast_index_scores_track_the_reference_scoring`
 compares the two, so a change on one side shows up there.
 """
 from __future__ import annotations

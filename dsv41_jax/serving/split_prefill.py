@@ -201,7 +201,7 @@ def decode_plan(runtime: Runtime = Runtime(), packed: bool = True) -> body.Plan:
     """The engine's decode plan: in-pool scoring, selected compressed rows gathered, and (packed, fast
     mode) the packed index scoring `fast_index.scores_packed` (XLA math); the attention and the
     full-width indexer run their kernels when runtime.impl is "pallas" (exact mode: equal to the
-    XLA math bit for bit, tests/test_serving.py). packed=False keeps `Indexer.scores`' rounding
+    XLA math bit for bit, tests/serving/test_serving.py). packed=False keeps `Indexer.scores`' rounding
     points: the step then equals model.forward's bit for bit."""
     return body.Plan.resolve(runtime, pool_scoring=True, packed_scoring=packed)
 

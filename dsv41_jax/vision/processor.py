@@ -1,6 +1,6 @@
 """Pixels -> ViT patches and the image's span in the prompt, by the rules of the reference's
 `inference/image_processor.py` (docs/VISION.md "Image processor"; checked against its outputs in
-tests/test_vision_processor.py):
+tests/vision/test_vision_processor.py):
 
 1. aspect clamp: with `vision_max_wh_ratio` set, a wider image is planned as height x ratio wide;
 2. minimum pixel count: smaller images are planned scaled up to `vision_min_pixels` (int-truncated);

@@ -1,4 +1,4 @@
-"""Kernel-vs-reference checks compiled for real hardware (interpret=False), shared by tests/gpu, tests/tpu and
+"""Kernel-vs-reference checks compiled for real hardware (interpret=False), shared by pallas_kernels/common/test_gpu_kernels.py, pallas_kernels/common/test_tpu_kernels.py and
 bench/device_suite.py (which runs them interpreted, at small shapes, with --tiny).
 
 Shapes are V4.1-Flash head sizes with small batches and caches, so one run takes seconds of

@@ -1,5 +1,4 @@
 """Expert GEMM kernels (interpret mode) against the jnp reference, a float64 oracle and the golden vectors."""
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -158,11 +157,8 @@ def test_word_views_are_refused_where_the_bytes_are_read():
 
 
 def _golden_vectors(golden_root):
-    """The shared loader lives in the repo's tests/ folder (not a package)."""
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-    from kernel_vectors import kernel_vectors
+    """The golden vectors' loader the tests share (tests/support), imported when a golden test runs."""
+    from tests.support.kernel_vectors import kernel_vectors
 
     return kernel_vectors(golden_root)
 

@@ -2,7 +2,7 @@
 
 The handlers validate bodies by hand (`protocol.py`: every refusal names its field), so FastAPI
 does not derive these; they are written here to match that validation, field for field, and a test
-(`tests/test_serve_http.py`) checks that every field the validator knows is described and that
+(`tests/http/test_serve_http.py`) checks that every field the validator knows is described and that
 every POST endpoint has a request-body schema. A schemathesis run generates requests from them.
 """
 from __future__ import annotations

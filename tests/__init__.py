@@ -1,0 +1,1 @@
+"""The test suite: folders mirror the packages; shared helpers in tests/support."""

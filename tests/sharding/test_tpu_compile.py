@@ -1,0 +1,71 @@
+"""`dsv41 compile`: the tiny model's decode step compiled by XLA:TPU with every Pallas kernel through Mosaic.
+
+Runs the command in a child process (libtpu aborts its process on a failed internal check; the
+child also starts clean of this session's CPU-device flags).
+"""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from pallas_kernels.common import tpu_compile
+
+pytestmark = pytest.mark.skipif(tpu_compile.libtpu_missing() is not None, reason=str(tpu_compile.libtpu_missing()))
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+KERNELS = {"sparse_sink_attention_tpu", "indexer_scores_tpu", "grouped_fp4_gemm_tpu", "fp8_block_gemm_tpu"}
+
+
+def _dsv41(*argv):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(ROOT), *sys.path]), XLA_FLAGS="")
+    return subprocess.run([sys.executable, "-m", "dsv41_jax.cli", *argv], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=900)
+
+
+def test_tiny_pallas_decode_compiles_for_v6e_with_every_kernel_in_mosaic():
+    proc = _dsv41("compile", "--config", "tiny", "--topology", "v6e:2x2", "--mesh", "data=1", "--impl", "pallas",
+                  "--batch", "2", "--context", "64", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    r = json.loads(proc.stdout)
+    assert r["ok"] and r["fits"] and r["device_kind"] == "TPU v6 lite"
+    assert set(r["mosaic_kernels"]) == KERNELS, r["mosaic_kernels"]
+    d = r["per_device_bytes"]
+    # the compiler holds at least the plan's weights, Engram tables and caches (the tiny model's small arrays
+    # pad to the TPU's (8, 128) tiles: 3.60 MB compiled where the plan counts 2.97 MB)
+    assert d["argument"] >= r["plan_compiled_layers"]["arguments"] > 0
+    assert r["flops"] > 0 and r["cost_model_seconds"] > 0
+
+
+def test_bad_input_exits_2_naming_it():
+    proc = _dsv41("compile", "--config", "tiny", "--topology", "v6e:3x3", "--mesh", "data=1")
+    assert proc.returncode == 2 and "v6e:3x3" in proc.stderr, proc.stderr[-2000:]
+    proc = _dsv41("compile", "--config", "tiny", "--topology", "v6e:2x2", "--mesh", "data=8")
+    assert proc.returncode == 2 and "has 8 devices but topology v6e:2x2 has 4 chips" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_collectives_are_counted_once_with_their_output_bytes():
+    from sharding.tpu_step import collectives
+
+    hlo = """  %ar = f32[8,128]{1,0} all-reduce(%a), replica_groups={}
+  %ags = (bf16[2,64]{1,0}, bf16[8,64]{1,0}) all-gather-start(%x)
+  %agd = bf16[8,64]{1,0} all-gather-done(%ags)
+  %cps = (f32[4]{0}, f32[4]{0}, u32[], u32[]) collective-permute-start(%y)
+  %cpd = f32[4]{0} collective-permute-done(%cps)
+  %a2a = (s32[2,3]{1,0}, s32[2,3]{1,0}) all-to-all(%p, %q)"""
+    assert collectives(hlo) == {"all-reduce": {"count": 1, "bytes": 8 * 128 * 4},
+                                "all-gather": {"count": 1, "bytes": 8 * 64 * 2},
+                                "collective-permute": {"count": 1, "bytes": 16},
+                                "all-to-all": {"count": 1, "bytes": 2 * 6 * 4}}
+
+
+def test_fewer_layers_keep_every_layer_kind_of_the_released_stack():
+    from dsv41_jax.config import ModelConfig
+    from sharding.tpu_step import layer_kinds, subset_config
+
+    full = ModelConfig.load("v41-flash")
+    sub, kept = subset_config(full, 1)
+    assert sum(len(v) for v in layer_kinds(full).values()) == full.n_layers == 40
+    assert sorted(layer_kinds(sub)) == sorted(layer_kinds(full)) and set(kept.values()) == {1}
+    assert sub.n_layers == len(kept) and sub.dim == full.dim and sub.n_routed_experts == full.n_routed_experts
