@@ -45,7 +45,7 @@ if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
 # leaves the scheduling to xdist.
 _SHARED_UNIT = {"tests/model/test_model_pallas.py": "tests/model/test_model.py"}
 # Worker-seconds per file on the 2-core CI box, rounded (setup + call + teardown per file from a clean-clone
-# `.ci/run` with PYTEST_ADDOPTS=--durations=0, session 11, less what was then moved to -m slow); only the
+# `.ci/run` with PYTEST_ADDOPTS=--durations=0, less what was then moved to -m slow); only the
 # order matters, and files not listed go last in collection order.
 _FILE_SECONDS = {
     "tests/sharding/test_sharding.py": 162, "tests/http/test_serve_mesh.py": 121, "tests/model/test_model.py": 109,

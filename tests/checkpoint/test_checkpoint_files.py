@@ -1,4 +1,4 @@
-"""Checkpoint files under hostile conditions (issue 17): a strict safetensors reader checked
+"""Checkpoint files under hostile conditions: a strict safetensors reader checked
 against the `safetensors` library, writers that never delete what they did not write and
 never leave half a checkpoint (real processes killed mid-write), one rule for what an HF
 folder holds, and NaN/inf weights refused at load time by name."""

@@ -1,4 +1,4 @@
-"""Prompt logprobs (issue 21): `/v1/completions` with `echo` returns the prompt and, with
+"""Prompt logprobs: `/v1/completions` with `echo` returns the prompt and, with
 `logprobs`, its tokens' logprobs (the first null); `max_tokens: 0` scores without generating. The
 request shapes are those lm-eval's `local-completions` sends for a loglikelihood task.
 

@@ -1,4 +1,4 @@
-"""Images through `dsv41 serve` in exact numerics, bit for bit (issue 27's exact-prefill test).
+"""Images through `dsv41 serve` in exact numerics, bit for bit.
 
 A real `dsv41 serve --numerics exact --exact-prefill` process on a tiny vision checkpoint (config and
 byte-level tokenizer agree on the image token) answers the `openai` client; the oracle is a separate

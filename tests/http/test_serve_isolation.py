@@ -1,4 +1,4 @@
-"""A request that makes the engine fail fails alone (issue 22): the others in flight continue and
+"""A request that makes the engine fail fails alone: the others in flight continue and
 return what they return when served alone.
 
 The real server and engine on a tiny model; the test-only `dsv41_test: {"fail": k}` field raises

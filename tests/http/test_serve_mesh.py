@@ -1,6 +1,6 @@
 """`dsv41 serve --mesh expert=4,tensor=2` as a real process on 8 fake CPU devices (the root
 conftest's XLA_FLAGS reach the subprocess), warmed up (every program compiled on the mesh before
-/ready), answering the real `openai` client: chat, streaming and a resumed conversation (issue 24).
+/ready), answering the real `openai` client: chat, streaming and a resumed conversation.
 
 Oracle: the same `dsv41 serve` on one device, started from the same checkpoint with the same
 flags, in exact numerics (float64 dots rounded once, so sums split across devices round to the
@@ -115,7 +115,7 @@ def _check_chat(mesh):
 
 
 def test_server_on_a_mesh_answers_as_on_one_device(cold_servers):
-    """The default suite's check (issue 23 moved the rest to -m slow, below): both servers compile on
+    """The default suite's check (the rest is -m slow, below): both servers compile on
     demand, the client's chat, its streamed copy and the resumed second turn are equal field by field."""
     mesh, one = (_conversation(cold_servers[name], echo=False, every_kind=False) for name in ("mesh", "one"))
     _check_chat(mesh)

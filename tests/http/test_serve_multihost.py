@@ -1,4 +1,4 @@
-"""`dsv41 serve` across two real processes (issue 25): the same command on both, 4 CPU devices each,
+"""`dsv41 serve` across two real processes: the same command on both, 4 CPU devices each,
 joined through JAX's distributed runtime on 127.0.0.1, one mesh `expert=4,tensor=2` over all 8
 devices. Process 0 serves HTTP and publishes every engine call; process 1 follows (serving/lockstep.py).
 

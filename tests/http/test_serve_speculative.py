@@ -1,4 +1,4 @@
-"""`dsv41 serve --speculative dspark [--num-draft-tokens K]` (issue 26 item 2): the refusals (no
+"""`dsv41 serve --speculative dspark [--num-draft-tokens K]`: the refusals (no
 drafter, K above the drafter's block, K without --speculative), the warm-up of the speculative
 programs (no request compiles after /ready), and a real server answering the `openai` client with
 the same tokens as the same server without speculation (greedy, exact numerics) while /metrics

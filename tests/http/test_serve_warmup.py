@@ -1,4 +1,4 @@
-"""Warm start (issue 22): `dsv41 serve` compiles every program before /ready says ready, and after
+"""Warm start: `dsv41 serve` compiles every program before /ready says ready, and after
 that no request compiles anything, whatever its prompt length.
 
 "Compiles" is counted with JAX's own monitoring events (an XLA compile or a persistent-cache

@@ -1,4 +1,4 @@
-"""The layer body is written once (issue 20): each per-layer operation is called from model/block.py only.
+"""The layer body is written once: each per-layer operation is called from model/block.py only.
 
 Counted statically (ast, nothing compiled): the functions that call the operation (a callee,
 as written, matching its pattern), anywhere in the package. A kernel call and its XLA twin in

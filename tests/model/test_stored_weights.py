@@ -1,4 +1,4 @@
-"""Stored FP8/FP4 weights are read in their stored format (issue 23, item 1), checked on the traced
+"""Stored FP8/FP4 weights are read in their stored format, checked on the traced
 decode step of the engine (`split_prefill.decode_step` on `decode_plan`), no weights needed:
 
 - XLA path: no routed expert is dequantized unless a row chose it. Every float value derived from

@@ -1,4 +1,4 @@
-"""No exact-mode number depends on the host's CPU (issue 28, item 0).
+"""No exact-mode number depends on the host's CPU.
 
 numpy 2.x picks SIMD code per CPU at import (AVX-512 hosts run numpy's own float32 pow, exp, log;
 others call the C library), and XLA compiles for the host's instruction set. The RoPE tables and

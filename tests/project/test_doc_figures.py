@@ -1,5 +1,5 @@
 """Figures in the docs that the code computes are recomputed here, so they cannot go stale
-(issue 22: sharding/README.md said 14.13 GiB of weights per v6e chip after the vision tower
+(sharding/README.md said 14.13 GiB of weights per v6e chip after the vision tower
 had made it 15.68).
 
 Checked: the "Slices by chip count" table of sharding/README.md (weights + Engram per chip, the

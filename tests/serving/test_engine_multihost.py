@@ -1,4 +1,4 @@
-"""The serving engine on a mesh spanning two processes, driven in lockstep (issue 25 item 1, slow).
+"""The serving engine on a mesh spanning two processes, driven in lockstep (slow).
 
 Process 0 runs the engine and publishes every engine call (submit, step) through
 `serving.lockstep.Channel` before making it; process 1 makes the same calls on its own engine

@@ -314,7 +314,7 @@ def test_image_spans_through_exact_and_split_prefill_equal_forward():
                                  spans=(np.asarray(long_spans[0][0]), long_types)))[0]
     assert same(got, want)
 
-    # issue 27: split prefill's first decoder layer decides as exact prefill over the tail (CED: it reads
+    # split prefill's first decoder layer decides as exact prefill over the tail (CED: it reads
     # the global KV the encoder projected from every position, the image rows included)
     d, tail = cfg.decoder_start, engine.tail
     _, _, s_aux = sp.make_split_prefill(gd, tail=tail, collect_topk=True)(params, long_tokens, cache, spans=long_spans)

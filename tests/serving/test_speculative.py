@@ -112,7 +112,7 @@ def test_engine_decode_step_returns_the_taps_forward_returns():
 
 
 def test_prefix_cache_stores_the_drafter_rings(tmp_path):
-    """Issue 26 item 2: `save_prefix(rings=)` stores a row of the drafter's rings bit for bit and
+    """`save_prefix(rings=)` stores a row of the drafter's rings bit for bit and
     `load_rings` reads it back; a file without rings gives None (it resumes without speculating);
     rings of another drafter shape are refused naming the arrays."""
     import jax
@@ -147,7 +147,7 @@ def test_prefix_cache_stores_the_drafter_rings(tmp_path):
 # ------------------------------------------------------------------------------ in the engine
 @pytest.mark.slow
 def test_engine_with_speculation_equals_the_engine_without():
-    """Issue 26 item 1, exact numerics: concurrent requests of different lengths (greedy, one at
+    """Exact numerics: concurrent requests of different lengths (greedy, one at
     T = 1 with a seed, one stopping on a stop token mid-block, one that turns speculation off)
     give the same tokens with speculation as without, token for token; first with a drafter that
     follows the plain output and breaks at scheduled positions (acceptance 0..K), then with the
@@ -279,7 +279,7 @@ def _resume_case(plain, spec, prompt, vocab):
 
 @pytest.mark.slow
 def test_speculation_after_the_split_prefill():
-    """Issue 26: an engine with the CED split prefill speculates. Its rings after prefill equal those
+    """An engine with the CED split prefill speculates. Its rings after prefill equal those
     written from `split_prefill`'s own taps of the tail (the oracle: Graph A over the whole prompt in
     one call, Graph B over the tail), with target layers on both sides of the split (exact numerics,
     one prefill piece on both sides: bitwise). Requests longer than the tail then give the plain split

@@ -1,4 +1,4 @@
-"""QAT with the kernels (issue 23 item 2): `ForwardOptions(impl="pallas")` runs the attention kernel
+"""QAT with the kernels: `ForwardOptions(impl="pallas")` runs the attention kernel
 through its values-in custom_vjp (gradients for q, the window and compressed rows and the sink) and
 the indexer kernel for selection, interpreted on CPU. Loss and gradients equal impl="xla"'s within
 fast-numerics rounding (the kernels sum in another order), on the two-layer training model (both

@@ -1,4 +1,4 @@
-"""`dsv41 train` across processes (issue 25 item 2): real processes joined over 127.0.0.1.
+"""`dsv41 train` across processes: real processes joined over 127.0.0.1.
 
 Each process runs the CLI with --coordinator/--num-processes/--process-id and a few fake CPU
 devices (cross-process collectives go through gloo, as in sharding.multihost_check); the
