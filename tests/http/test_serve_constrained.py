@@ -1,5 +1,5 @@
 """Constrained decoding through the real server and the real `openai` client on a trained demo
-checkpoint (`dsv41 demo`, issue 21): for a JSON schema with nested objects, enums and arrays,
+checkpoint (`dsv41 demo`): for a JSON schema with nested objects, enums and arrays,
 `tool_choice: "required"` and a named function, 20 requests each at T = 0 and T = 1. Every
 constrained reply that ends (stop / tool_calls) parses and validates; the same requests
 unconstrained fail validation most of the time, so the constraint is what makes them valid.

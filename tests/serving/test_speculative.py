@@ -431,7 +431,7 @@ def _chi2_pvalue(tokens, want):
 
 @pytest.mark.slow
 def test_rejection_sampling_in_the_engine_keeps_the_target_distribution():
-    """Issue 26 item 1, T > 0: many seeded requests on a speculating engine (64 slots, the model's
+    """T > 0: many seeded requests on a speculating engine (64 slots, the model's
     own drafter, rejection sampling on the processed distributions: logit bias and temperature).
     Their second and third tokens (the first two a speculative step emits: t1 comes from the
     prefill) follow model.forward's joint distribution by a chi-square test; the same engine with
