@@ -53,7 +53,7 @@ _FILE_SECONDS = {
     "tests/http/test_serve_images.py": 82, "pallas_kernels/expert_gemm/test_expert_gemm.py": 69,
     "tests/serving/test_serving.py": 66, "pallas_kernels/sparse_attention/test_sparse_attention.py": 64,
     "tests/model/test_stored_weights.py": 56, "pallas_kernels/indexer/test_indexer.py": 50, "tests/model/test_info.py": 47,
-    "tests/http/test_serve_http.py": 45, "tests/project/test_notebooks.py": 45, "pallas_kernels/sparse_attention/test_dense_reference.py": 43,
+    "tests/http/test_serve_http.py": 45, "tests/project/test_notebooks.py": 45, "tests/numerics/test_sparse_attention.py": 43,
     "tests/serving/test_generate.py": 40, "tests/golden/test_golden_sweep.py": 35, "tests/numerics/test_quant.py": 32,
     "tests/checkpoint/test_checkpoint.py": 30, "tests/http/test_serve_echo.py": 29, "tests/numerics/test_gemm.py": 27,
     "tests/http/test_serve_warmup.py": 26, "tests/layers/test_mhc_sinkhorn.py": 26, "tests/numerics/test_host_dispatch.py": 23,

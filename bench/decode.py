@@ -103,7 +103,7 @@ def speculative_rows(cfg, batches=(1, 8), k: int | None = None) -> list[dict]:
 
 def held_out_prompts(tokenizer, n: int, length: int = 48) -> list[list[int]]:
     """n prompts of `length` tokens after BOS from standard-library packages the demo does not train on
-    (it reads the top-level modules, `train.demo.stdlib_corpus`)."""
+    (it reads the top-level modules, `cli.demo.stdlib_corpus`)."""
     import sysconfig
 
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
@@ -126,7 +126,7 @@ def measured_speculation(folder, batches, k: int | None, new_tokens: int, n_prom
 
     from dsv41_jax.checkpoint import load
     from dsv41_jax.serving.engine import Engine, Request
-    from dsv41_jax.serving.generate import _engram_tables, banned_ids
+    from dsv41_jax.serving.generate import engram_tables, banned_ids
     from dsv41_jax.serving.sampling import SamplingParams
     from dsv41_jax.serving.spec_cost import step_costs
     from dsv41_jax.serving.speculation import summary
@@ -138,7 +138,7 @@ def measured_speculation(folder, batches, k: int | None, new_tokens: int, n_prom
     cfg, model, _ = load(folder, progress=False, config_overrides={"max_batch_size": max(batches)})
     k = cfg.dspark_block_size - 1 if k is None else k
     prompts = held_out_prompts(tokenizer, n_prompts)
-    engram = _engram_tables(cfg, tokenizer) if cfg.engram_layer_ids else None
+    engram = engram_tables(cfg, tokenizer) if cfg.engram_layer_ids else None
 
     def run(engine, slots):
         """Every prompt, `slots` at a time: (tokens per prompt, decode tokens, decode seconds). All of a
@@ -191,7 +191,7 @@ def wall_time(cfg, context: int, batch: int, steps: int) -> float:
     import jax.numpy as jnp
     from flax import nnx
 
-    from dsv41_jax.model.transformer import COMPILER_OPTIONS
+    from dsv41_jax.runtime import COMPILER_OPTIONS
     from dsv41_jax.serving import cost
     from dsv41_jax.serving.buckets import empty_cache
     from dsv41_jax.serving.random_weights import random_model
@@ -234,7 +234,7 @@ def golden_rows(root, steps: int, random_length: int) -> list[dict]:
     from flax import nnx
 
     from dsv41_jax.golden.data import discover
-    from dsv41_jax.model.transformer import COMPILER_OPTIONS
+    from dsv41_jax.runtime import COMPILER_OPTIONS
     from dsv41_jax.serving import split_prefill as sp
     from dsv41_jax.serving.buckets import capacity_for, empty_cache
 

@@ -152,7 +152,7 @@ def section_prefill(tiny: bool, steps: int) -> dict:
 def _decode_step(gd, rt):
     from flax import nnx
 
-    from dsv41_jax.model.transformer import COMPILER_OPTIONS
+    from dsv41_jax.runtime import COMPILER_OPTIONS
     from dsv41_jax.serving.split_prefill import decode_plan, decode_step
 
     @functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)

@@ -6,6 +6,11 @@ from typing import Literal
 
 import jax
 
+# Every jit of the model compiles with these: XLA's excess precision would keep bf16 intermediates in
+# f32 and so move the rounding points that decide FP4 roundings and the indexer's top-k, which are
+# model semantics (docs/ARCHITECTURE.md "Where each number format applies").
+COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
+
 
 @dataclass(frozen=True)
 class Runtime:

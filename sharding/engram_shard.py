@@ -30,10 +30,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from dsv41_jax.numerics import quant
 from dsv41_jax.layers.engram import Engram
 from sharding.compat import on_host, shard_map
-from sharding.rules import _path_tuple, get_rules
+from sharding.rules import get_rules, path_tuple
 
 
-def _is_table(path: tuple) -> bool:
+def is_table(path: tuple) -> bool:
     """layers.N.engram.embed / embed_scale."""
     return len(path) == 4 and path[0] == "layers" and path[2] == "engram" and path[3] in ("embed", "embed_scale")
 
@@ -55,7 +55,7 @@ def pad_tables(params, multiple: int):
     Padding rows are never addressed (hash ids stay below the original row count).
     """
     def pad(jax_path, leaf):
-        if _is_table(_path_tuple(jax_path)):
+        if is_table(path_tuple(jax_path)):
             extra = -leaf.shape[0] % multiple
             return jnp.pad(leaf, ((0, extra), (0, 0))) if extra else leaf
         return leaf
@@ -145,7 +145,7 @@ class HostEngramTables:
     @classmethod
     def from_params(cls, params, cfg, **kwargs) -> "HostEngramTables":
         """Copy the tables out of a params state (e.g. a loaded checkpoint) into host memory."""
-        from dsv41_jax.checkpoint.weights import flat_params
+        from dsv41_jax.model.param_names import flat_params
 
         flat = flat_params(params)
         tables = {l: (np.asarray(flat[("layers", l, "engram", "embed")].get_value()),
@@ -207,8 +207,8 @@ def compact_params(params, compact: dict[int, tuple[jax.Array, jax.Array]]):
     remapped ids point into the compact one.
     """
     def swap(jax_path, leaf):
-        path = _path_tuple(jax_path)
-        if _is_table(path) and path[1] in compact:
+        path = path_tuple(jax_path)
+        if is_table(path) and path[1] in compact:
             return compact[path[1]][0 if path[3] == "embed" else 1]
         return leaf
 
@@ -227,8 +227,8 @@ def unpadded_tables(params, cfg):
     rows = dict(zip(cfg.engram_layer_ids, engram_table_rows(cfg)))
 
     def cut(jax_path, leaf):
-        path = _path_tuple(jax_path)
-        return leaf[: rows[path[1]]] if _is_table(path) and leaf.shape[0] > rows[path[1]] else leaf
+        path = path_tuple(jax_path)
+        return leaf[: rows[path[1]]] if is_table(path) and leaf.shape[0] > rows[path[1]] else leaf
 
     return jax.tree_util.tree_map_with_path(cut, params)
 
@@ -242,12 +242,12 @@ def split_host_tables(model, cfg, **kwargs):
     graphdef, state = nnx.split(model)
     host = HostEngramTables.from_params(unpadded_tables(state, cfg), cfg, **kwargs)
     flat = jax.tree_util.tree_leaves_with_path(state)
-    home = next(leaf.sharding for p, leaf in flat if not _is_table(_path_tuple(p)) and isinstance(leaf, jax.Array))
+    home = next(leaf.sharding for p, leaf in flat if not is_table(path_tuple(p)) and isinstance(leaf, jax.Array))
     if isinstance(home, NamedSharding):
         home = replicated(home.mesh)
 
     def empty(jax_path, leaf):
-        if not _is_table(_path_tuple(jax_path)):
+        if not is_table(path_tuple(jax_path)):
             return leaf
         return jax.device_put(np.zeros((0,) + tuple(leaf.shape[1:]), leaf.dtype), home)
 

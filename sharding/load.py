@@ -15,7 +15,7 @@ import math
 
 from jax.sharding import Mesh, NamedSharding
 
-from sharding.engram_shard import _is_table, padded_rows
+from sharding.engram_shard import is_table, padded_rows
 from sharding.mesh import mesh_shape
 from sharding.rules import get_rules, param_logical_axes, resolve
 
@@ -31,7 +31,7 @@ def padded_table_shape(mesh: Mesh, preset="inference"):
     n = table_row_shards(mesh, preset)
 
     def shape_of(path: tuple, shape: tuple) -> tuple:
-        if _is_table(tuple(path)):
+        if is_table(tuple(path)):
             return (padded_rows(shape[0], n),) + tuple(shape[1:])
         return tuple(shape)
 

@@ -54,7 +54,7 @@ def _nbytes(shape, dtype) -> int:
 def _abstract_params(cfg: ModelConfig):
     """(path, shape, dtype) of every parameter of `info.abstract_model(cfg)`."""
     from dsv41_jax.model.info import abstract_model
-    from dsv41_jax.checkpoint.weights import flat_params
+    from dsv41_jax.model.param_names import flat_params
 
     return tuple((path, tuple(v.shape), np.dtype(v.dtype)) for path, v in flat_params(abstract_model(cfg)).items())
 

@@ -2,7 +2,7 @@
 
 Two steps, as in MaxText/t5x: each array dimension gets a *logical* name from what it means
 (``heads``, ``expert``, ``vocab``, ...), derived here from the parameter's path in
-`dsv41_jax.checkpoint.weights.flat_params`; a *rule table* (a preset) then says which mesh axes shard
+`dsv41_jax.model.param_names.flat_params`; a *rule table* (a preset) then says which mesh axes shard
 each logical name. Changing the parallelism layout means changing a table, never the model.
 
 A rule lists mesh axes in priority order. When resolving one array, an axis is used only if it
@@ -251,7 +251,7 @@ def _key_name(k):
     return str(k)
 
 
-def _path_tuple(jax_path) -> tuple:
+def path_tuple(jax_path) -> tuple:
     """A jax key path -> plain tuple, without the Variable's trailing 'value' attribute."""
     out = tuple(_key_name(k) for k in jax_path)
     while out and out[-1] in ("value", "raw_value"):
@@ -280,7 +280,7 @@ def param_specs(model_or_state, mesh: Mesh | Mapping[str, int], preset: str | Ru
     rules, sizes = get_rules(preset), _mesh_sizes(mesh)
 
     def one(jax_path, leaf):
-        path = _path_tuple(jax_path)
+        path = path_tuple(jax_path)
         r = resolve(param_logical_axes(path, len(leaf.shape)), tuple(leaf.shape), rules, sizes)
         if report is not None and r.dropped:
             report[".".join(map(str, path))] = r.dropped
@@ -299,7 +299,7 @@ def cache_specs(cache, mesh: Mesh | Mapping[str, int], preset: str | Rules = "in
     rules, sizes = get_rules(preset), _mesh_sizes(mesh)
 
     def one(jax_path, leaf):
-        path = _path_tuple(jax_path)
+        path = path_tuple(jax_path)
         return resolve(cache_logical_axes(path, len(leaf.shape)), tuple(leaf.shape), rules, sizes).spec
 
     return jax.tree_util.tree_map_with_path(one, cache)

@@ -101,3 +101,15 @@ def bytes_per_device(tree) -> dict:
         for s in leaf.addressable_shards:
             per[s.device] = per.get(s.device, 0) + s.data.nbytes
     return per
+
+
+def engine_strategies(mesh=None, preset: str = "inference", engram_host: bool = False) -> dict:
+    """The `placement` and `tables` keywords of `Engine` for a mesh (`sharding.mesh.make_mesh`, laid
+    out by `preset`, the vocabulary of `dsv41 plan`; None = one device, as given) and Engram tables
+    in host memory (`dsv41 serve --engram host`) or not."""
+    out = {}
+    if mesh is not None:
+        out["placement"] = MeshPlacement(mesh, preset)
+    if engram_host:
+        out["tables"] = HostTables()
+    return out

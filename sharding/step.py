@@ -15,7 +15,8 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from dsv41_jax.model.transformer import COMPILER_OPTIONS, forward
+from dsv41_jax.model.transformer import forward
+from dsv41_jax.runtime import COMPILER_OPTIONS
 from dsv41_jax.runtime import Runtime
 from sharding.engram_shard import table_axes, with_sharded_engram
 from sharding.moe_ep import with_expert_parallel

@@ -54,7 +54,7 @@ def _without_vision(text_cfg, model):
     """The text-only model holding `model`'s backbone arrays (shared, not copied)."""
     from flax import nnx
 
-    from dsv41_jax.checkpoint.weights import flat_params
+    from dsv41_jax.model.param_names import flat_params
     from dsv41_jax.model.info import abstract_model
 
     graphdef, state = nnx.split(abstract_model(text_cfg))

@@ -146,7 +146,7 @@ def check_destination(dest, *, overwrite: bool, sources=()) -> None:
                               "nothing that the writer did not write is deleted; move them away or choose another folder")
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -163,7 +163,7 @@ def _remove_stale(dest: pathlib.Path) -> None:
         return
     for p in dest.parent.iterdir():
         m = pattern.match(p.name)
-        if m and int(m.group(2)) != os.getpid() and not _pid_alive(int(m.group(2))):
+        if m and int(m.group(2)) != os.getpid() and not pid_alive(int(m.group(2))):
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
 

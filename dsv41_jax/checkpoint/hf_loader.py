@@ -26,7 +26,8 @@ from dsv41_jax.checkpoint import fp8_tiles, placement, values
 from dsv41_jax.checkpoint.names import DiskTensor, disk_tensors, is_wo_a, wo_a_scale_shape
 from dsv41_jax.checkpoint.safetensors_file import SafetensorsFile, TensorInfo, normalize_index, read_header
 from dsv41_jax.config import ConfigError, ModelConfig
-from dsv41_jax.checkpoint.weights import WeightError, config_for_names, flat_params, is_ignored
+from dsv41_jax.checkpoint.weights import WeightError, config_for_names, is_ignored
+from dsv41_jax.model.param_names import flat_params
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -27,7 +27,7 @@ from dsv41_jax.checkpoint.names import DiskTensor, disk_tensors, is_compressor_w
 from dsv41_jax.checkpoint.safetensors_file import DTYPES, TensorEntry, write_file
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.text import special_tokens as st
-from dsv41_jax.checkpoint.weights import flat_params
+from dsv41_jax.model.param_names import flat_params
 
 DEFAULT_SHARD_BYTES = 5 << 30
 NARROW_POLICIES = ("auto", "strict", "round")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dsv41_jax.checkpoint.fp8_tiles import BLOCK
-from dsv41_jax.checkpoint.weights import _our_path, _reference_name, flat_params
+from dsv41_jax.model.param_names import flat_params, our_path, reference_name
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def disk_tensors(model_or_state, *, wo_a_fp8: bool = True) -> list[DiskTensor]:
                 name = f"{path[0]}.{path[1]}.ffn.experts.{e}.{base}.{kind}"
                 out.append(DiskTensor(name, path, e, shape[1:], release_dtype(name, path, dtype)))
             continue
-        name = _reference_name(path)
+        name = reference_name(path)
         if is_wo_a(path) and wo_a_fp8:
             out.append(DiskTensor(name, path, None, shape, "F8_E4M3"))
             out.append(DiskTensor(name[: -len("weight")] + "scale", path, None, wo_a_scale_shape(shape), "F8_E8M0", "wo_a_scale"))
@@ -90,10 +90,10 @@ def disk_tensors(model_or_state, *, wo_a_fp8: bool = True) -> list[DiskTensor]:
 
 
 def check_name_mapping(tensors: list[DiskTensor]) -> None:
-    """Raise if `weights._our_path` would map a listed name elsewhere (the two must agree)."""
+    """Raise if `param_names.our_path` would map a listed name elsewhere (the two must agree)."""
     for t in tensors:
         if t.role != "value":
             continue
-        got = _our_path(t.name)
+        got = our_path(t.name)
         if got != (t.path, t.expert):
-            raise AssertionError(f"{t.name}: weights._our_path gives {got}, the census says {(t.path, t.expert)}")
+            raise AssertionError(f"{t.name}: param_names.our_path gives {got}, the census says {(t.path, t.expert)}")

@@ -17,7 +17,7 @@ from flax import nnx
 
 from dsv41_jax.checkpoint import atomic, placement
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.checkpoint.weights import flat_params
+from dsv41_jax.model.param_names import flat_params
 
 PARAMS_DIR = "params"
 CONFIG_FILE = "config.json"

@@ -19,7 +19,7 @@ from dsv41_jax.checkpoint import fp8_tiles
 from dsv41_jax.checkpoint.names import DiskTensor, disk_tensors
 from dsv41_jax.checkpoint.safetensors_file import DTYPES, TensorEntry
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.checkpoint.weights import flat_params
+from dsv41_jax.model.param_names import flat_params
 
 _E4M3, _BF16 = DTYPES["F8_E4M3"], DTYPES["BF16"]
 _E2M1_RMS = math.sqrt(sum(v * v for v in (0, .5, 1, 1.5, 2, 3, 4, 6)) / 8)

@@ -51,7 +51,7 @@ def check_model_values(model_or_state) -> None:
     import jax
 
     from dsv41_jax.checkpoint.names import disk_tensors
-    from dsv41_jax.checkpoint.weights import flat_params
+    from dsv41_jax.model.param_names import flat_params
 
     flat = flat_params(model_or_state)
     host: dict[tuple, np.ndarray] = {}

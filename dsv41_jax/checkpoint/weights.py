@@ -7,7 +7,6 @@ E8M0 scales and packed E2M1 as uint8 bytes.
 """
 from __future__ import annotations
 
-import re
 from typing import Callable, Iterable, Mapping
 
 import jax
@@ -16,53 +15,11 @@ import numpy as np
 from flax import nnx
 
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.model.param_names import flat_params, is_vision_name, our_path, reference_name
 
 
 class WeightError(ValueError):
     """A tensor is missing, unexpected, or has the wrong shape/dtype."""
-
-
-# backbone layers (layers.L) and DSpark stages (mtp.K) share the block's names
-_EXPERT = re.compile(r"^(layers|mtp)\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.(weight|scale)$")
-_RENAMES = [  # (reference suffix regex, our path template); `_reference_name` is the inverse
-    (r"hc_(attn|ffn)_fn", r"hc_\1.fn"), (r"hc_(attn|ffn)_base", r"hc_\1.base"), (r"hc_(attn|ffn)_scale", r"hc_\1.scale"),
-    (r"attn\.attn_sink", "attn.attn_sink"),
-    (r"engram\.embed\.weight", "engram.embed"), (r"engram\.embed\.scale", "engram.embed_scale"),
-    (r"ffn\.gate\.weight", "ffn.gate.weight"), (r"ffn\.gate\.bias", "ffn.gate.bias"),
-]
-
-
-def _our_path(name: str) -> tuple | None:
-    """Reference name -> (our parameter path, expert index or None); None for names we don't model."""
-    if name in ("embed.weight", "head.weight"):
-        return (name.split(".")[0],), None
-    if name == "norm.weight":
-        return ("norm", "weight"), None
-    if name in VISION_DELIMITERS:
-        return (name,), None
-    if name.startswith(("vision.", "aligner.")):  # the tower's modules mirror the checkpoint names
-        return tuple(int(p) if p.isdigit() else p for p in name.split(".")), None
-    m = _EXPERT.match(name)
-    if m:
-        top, l, e, w, kind = m.groups()
-        return (top, int(l), "ffn", "experts", w if kind == "weight" else f"{w}_scale"), int(e)
-    m = re.match(r"^(layers|mtp)\.(\d+)\.(.+)$", name)
-    if not m:
-        return None
-    top, l, rest = m.group(1), int(m.group(2)), m.group(3)
-    for pat, rep in _RENAMES:
-        if re.fullmatch(pat, rest):
-            rest = re.sub(pat, rep, rest)
-            break
-    return (top, l, *[int(p) if p.isdigit() else p for p in rest.split(".")]), None
-
-
-VISION_DELIMITERS = ("image_start", "image_end", "image_newline")
-
-
-def is_vision_name(name: str) -> bool:
-    """The VL part of a checkpoint: tower, aligner, span delimiters and the per-layer `gate.bias_vl`."""
-    return name.startswith(("vision.", "aligner.")) or name in VISION_DELIMITERS or name.endswith("gate.bias_vl")
 
 
 def is_ignored(name: str, vision: bool = False, *, dspark: bool = False) -> bool:
@@ -80,11 +37,6 @@ def has_dspark_tensors(names: Iterable[str]) -> bool:
 def config_for_names(cfg: ModelConfig, names: Iterable[str]) -> ModelConfig:
     """The config a checkpoint can fill: without the drafter when it ships no mtp.* tensors."""
     return cfg.without_dspark() if cfg.has_dspark and not has_dspark_tensors(names) else cfg
-
-
-def flat_params(model_or_state) -> dict[tuple, nnx.Variable]:
-    state = nnx.state(model_or_state) if isinstance(model_or_state, nnx.Module) else model_or_state
-    return {tuple(k): v for k, v in nnx.to_flat_state(state)}
 
 
 _WIDE_FLOATS = (np.dtype(jnp.bfloat16), np.dtype(np.float16), np.dtype(np.float32))
@@ -126,7 +78,7 @@ def load_reference_state_dict(cfg: ModelConfig, get: Callable[[str], np.ndarray]
         if is_ignored(name, cfg.vision_enabled, dspark=dspark):
             skipped.append(name)
             continue
-        mapped = _our_path(name)
+        mapped = our_path(name)
         if mapped is None or mapped[0] not in params:
             unexpected.append(name)
             continue
@@ -167,20 +119,6 @@ def load_reference_state_dict(cfg: ModelConfig, get: Callable[[str], np.ndarray]
     return nnx.merge(graphdef, state), skipped
 
 
-def _reference_name(path: tuple) -> str:
-    """Our non-expert parameter path -> the reference state-dict name."""
-    if path[0] in ("embed", "head"):
-        return f"{path[0]}.weight"
-    if path == ("norm", "weight"):
-        return "norm.weight"
-    if path[0] in VISION_DELIMITERS or path[0] in ("vision", "aligner"):
-        return ".".join(map(str, path))
-    rest = ".".join(map(str, path[2:]))
-    rest = re.sub(r"^hc_(attn|ffn)\.(fn|base|scale)$", r"hc_\1_\2", rest)
-    rest = {"engram.embed": "engram.embed.weight", "engram.embed_scale": "engram.embed.scale"}.get(rest, rest)
-    return f"{path[0]}.{path[1]}.{rest}"
-
-
 def to_reference_state_dict(model: nnx.Module) -> dict[str, np.ndarray]:
     """Inverse of the loader: reference names -> numpy arrays in the model's storage dtypes."""
     out = {}
@@ -192,5 +130,5 @@ def to_reference_state_dict(model: nnx.Module) -> dict[str, np.ndarray]:
             for e in range(value.shape[0]):
                 out[f"{path[0]}.{path[1]}.ffn.experts.{e}.{base}.{kind}"] = value[e]
         else:
-            out[_reference_name(path)] = value
+            out[reference_name(path)] = value
     return out

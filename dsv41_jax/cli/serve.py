@@ -23,7 +23,7 @@ import time
 
 from dsv41_jax.cli import distributed, speculative
 from dsv41_jax.cli.argtypes import effort_table, positive_int
-from dsv41_jax.cli.generate import InputError, add_mesh_args, load_on, mesh_of
+from dsv41_jax.cli.model_args import InputError, add_mesh_args, load_on, mesh_of
 
 
 def _byte_size(text: str) -> int:

@@ -39,7 +39,7 @@ def acceptance(args) -> str:
 
 def check_flags(args) -> None:
     """The flags alone, before the checkpoint is opened."""
-    from dsv41_jax.cli.generate import InputError
+    from dsv41_jax.cli.model_args import InputError
 
     if args.num_draft_tokens is not None and args.speculative is None:
         raise InputError(f"--num-draft-tokens {args.num_draft_tokens} needs --speculative dspark")
@@ -52,7 +52,7 @@ def check_checkpoint(args, folder: pathlib.Path) -> None:
     from dsv41_jax.checkpoint import checkpoint_format
     from dsv41_jax.checkpoint.hf_loader import read_config, weight_map
     from dsv41_jax.checkpoint.weights import has_dspark_tensors
-    from dsv41_jax.cli.generate import InputError
+    from dsv41_jax.cli.model_args import InputError
 
     if args.speculative is None or checkpoint_format(folder) != "hf":
         return
@@ -69,7 +69,7 @@ def check_checkpoint(args, folder: pathlib.Path) -> None:
 
 
 def _too_many(k: int, block: int):
-    from dsv41_jax.cli.generate import InputError
+    from dsv41_jax.cli.model_args import InputError
 
     raise InputError(f"--num-draft-tokens {k}: this drafter proposes at most dspark_block_size={block} tokens per "
                      f"step; pass 1 .. {block}")

@@ -186,7 +186,7 @@ def _cmd_demo(args) -> int:
     report = sys.stderr if args.json else sys.stdout
     print("dsv41 demo: starting (loading JAX; the whole demo takes about 4 minutes on 2 CPU cores)", file=report,
           flush=True)
-    from dsv41_jax.train.demo import run_demo
+    from dsv41_jax.cli.demo import run_demo
 
     kw = {k: v for k, v in (("steps", args.steps), ("time_budget", args.time_budget)) if v is not None}
     if args.json:

@@ -25,7 +25,7 @@ from flax import nnx
 
 from dsv41_jax.golden.entry import REPLAY_ULPS, Entry
 from dsv41_jax.model import dspark
-from dsv41_jax.model.transformer import COMPILER_OPTIONS
+from dsv41_jax.runtime import COMPILER_OPTIONS
 from dsv41_jax.numerics import kv_layout
 
 TIE = 1e-3  # a stored draft id this close to our top logit counts as a tie

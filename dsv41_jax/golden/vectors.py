@@ -11,7 +11,7 @@ import numpy as np
 
 from dsv41_jax.numerics import gemm, quant
 from dsv41_jax.layers.mhc import sinkhorn_split
-from pallas_kernels.sparse_attention.dense_reference import sparse_attention
+from dsv41_jax.numerics.sparse_attention import sparse_attention
 
 _INFORMATIVE = ("huge", "large (300")
 

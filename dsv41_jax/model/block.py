@@ -30,11 +30,11 @@ from dsv41_jax.layers.indexer import candidate_pool, index_key_container, select
 from dsv41_jax.layers.mhc_site import collapse, expand
 from dsv41_jax.layers.rope import apply_rope, cos_sin, layer_rope
 from dsv41_jax.model.cache import index_keys_for, scatter_container, window_indices, write_ring
-from dsv41_jax.model.probe import NO_PROBE, Probe, _merge
+from dsv41_jax.model.probe import NO_PROBE, Probe, merge_records
 from dsv41_jax.numerics import gemm, kv_layout, quant
 from dsv41_jax.runtime import Runtime
-from dsv41_jax.serving import fast_index  # the packed scoring variant (Plan.packed_scoring)
-from pallas_kernels.sparse_attention.dense_reference import sparse_attention
+from dsv41_jax.layers import fast_index  # the packed scoring variant (Plan.packed_scoring)
+from dsv41_jax.numerics.sparse_attention import sparse_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,7 +378,7 @@ def select(block, x, qr, cos, sin, visible, store: QuantStore, carry: Carry, pla
             scores = jnp.where(pool, scores, -jnp.inf)
         sel = store.restrict(src, select_topk(scores, visible, width))
         sel, r = probe.decide("topk", l, sel, scores, pin)
-        rec = _merge(rec, r, probe.see(l, lambda: {f"layer{l}.index_score": scores}))
+        rec = merge_records(rec, r, probe.see(l, lambda: {f"layer{l}.index_score": scores}))
     return sel, Carry({**carry.topk, l: sel}, pool, pool_blocks), rec
 
 
@@ -428,7 +428,7 @@ def ffn_site(block, h, a_pre, plan: Plan, probe: Probe = NO_PROBE, pin=None, l=N
     scores, biased, own = block.ffn.route(x, mode, vl)
     experts, rec = probe.decide("experts", l, own, biased, pin)
     y, info = block.ffn.apply(x, scores, experts, mode, plan.impl, plan.interpret)
-    rec = _merge(rec, {"experts": experts, "gate_scores": scores})
+    rec = merge_records(rec, {"experts": experts, "gate_scores": scores})
     return expand(y, h, f_post, f_comb), f_pre, (x, y, f_post, f_comb, info), rec
 
 
@@ -443,7 +443,7 @@ def block_step(block, h, pre, store: QuantStore, carry: Carry, span: Span, plan:
     store = store.copy()
     h, rec = engram_site(cfg, block, h, span, plan, probe)
     h, pre, r = probe.enter(l, h, pre, pin)
-    rec = _merge(rec, r)
+    rec = merge_records(rec, r)
     x, qr, q, cos, sin, win_raw, (a_pre, a_post, a_comb) = attn_in(block, h, pre, span.positions, role.ratio, cfg,
                                                                    plan)
     keys, idx, win_rows = store.window(l, win_raw, span)
@@ -454,11 +454,11 @@ def block_step(block, h, pre, store: QuantStore, carry: Carry, span: Span, plan:
         src = role.kv_source
         visible = store.visible(span, role.ratio)
         if role.is_kv_source and plan.writes != "window":
-            rec = _merge(rec, write_source(block, x, span, store, plan, probe))
+            rec = merge_records(rec, write_source(block, x, span, store, plan, probe))
         if role.is_index_source:
             _, carry, r = select(block, x, qr, cos, sin, visible, store, carry, plan, probe, pin)
             win_keys, win_idx = keys, idx
-            rec = _merge(rec, r, probe.scored(l, lambda: {
+            rec = merge_records(rec, r, probe.scored(l, lambda: {
                 "store": store, "src": src, "attn": block.attn, "q": q, "win": win_keys, "win_idx": win_idx,
                 "pool": carry.pool if role.uses_candidates else None,
                 "score": lambda pick, k: index_scores(block.attn, store, pick(x), pick(qr), k, pick(cos), pick(sin),
@@ -471,14 +471,14 @@ def block_step(block, h, pre, store: QuantStore, carry: Carry, span: Span, plan:
 
     o = attend(attn, q, keys, idx, cfg, plan, kernel_inputs if kernel else None)
     a_out, h = attn_out(attn, o, cos, sin, h, (a_post, a_comb), plan)
-    rec = _merge(rec, probe.see(l, lambda: {
+    rec = merge_records(rec, probe.see(l, lambda: {
         f"layer{l}.after_attn": h, f"layer{l}.attn_input": x, f"layer{l}.attn_output": a_out,
         f"layer{l}.sparse_attn_out": o, f"layer{l}.hc_attn_pre": a_pre, f"layer{l}.hc_attn_post": a_post,
         f"layer{l}.hc_attn_comb": a_comb}))
 
     h, f_pre, (x, y, f_post, f_comb, info), r = ffn_site(block, h, a_pre, plan, probe, pin, l, span.vl)
-    rec = _merge(rec, r)
-    rec = _merge(rec, probe.see(l, lambda: {
+    rec = merge_records(rec, r)
+    rec = merge_records(rec, probe.see(l, lambda: {
         f"layer{l}.ffn_input": x, f"layer{l}.ffn_output": y, f"layer{l}.hc_ffn_pre": f_pre,
         f"layer{l}.hc_ffn_post": f_post, f"layer{l}.hc_ffn_comb": f_comb, f"layer{l}.gate_scores": info["scores"],
         f"layer{l}.gate_weights": info["weights"], f"layer{l}.gate_indices": info["experts"]}))

@@ -165,7 +165,7 @@ def _fp8_rows(rows: jax.Array) -> jax.Array:
     return kv_layout.dequantize_window(kv_layout.quantize_window(rows))
 
 
-def _stage_forward(stage: DSparkStage, h, pre, ring_rows, newest, cfg, mode, probe, pin, trace, impl,
+def stage_forward(stage: DSparkStage, h, pre, ring_rows, newest, cfg, mode, probe, pin, trace, impl,
                    fp8_rows=_fp8_rows, ring_len=None):
     """One stage over the block stream h [B, bs, hc, d]: the layer body's stage functions (a window-only
     layer) over the read-only ring rows [B, W, D] (dequantized) plus the block, every block token seeing
@@ -223,7 +223,7 @@ def draft(model, state: dict, anchor: jax.Array, newest: jax.Array, *, mode: str
     trace = aux["trace"] if collect else None
     e, h, pre = block_stream(model, anchor)
     for stage, ring in zip(model.mtp, state["rings"]):
-        h, pre, _, rec = _stage_forward(stage, h, pre, kv_layout.dequantize_window(ring), newest, cfg, mode, probe,
+        h, pre, _, rec = stage_forward(stage, h, pre, kv_layout.dequantize_window(ring), newest, cfg, mode, probe,
                                         forced, trace, impl)
         aux["experts"][stage.stage] = rec["experts"]
         if "experts_agree" in rec:

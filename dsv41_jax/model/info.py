@@ -10,14 +10,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv41_jax.numerics import kv_layout
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.model.param_names import flat_params, is_vision_name, reference_name
+from dsv41_jax.model.transformer import Transformer
+from dsv41_jax.numerics import kv_layout
 
 
 _SCALE_DTYPES = (jnp.dtype(jnp.uint8), jnp.dtype(jnp.float8_e4m3fn))
 
 
-def _param_elems(path: tuple, var) -> int:
+def param_elems(path: tuple, var) -> int:
     """Parameters held by one stored array: 0 for quantization scales, 2 per packed FP4 byte."""
     dt = jnp.dtype(var.dtype)
     if str(path[-1]).endswith("scale") and dt in _SCALE_DTYPES:
@@ -29,8 +31,6 @@ def _param_elems(path: tuple, var) -> int:
 
 
 def abstract_model(cfg: ModelConfig):
-    from dsv41_jax.model.transformer import Transformer
-
     return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
 
 
@@ -46,8 +46,6 @@ def row_bytes(cfg: ModelConfig) -> dict[str, int]:
 
 
 def model_info(cfg: ModelConfig) -> dict:
-    from dsv41_jax.checkpoint.weights import _reference_name, flat_params, is_vision_name
-
     model = abstract_model(cfg)
     params = flat_params(model)
     total = engram_tables = routed = dspark = dspark_routed = vision = 0
@@ -55,13 +53,13 @@ def model_info(cfg: ModelConfig) -> dict:
     routed_per_layer: dict[int, int] = {}
     embed = head = 0
     for path, var in params.items():
-        n = _param_elems(path, var)
+        n = param_elems(path, var)
         if n == 0:
             continue
         if path[0] == "layers" and path[2] == "engram" and path[3] == "embed":
             engram_tables += n
             continue
-        if path[0] != "mtp" and path[2:4] != ("ffn", "experts") and is_vision_name(_reference_name(path)):
+        if path[0] != "mtp" and path[2:4] != ("ffn", "experts") and is_vision_name(reference_name(path)):
             vision += n  # tower, aligner, span delimiters, bias_vl: outside the backbone figures
             continue
         if path[0] == "mtp":  # the drafter, counted apart (it shares embed and head)
@@ -131,8 +129,6 @@ def _vision_summary(cfg: ModelConfig) -> dict | None:
 
 def _ced_projection_params(cfg: ModelConfig, model) -> int:
     """Graph A also runs the first decoder layer's mHC pre-mix, attn_norm, compressor and index-key projection."""
-    from dsv41_jax.checkpoint.weights import flat_params
-
     d = cfg.decoder_start
     if d >= cfg.n_layers:
         return 0
@@ -140,7 +136,7 @@ def _ced_projection_params(cfg: ModelConfig, model) -> int:
     for path, var in flat_params(model).items():
         if path[:2] == ("layers", d) and (path[2] in ("hc_attn", "attn_norm") or path[3:4] in (("compressor",),) or
                                           path[3:5] in (("indexer", "wk"), ("indexer", "k_norm"))):
-            n += _param_elems(path, var)
+            n += param_elems(path, var)
     return n
 
 

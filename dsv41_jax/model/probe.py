@@ -131,30 +131,30 @@ class Probes(Probe):
         rec = {}
         for p in self.probes:
             h, pre, r = p.enter(l, h, pre, pin)
-            rec = _merge(rec, r)
+            rec = merge_records(rec, r)
         return h, pre, rec
 
     def decide(self, kind, l, own, scores, pin):
         rec = {}
         for p in self.probes:
             own, r = p.decide(kind, l, own, scores, pin)
-            rec = _merge(rec, r)
+            rec = merge_records(rec, r)
         return own, rec
 
     def scored(self, l, ctx, pin) -> dict:
         rec = {}
         for p in self.probes:
-            rec = _merge(rec, p.scored(l, ctx, pin))
+            rec = merge_records(rec, p.scored(l, ctx, pin))
         return rec
 
     def see(self, l, thunk) -> dict:
         rec = {}
         for p in self.probes:
-            rec = _merge(rec, p.see(l, thunk))
+            rec = merge_records(rec, p.see(l, thunk))
         return rec
 
 
-def _merge(*recs: dict) -> dict:
+def merge_records(*recs: dict) -> dict:
     """Per-layer records: later keys win, except "trace" dicts, which are merged."""
     out: dict = {}
     for r in recs:

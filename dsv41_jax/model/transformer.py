@@ -22,14 +22,11 @@ from dsv41_jax.layers.basic import KeyStream, RMSNorm
 from dsv41_jax.layers.engram import Engram
 from dsv41_jax.layers.mhc_site import HyperSite
 from dsv41_jax.layers.moe import MoE
-from dsv41_jax.runtime import Runtime
+from dsv41_jax.runtime import COMPILER_OPTIONS, Runtime
 from dsv41_jax.model import block as body
 from dsv41_jax.model.cache import init_cache  # noqa: F401 (re-exported: the drivers' import)
 from dsv41_jax.model.dspark import build_stages
 from dsv41_jax.model.probe import GoldenProbe, Probes, TapProbe
-
-
-COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
 
 
 class Block(nnx.Module):

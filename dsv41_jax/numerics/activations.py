@@ -93,16 +93,16 @@ _ERF_POLY = (1.061405429, -1.453152027, 1.421413741, -0.284496736, 0.254829592)
 
 
 def _erf_torch_vec(x: jax.Array) -> jax.Array:
-    from dsv41_jax.numerics.sleef_exp import _fma64
+    from dsv41_jax.numerics.sleef_exp import fma64
 
     f32 = jnp.float32
     a = jnp.abs(x)
-    t = true_divide(jnp.ones_like(x), _fma64(f32(_ERF_P), a, f32(1.0)))
+    t = true_divide(jnp.ones_like(x), fma64(f32(_ERF_P), a, f32(1.0)))
     r = f32(_ERF_POLY[0])
     for c in _ERF_POLY[1:]:
-        r = _fma64(r, t, f32(c))
+        r = fma64(r, t, f32(c))
     e = -expf_u10(-no_fma(x * x))
-    y = _fma64(no_fma(e * t), r, f32(1.0))
+    y = fma64(no_fma(e * t), r, f32(1.0))
     return jnp.where(jnp.signbit(x), -y, y)
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from dsv41_jax.numerics.exact_ops import no_fma
 
 _N = 32
-_TAB = np.array([
+EXP2_TABLE = np.array([
     0x3ff0000000000000, 0x3fefd9b0d3158574, 0x3fefb5586cf9890f, 0x3fef9301d0125b51,
     0x3fef72b83c7d517b, 0x3fef54873168b9aa, 0x3fef387a6e756238, 0x3fef1e9df51fdee1,
     0x3fef06fe0a31b715, 0x3feef1a7373aa9cb, 0x3feedea64c123422, 0x3feece086061892d,
@@ -71,7 +71,7 @@ def expf_glibc(x: jax.Array) -> jax.Array:
     ki = jax.lax.bitcast_convert_type(kd, jnp.uint64)
     kd = no_fma(kd - f64(_SHIFT))
     r = no_fma(z - kd)
-    t = jnp.asarray(_TAB)[(ki % np.uint64(_N)).astype(jnp.int32)] + (ki << np.uint64(52 - 5))
+    t = jnp.asarray(EXP2_TABLE)[(ki % np.uint64(_N)).astype(jnp.int32)] + (ki << np.uint64(52 - 5))
     s = jax.lax.bitcast_convert_type(t, f64)
     zz = _fma64(f64(_C[0]), r, f64(_C[1]))
     r2 = no_fma(r * r)

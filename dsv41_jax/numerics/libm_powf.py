@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from dsv41_jax.numerics.glibc_expf import _TAB as _GLIBC_EXP2_TAB
+from dsv41_jax.numerics.glibc_expf import EXP2_TABLE
 
 _SPLIT = 134217729.0  # 2^27 + 1 (Veltkamp)
 
 
-def _two_sum(a, b):
+def two_sum(a, b):
     """a + b = s + t exactly (Knuth)."""
     s = a + b
     bb = s - a
@@ -55,8 +55,8 @@ def fma(a, b, c):
     Valid without overflow or underflow in the intermediate terms (powf's are all O(1)..2^8)."""
     a, b, c = (np.asarray(v, np.float64) for v in (a, b, c))
     uh, ul = _two_prod(a, b)
-    th, tl = _two_sum(c, uh)
-    v, err = _two_sum(tl, ul)
+    th, tl = two_sum(c, uh)
+    v, err = two_sum(tl, ul)
     # round to odd: an inexact sum whose nearest result is even moves to its odd neighbour
     # on the side of the exact value
     even = (v.view(np.int64) & 1) == 0
@@ -79,7 +79,7 @@ _LOG2_TAB = np.array([[float.fromhex(a), float.fromhex(b)] for a, b in (
 _LOG2_POLY = [float.fromhex(h) for h in ("0x1.27616c9496e0bp-2", "-0x1.71969a075c67ap-2", "0x1.ec70a6ca7baddp-2",
                                          "-0x1.7154748bef6c8p-1", "0x1.71547652ab82bp0")]
 # exp2f_data: tab[i] = bits(2^(i/32)) - (i << 47); the same table glibc's expf uses, so it is shared with it
-_EXP2_TAB = _GLIBC_EXP2_TAB
+_EXP2_TAB = EXP2_TABLE
 _EXP2_POLY = [float.fromhex(h) for h in ("0x1.c6af84b912394p-5", "0x1.ebfce50fac4f3p-3", "0x1.62e42ff0c52d6p-1")]
 _EXP2_SHIFT = float.fromhex("0x1.8p+52") / 32  # shift_scaled
 _SIGN_BIAS = np.uint64(1 << 16)  # 1 << (EXP2F_TABLE_BITS + 11): lands on bit 63 after << 47

@@ -90,7 +90,7 @@ _LN2_HI, _LN2_LO = 0.69314718246459960938, -1.904654323148236017e-09
 _LOG1P_POLY = (0.3027294874, 0.3996108174, 0.6666694880)
 
 
-def _fma64(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
+def fma64(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
     """float32 fused multiply-add through float64: the product of two float32 is exact there, so
     only the final sum rounds (twice, f64 then f32; a tie broken differently needs a 2^-29 event)."""
     f64 = jnp.float64
@@ -108,23 +108,23 @@ def log1pf_u10(d: jax.Array) -> jax.Array:
     scaled = no_fma(dp1 * f32(1.0 / 0.75))
     e = ((jax.lax.bitcast_convert_type(scaled, jnp.int32) >> 23) & 0xFF) - 0x7F
     t = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(one, jnp.int32) + ((-e) << 23), f32)
-    m = _fma64(d, t, no_fma(t - one))
+    m = fma64(d, t, no_fma(t - one))
     e = jnp.where(tiny, e - 64, e).astype(f32)
     # s = (ln2_hi, ln2_lo) * e as a double-float
     s_hi = no_fma(f32(_LN2_HI) * e)
-    s_lo = _fma64(f32(_LN2_LO), e, no_fma(_fma64(f32(_LN2_HI), e, -s_hi)))
+    s_lo = fma64(f32(_LN2_LO), e, no_fma(fma64(f32(_LN2_HI), e, -s_hi)))
     # x = m / (2 + m) as a double-float
     den_hi = no_fma(f32(2.0) + m)
     den_lo = no_fma(no_fma(f32(2.0) - den_hi) + m)
     rec = one / den_hi
     x_hi = no_fma(m * rec)
-    u = _fma64(rec, m, -x_hi)
-    v = _fma64(-den_lo, rec, _fma64(-den_hi, rec, one))
-    x_lo = _fma64(x_hi, v, u)
+    u = fma64(rec, m, -x_hi)
+    v = fma64(-den_lo, rec, fma64(-den_hi, rec, one))
+    x_lo = fma64(x_hi, v, u)
     x2 = no_fma(x_hi * x_hi)
     p = f32(_LOG1P_POLY[0])
-    p = _fma64(p, x2, f32(_LOG1P_POLY[1]))
-    p = _fma64(p, x2, f32(_LOG1P_POLY[2]))
+    p = fma64(p, x2, f32(_LOG1P_POLY[1]))
+    p = fma64(p, x2, f32(_LOG1P_POLY[2]))
     # s += 2x (|s| >= |2x| branch-free form), then s += x^3 p
     tx_hi, tx_lo = no_fma(x_hi * f32(2.0)), no_fma(x_lo * f32(2.0))
     hi = no_fma(s_hi + tx_hi)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dsv41_jax.numerics.libm_powf import _two_sum
+from dsv41_jax.numerics.libm_powf import two_sum
 from dsv41_jax.numerics.torch_loops import TORCH_AVX512_STEP
 
 F32 = np.float32
@@ -28,7 +28,7 @@ _R_LN2 = F32(1.44269504088896340735992468100189213742664595415298593413544940693
 def _fma32(a, b, c) -> np.ndarray:
     """float32 a * b + c with one rounding."""
     p = np.asarray(a, np.float64) * np.asarray(b, np.float64)  # exact: 24 + 24 bits
-    s, t = _two_sum(p, np.asarray(c, np.float64))
+    s, t = two_sum(p, np.asarray(c, np.float64))
     odd = (s.view(np.int64) & 1) == 1
     s = np.where((t != 0) & ~odd, np.nextafter(s, np.where(t > 0, np.inf, -np.inf)), s)
     return s.astype(F32)

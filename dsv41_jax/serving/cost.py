@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.model.transformer import COMPILER_OPTIONS
+from dsv41_jax.runtime import COMPILER_OPTIONS
 from dsv41_jax.runtime import Runtime
 from dsv41_jax.serving.buckets import empty_cache
 
@@ -220,7 +220,7 @@ def indexer_scoring_flops(cfg: ModelConfig, positions: int, batch: int = 1, pack
     runs); False: `Indexer.scores` on `decode_index_keys` (reference rounding points)."""
     from dsv41_jax.numerics import kv_layout
     from dsv41_jax.layers.rope import cos_sin, layer_rope
-    from dsv41_jax.serving.fast_index import scores_packed
+    from dsv41_jax.layers.fast_index import scores_packed
     from dsv41_jax.model.block import decode_index_keys
 
     gd, params = abstract_params(cfg)

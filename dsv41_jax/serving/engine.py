@@ -40,7 +40,7 @@ from dsv41_jax.serving.sampling import (banned_mask, check_finite_logits, empty_
 from dsv41_jax.serving.split_prefill import check_splittable, decode_plan
 from dsv41_jax.serving.steps import build_steps, pieces, span_rows
 
-__all__ = ["Engine", "EngineSettings", "Request", "Result", "pieces", "strategies"]
+__all__ = ["Engine", "EngineSettings", "Request", "Result", "pieces"]
 
 
 @dataclass(frozen=True)
@@ -74,22 +74,6 @@ class EngineSettings:
             raise ValueError(f"spec_acceptance={self.spec_acceptance!r}: expected 'rejection' or 'match'")
         if not self.exact_prefill:
             check_splittable(cfg)
-
-
-def strategies(mesh=None, preset: str = "inference", engram_host: bool = False) -> dict:
-    """The `placement` and `tables` keywords of `Engine` for a mesh (`sharding.mesh.make_mesh`, laid
-    out by `preset`, the vocabulary of `dsv41 plan`; None = one device, as given) and Engram tables
-    in host memory (`dsv41 serve --engram host`) or not."""
-    out = {}
-    if mesh is not None:
-        from sharding.serving import MeshPlacement  # sharding sits beside serving: imported on use
-
-        out["placement"] = MeshPlacement(mesh, preset)
-    if engram_host:
-        from sharding.serving import HostTables
-
-        out["tables"] = HostTables()
-    return out
 
 
 @dataclass

@@ -4,7 +4,7 @@ samples exactly as the server does (one sampler: `dsv41_jax.serving.sampling`, o
 Prefill is exact (`Engine(exact_prefill=True)`, the whole prompt through the layer body as
 `model.forward` runs it). The input-only sentinel ids (docs/REFERENCE.md §9) and ids the tokenizer
 does not have are banned. Engram ids are hashed on the host from the token history
-(docs/REFERENCE.md §3). The demo (`dsv41_jax.train.demo`) samples through `generate` too.
+(docs/REFERENCE.md §3). The demo (`dsv41_jax.cli.demo`) samples through `generate` too.
 """
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ import numpy as np
 
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.runtime import Runtime
-from dsv41_jax.serving.engine import Engine, EngineSettings, Request, strategies
+from dsv41_jax.serving.engine import Engine, EngineSettings, Request
 from dsv41_jax.serving.sampling import SamplingParams
 from dsv41_jax.text.tokenizer import Tokenizer, sentinel_ids
+from sharding.serving import engine_strategies
 
 
 @dataclass
@@ -61,7 +62,7 @@ def one_slot_engine(model, *, runtime: Runtime = Runtime(), banned_ids=(), engra
     settings = EngineSettings(slots=1, max_seq_len=cfg.max_seq_len, min_capacity=min(256, cfg.max_seq_len),
                               prefill_chunk=prefill_chunk, exact_prefill=True, runtime=runtime,
                               banned_ids=tuple(banned_ids), speculative=speculative)
-    return Engine(model, settings, engram=engram, **strategies(mesh, preset, engram_host))
+    return Engine(model, settings, engram=engram, **engine_strategies(mesh, preset, engram_host))
 
 
 def generate(engine: Engine, prompt_ids, *, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
@@ -98,7 +99,7 @@ class Generator:
                  preset: str = "inference", speculative: int = 0, engram_host: bool = False):
         self.cfg, self.tokenizer = cfg, tokenizer
         self.engine = one_slot_engine(model, runtime=runtime, banned_ids=banned_ids(cfg, tokenizer), mesh=mesh,
-                                      preset=preset, engram=_engram_tables(cfg, tokenizer) if cfg.engram_layer_ids else None,
+                                      preset=preset, engram=engram_tables(cfg, tokenizer) if cfg.engram_layer_ids else None,
                                       speculative=speculative, engram_host=engram_host)
 
     def generate(self, prompt_ids, *, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
@@ -107,7 +108,7 @@ class Generator:
                         stop_tokens=(self.tokenizer.eos_id,), on_token=on_token, spans=spans)
 
 
-def _engram_tables(cfg: ModelConfig, tokenizer: Tokenizer):
+def engram_tables(cfg: ModelConfig, tokenizer: Tokenizer):
     """(layout, token map) for Engram hashing; the tokenizer's map must match the config."""
     from dsv41_jax.engram.hashing import EngramLayout
     from dsv41_jax.engram.tokens import build_token_map

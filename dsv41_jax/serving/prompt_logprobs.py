@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsv41_jax.model.transformer import COMPILER_OPTIONS
+from dsv41_jax.runtime import COMPILER_OPTIONS
 from dsv41_jax.serving.engine import Engine, pieces
 from dsv41_jax.serving.split_prefill import exact_prefill
 

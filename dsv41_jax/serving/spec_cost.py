@@ -24,9 +24,9 @@ def _array_bytes(var) -> int:
 
 
 def _elems(path, var) -> int:
-    from dsv41_jax.model.info import _param_elems
+    from dsv41_jax.model.info import param_elems
 
-    return _param_elems(path, var)
+    return param_elems(path, var)
 
 
 def distinct_experts(E: int, k: int, tokens: int) -> float:
@@ -37,7 +37,7 @@ def distinct_experts(E: int, k: int, tokens: int) -> float:
 def step_costs(cfg: ModelConfig, batch: int, drafts: int | None = None) -> dict:
     """{"plain", "verify", "draft"}: bytes and FLOPs of one step for `batch` sequences; the verify
     step checks `drafts` tokens (default the drafter's block: `Engine(speculative=drafts)`)."""
-    from dsv41_jax.checkpoint.weights import flat_params
+    from dsv41_jax.model.param_names import flat_params
     from dsv41_jax.model.info import abstract_model
 
     params = flat_params(abstract_model(cfg))

@@ -25,7 +25,7 @@ from flax import nnx
 
 from dsv41_jax.model import block as body
 from dsv41_jax.model.probe import NO_PROBE, Probe, TapProbe
-from dsv41_jax.model.transformer import COMPILER_OPTIONS
+from dsv41_jax.runtime import COMPILER_OPTIONS
 from dsv41_jax.runtime import Runtime
 
 

@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 
 from dsv41_jax.model import dspark
-from dsv41_jax.model.transformer import COMPILER_OPTIONS
+from dsv41_jax.runtime import COMPILER_OPTIONS
 from dsv41_jax.serving import speculation
 from dsv41_jax.serving.split_prefill import commit, decode_step, decoder_pass, encoder_pass, exact_prefill, replay_window
 

@@ -162,7 +162,7 @@ def block_forward(model, mx: jax.Array, batch: dict, anchors: jax.Array, prev_id
     for stage in model.mtp:
         rows = fake(body.window_rows(stage.attn, mx, cos, sin, mode))  # [B, T, D]
         ring = jax.vmap(lambda r, i: r[i])(rows, ridx).reshape(N, W, -1)
-        h, pre, _, rec = dspark._stage_forward(stage, h, pre, ring, pos_a.reshape(N) - 1, cfg, mode, NO_PROBE, None,
+        h, pre, _, rec = dspark.stage_forward(stage, h, pre, ring, pos_a.reshape(N) - 1, cfg, mode, NO_PROBE, None,
                                                None, "xla", fp8_rows=fake, ring_len=n_ring.reshape(N))
         records[stage.stage] = rec
     last = model.mtp[-1]

@@ -22,7 +22,7 @@ import optax
 from flax import nnx
 
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.model.transformer import COMPILER_OPTIONS
+from dsv41_jax.runtime import COMPILER_OPTIONS
 from dsv41_jax.train import losses
 from dsv41_jax.train.dspark import DSparkLoss, drafter_loss, is_drafter_key
 from dsv41_jax.train.forward import ForwardOptions, train_forward

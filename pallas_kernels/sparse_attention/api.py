@@ -179,7 +179,7 @@ def sparse_sink_attention_values(
     compressed KV, docs/REFERENCE.md §3). The forward quantizes them into the kernel's containers,
     whose values are the fake-quantized rows bit for bit (quantizing the raw rows is the fake
     quantization's own first half), and runs the kernel; the backward is the VJP of the XLA math
-    over the fake-quantized rows (`dense_reference.sparse_attention`, window slots first, the
+    over the fake-quantized rows (`numerics.sparse_attention`, window slots first, the
     quantizers straight-through): dq, d window_raw, d compressed_raw and d sink, as training's XLA
     path has them. impl "xla" runs that XLA math forward as well.
     """
@@ -198,7 +198,7 @@ def sparse_sink_attention_values(
 def _values_in_reference(q, window_raw, compressed_raw, window_idx, compressed_idx, sink, scale):
     """Training's XLA math: attention over the fake-quantized rows (straight-through), window slots first."""
     from dsv41_jax.numerics import quant
-    from pallas_kernels.sparse_attention.dense_reference import sparse_attention
+    from dsv41_jax.numerics.sparse_attention import sparse_attention
 
     rows, idx = quant.fake_fp8_act(window_raw, 32), window_idx
     if compressed_raw is not None:

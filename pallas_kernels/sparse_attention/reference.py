@@ -3,7 +3,7 @@
 It dequantizes both caches with `dsv41_jax.numerics.kv_layout`, concatenates them (window rows first, then
 compressed rows, as the reference's `torch.cat([kv, compress_kv])` does; reference model.py:
 Attention.forward), shifts the compressed indices past the window rows, and calls the model's
-`dense_reference.sparse_attention` (this folder), so the kernels share one definition of the math.
+`dsv41_jax.numerics.sparse_attention` (in numerics, the one package kernels import), so the kernels share one definition of the math.
 When the index lists are shorter than the caches (decode at long context), it gathers the
 selected quantized rows first and dequantizes only those; dequantization is exact, so both
 orders give the same numbers, but a 1M-entry cache is never expanded to bf16.
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv41_jax.numerics import kv_layout
-from pallas_kernels.sparse_attention.dense_reference import sparse_attention
+from dsv41_jax.numerics.sparse_attention import sparse_attention
 
 
 def combined_kv_and_indices(window, compressed, window_idx, compressed_idx, dtype):

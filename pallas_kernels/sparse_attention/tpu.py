@@ -15,7 +15,7 @@ P rounded to bf16 for P.V only (golden README, oracle choice 1); rows without a 
 Grid steps are sequential ("arbitrary") because each step prefetches for the next.
 
 exact=True (interpret mode only, float64 enabled) keeps the gathers and the decode but computes
-the math of `pallas_kernels.sparse_attention.dense_reference.sparse_attention(mode="exact")` (the golden oracle's sparse_attn): the
+the math of `dsv41_jax.numerics.sparse_attention.sparse_attention(mode="exact")` (the golden oracle's sparse_attn): the
 slots of a row in order (window, then compressed) in 64-wide online-softmax blocks, float64
 dots rounded once to f32, MKL exp (`mkl_exp`), P rounded to bf16 for P.V only, no FMA contraction, a true
 division at the end. Mosaic has no float64, so this variant cannot be compiled for a TPU.
@@ -73,7 +73,7 @@ EXACT_BLOCK = 64  # online-softmax block of the oracle's sparse_attn (golden REA
 
 def _attend_exact(q_planes, parts, sink, scale):
     """The oracle's blocked online softmax over the slots of one row, in float64/f32 as
-    `dense_reference._exact`. parts: [(valid [1, K], 8 bf16 planes [K, D/8])] in slot
+    `numerics.sparse_attention._exact`. parts: [(valid [1, K], 8 bf16 planes [K, D/8])] in slot
     order. Returns 8 f32 output planes [H, D/8]."""
     f32, f64 = jnp.float32, jnp.float64
     valid = jnp.concatenate([v for v, _ in parts], axis=1) if len(parts) > 1 else parts[0][0]

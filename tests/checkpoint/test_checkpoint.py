@@ -21,7 +21,8 @@ from dsv41_jax.checkpoint.names import check_name_mapping, disk_tensors
 from dsv41_jax.checkpoint.safetensors_file import SafetensorsError, TensorEntry, read_header, write_file
 from dsv41_jax.checkpoint.synthetic import fake_extra_entries, model_from_params, random_entries, random_params
 from dsv41_jax.config import ConfigError, ModelConfig
-from dsv41_jax.checkpoint.weights import WeightError, flat_params
+from dsv41_jax.checkpoint.weights import WeightError
+from dsv41_jax.model.param_names import flat_params
 
 TINY = ModelConfig.tiny()  # 7 layers: every layer role, Engram on layers 1 and 3
 RUNTIME_FIELDS = {"max_seq_len": TINY.max_seq_len, "max_batch_size": TINY.max_batch_size}
@@ -246,7 +247,7 @@ def test_full_size_census_matches_the_release():
     from dsv41_jax.model.info import abstract_model
 
     tensors = disk_tensors(abstract_model(ModelConfig.v41_flash()))
-    check_name_mapping(tensors)  # weights._our_path maps every listed name back to its parameter
+    check_name_mapping(tensors)  # param_names.our_path maps every listed name back to its parameter
     families = Counter(re.sub(r"\.\d+\.", ".*.", t.name) for t in tensors)
     assert families["layers.*.attn.compressor.wkv.weight"] == 4
     assert families["layers.*.attn.compressor.wgate.weight"] == 3

@@ -23,7 +23,8 @@ from dsv41_jax.checkpoint.hf_writer import save_hf_checkpoint, write_hf_folder
 from dsv41_jax.checkpoint.orbax_io import save_params
 from dsv41_jax.checkpoint.safetensors_file import SafetensorsError, SafetensorsFile, read_header
 from dsv41_jax.checkpoint.synthetic import fake_extra_entries, model_from_params, random_params
-from dsv41_jax.checkpoint.weights import WeightError, flat_params
+from dsv41_jax.checkpoint.weights import WeightError
+from dsv41_jax.model.param_names import flat_params
 from dsv41_jax.cli.main import main
 
 from tests.support.train_fixtures import micro_config
@@ -433,7 +434,7 @@ def test_attention_guard_tells_masked_rows_from_nan_rows(mode):
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels.sparse_attention.dense_reference import sparse_attention
+    from dsv41_jax.numerics.sparse_attention import sparse_attention
 
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((1, 2, 2, 32)), jnp.bfloat16)

@@ -148,7 +148,7 @@ def test_server_with_engram_in_host_memory_answers_as_with_the_tables_on_device(
     program compiled with the compact tables) before /ready.
 
     The tokenizer's Engram token map sets the config's compressed vocabulary, as a released checkpoint's
-    does (`serving.generate._engram_tables` checks the two agree)."""
+    does (`serving.generate.engram_tables` checks the two agree)."""
     from dsv41_jax.engram.tokens import build_token_map
 
     root = tmp_path_factory.mktemp("serve_engram_host")

@@ -14,7 +14,7 @@ from dsv41_jax.checkpoint.hf_loader import INDEX_FILE, load_checkpoint
 from dsv41_jax.checkpoint.hf_writer import save_hf_checkpoint
 from dsv41_jax.checkpoint.names import check_name_mapping, disk_tensors
 from dsv41_jax.checkpoint.synthetic import model_from_params, random_params
-from dsv41_jax.checkpoint.weights import flat_params
+from dsv41_jax.model.param_names import flat_params
 from dsv41_jax.config import ConfigError, ModelConfig
 from dsv41_jax.model import dspark
 

@@ -17,11 +17,12 @@ import jax
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.runtime import Runtime
 from dsv41_jax.serving import sampling
-from dsv41_jax.serving.engine import Engine, Request, strategies
+from dsv41_jax.serving.engine import Engine, Request
 from dsv41_jax.serving.prompt_logprobs import prompt_logprobs
 from dsv41_jax.serving.random_weights import random_model
 from sharding.mesh import make_mesh
 from sharding.serving import bytes_per_device
+from sharding.serving import engine_strategies
 
 # one sliding-window layer with Engram, MoE (8 experts: 2 per device at expert=4) and mHC: the
 # engine's host-table path at the compile time of the smallest model (exact prefill)
@@ -47,7 +48,7 @@ def _serve(model, spec, host, prompts, *, exact_prefill, mode, chunk=8, tmp_path
     cfg = model.cfg
     eng = Engine(model, slots=2, min_capacity=cfg.max_seq_len, prefill_chunk=chunk, exact_prefill=exact_prefill,
                  runtime=Runtime(mode=mode), engram=_engram(cfg),
-                 **strategies(None if spec is None else make_mesh(spec), engram_host=host))
+                 **engine_strategies(None if spec is None else make_mesh(spec), engram_host=host))
     rows: dict[str, list] = {}
     greedy = sampling.SamplingParams(max_tokens=3)
 
@@ -130,7 +131,7 @@ def test_host_engram_equals_hbm_split_prefill(spec, tmp_path):
 def test_host_engram_needs_engram_layers():
     cfg = SMALL.replace(engram_layer_ids=())
     with pytest.raises(ValueError, match="no Engram layers"):
-        Engine(random_model(cfg), slots=1, exact_prefill=True, **strategies(engram_host=True))
+        Engine(random_model(cfg), slots=1, exact_prefill=True, **engine_strategies(engram_host=True))
 
 
 def test_plan_prints_engram_host_in_the_serve_command(capsys):

@@ -16,11 +16,12 @@ from dsv41_jax.golden.check import TIGHTEST
 from dsv41_jax.runtime import Runtime
 from dsv41_jax.serving import sampling
 from dsv41_jax.serving.buckets import empty_cache
-from dsv41_jax.serving.engine import Engine, Request, strategies
+from dsv41_jax.serving.engine import Engine, Request
 from dsv41_jax.serving.random_weights import random_model
 from sharding import plan as plan_mod
 from sharding.mesh import make_mesh, mesh_shape
 from sharding.serving import bytes_per_device
+from sharding.serving import engine_strategies
 
 # every decoder role (SWA, Full r2, Full r1 pool source, in-pool Reindex, Reuse), Engram on two
 # layers, 8 experts (2 per device at expert=4), 4 heads (2 per device at tensor=2)
@@ -55,7 +56,7 @@ class Recording(Engine):
 
 def _engine(model, mesh=None, preset="inference", runtime=None, slots=SLOTS, **kw):
     eng = Recording(model, slots=slots, min_capacity=64, prefill_chunk=8, runtime=runtime or Runtime(mode="exact"),
-                    engram=_engram(CFG), **strategies(mesh, preset), **kw)
+                    engram=_engram(CFG), **engine_strategies(mesh, preset), **kw)
     eng.seen, eng.split = {}, False
     return eng
 

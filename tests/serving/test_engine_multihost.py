@@ -27,15 +27,16 @@ if n > 1:
     join(argparse.Namespace(coordinator=sys.argv[1], num_processes=n, process_id=pid), "engine-multihost")
 import numpy as np
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.serving.engine import Engine, Request, strategies
+from dsv41_jax.serving.engine import Engine, Request
 from dsv41_jax.serving.random_weights import random_model
 from dsv41_jax.serving.sampling import SamplingParams
 from sharding.mesh import make_mesh
+from sharding.serving import engine_strategies
 cfg = ModelConfig.tiny(max_seq_len=64, n_routed_experts=8, vocab_size=256, engram_layer_ids=())
 model = random_model(cfg, seed=7)
 # the engine's own fingerprint: on a mesh across processes each tensor's digest is taken on the devices
 eng = Engine(model, slots=2, min_capacity=64, prefill_chunk=8,
-             **strategies(make_mesh("expert=4,tensor=2"), "inference"))
+             **engine_strategies(make_mesh("expert=4,tensor=2"), "inference"))
 reqs = [Request([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], SamplingParams(max_tokens=5), request_id="a", want_logprobs=True),
         Request([7, 8, 9], SamplingParams(max_tokens=5, temperature=1.0, seed=3), request_id="b", want_logprobs=True)]
 seen, out = {}, {}

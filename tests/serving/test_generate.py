@@ -185,12 +185,12 @@ def _greedy_over_forward(ckpt, prompt: list[int], n: int) -> list[int]:
     from dsv41_jax.checkpoint import load
     from dsv41_jax.engram.hashing import hash_ids, next_history
     from dsv41_jax.model.transformer import init_cache, make_step
-    from dsv41_jax.serving.generate import _engram_tables
+    from dsv41_jax.serving.generate import engram_tables
 
     tok = load_tokenizer(ckpt)
     cfg, model, _ = load(ckpt, progress=False, config_overrides={"max_batch_size": 1, "max_seq_len": 64})
     allowed = allowed_ids(cfg.vocab_size, tok)
-    layout, token_map = _engram_tables(cfg, tok)
+    layout, token_map = engram_tables(cfg, tok)
     graphdef, params = nnx.split(model)
     step = make_step(graphdef)
     cache, history, feed, out = init_cache(cfg, 1), None, np.asarray([prompt], np.int64), []

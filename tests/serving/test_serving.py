@@ -169,7 +169,7 @@ def test_fast_index_keys_bitwise():
     """The table decode of packed index keys equals kv_layout's nibble arithmetic for every
     (byte, E8M0 scale) pair, NaN scale included."""
     from dsv41_jax.numerics import kv_layout
-    from dsv41_jax.serving.fast_index import index_keys_f32
+    from dsv41_jax.layers.fast_index import index_keys_f32
 
     packed = jnp.asarray(np.tile(np.arange(256, dtype=np.uint8), 256).reshape(256, 4, 64))
     scales = jnp.asarray(np.repeat(np.arange(256, dtype=np.uint8), 16).reshape(256, 4, 4))
@@ -186,7 +186,7 @@ def test_fast_index_scores_track_the_reference_scoring(micro):
     bf16 rounding, same top-k on random keys."""
     from dsv41_jax.numerics import kv_layout
     from dsv41_jax.layers.rope import cos_sin, layer_rope
-    from dsv41_jax.serving import fast_index
+    from dsv41_jax.layers import fast_index
     from dsv41_jax.model.block import decode_index_keys
 
     cfg = micro["cfg"]

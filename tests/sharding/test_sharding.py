@@ -28,7 +28,7 @@ from dsv41_jax.layers.engram import Engram
 from dsv41_jax.layers.moe import MoE
 from dsv41_jax.model.transformer import Transformer, init_cache, make_step
 from dsv41_jax.runtime import Runtime
-from dsv41_jax.checkpoint.weights import flat_params
+from dsv41_jax.model.param_names import flat_params
 from sharding import engram_shard, plan as plan_mod
 from sharding.mesh import MeshSpecError, make_mesh, mesh_shape, parse_mesh_spec, resolve_mesh_shape
 from sharding.moe_ep import expert_parallel_moe

@@ -15,7 +15,7 @@ import pytest
 from dsv41_jax.checkpoint import safetensors_file
 from dsv41_jax.checkpoint.hf_writer import write_hf_folder
 from dsv41_jax.checkpoint.synthetic import random_entries
-from dsv41_jax.checkpoint.weights import flat_params
+from dsv41_jax.model.param_names import flat_params
 from dsv41_jax.config import ModelConfig
 from sharding.load import load_sharded
 from sharding.mesh import make_mesh
@@ -129,7 +129,7 @@ _RSS_PROBE = r"""
 import json, sys
 import jax
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.checkpoint.weights import flat_params
+from dsv41_jax.model.param_names import flat_params
 from sharding.load import load_sharded
 from sharding.mesh import make_mesh
 

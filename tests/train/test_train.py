@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from dsv41_jax.numerics import quant
-from dsv41_jax.model.transformer import COMPILER_OPTIONS, init_cache, make_step
+from dsv41_jax.model.transformer import init_cache, make_step
+from dsv41_jax.runtime import COMPILER_OPTIONS
 from dsv41_jax.train import losses
 from dsv41_jax.train import params as P
 from dsv41_jax.train import qat_modules as Q

@@ -189,7 +189,7 @@ def test_drafter_training_raises_acceptance_length(tmp_path):
     from dsv41_jax.serving.engine import Engine, Request
     from dsv41_jax.serving.sampling import SamplingParams
     from dsv41_jax.train import data as D
-    from dsv41_jax.train.demo import acceptance_length, demo_config, demo_drafter, stdlib_corpus, train_drafter
+    from dsv41_jax.cli.demo import acceptance_length, demo_config, demo_drafter, stdlib_corpus, train_drafter
     from dsv41_jax.train.export import export_checkpoint, load_exported
 
     tok, seq = TOKENIZER, 128

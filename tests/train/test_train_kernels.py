@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv41_jax.model.transformer import COMPILER_OPTIONS
+from dsv41_jax.runtime import COMPILER_OPTIONS
 from dsv41_jax.train import params as P
 from dsv41_jax.train import qat_modules as Q
 from dsv41_jax.train.forward import ForwardOptions

@@ -10,7 +10,8 @@ from flax import nnx
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.checkpoint import load_checkpoint, save_hf_checkpoint
 from dsv41_jax.checkpoint.synthetic import model_from_params, random_params
-from dsv41_jax.checkpoint.weights import flat_params, is_vision_name, to_reference_state_dict
+from dsv41_jax.checkpoint.weights import to_reference_state_dict
+from dsv41_jax.model.param_names import flat_params, is_vision_name
 from dsv41_jax.model.transformer import engram_table_rows, init_cache, make_step
 from dsv41_jax.runtime import Runtime
 from dsv41_jax.vision.merge import ImageInput, make_image_encoder, span_rows, span_types, TEXT

@@ -76,13 +76,13 @@ class ConversationStore:
         """Delete what a killed server left behind: `.pending-*` files of requests that never finished
         and the atomic writer's temporary files (`.NAME.tmp-PID-*`) whose process is gone. They are
         outside the byte budget, so without this they would stay forever. Returns how many."""
-        from dsv41_jax.checkpoint.atomic import _pid_alive
+        from dsv41_jax.checkpoint.atomic import pid_alive
 
         removed = 0
         for p in self.folder.iterdir():
             m = _TMP.match(p.name)
             stale = p.name.startswith(".pending-") and m is None or (
-                m is not None and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))))
+                m is not None and int(m.group(1)) != os.getpid() and not pid_alive(int(m.group(1))))
             if stale and p.is_file():
                 p.unlink(missing_ok=True)
                 removed += 1

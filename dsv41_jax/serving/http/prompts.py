@@ -61,7 +61,7 @@ async def _completion_ids(state: ServingState, prompt, add_special: bool, split_
         if add_special and ids[:1] != [tokenizer.bos_id]:
             ids = [tokenizer.bos_id] + ids
         return ids
-    if isinstance(prompt, list) and prompt and all(P._is_int(t) for t in prompt):
+    if isinstance(prompt, list) and prompt and all(P.is_int(t) for t in prompt):
         return check_ids(state, "prompt", prompt)
     raise P.bad("prompt", f"expected a string or a list of token ids (on /v1/completions also a list of either: "
                           f"several prompts), got {prompt!r:.80}")

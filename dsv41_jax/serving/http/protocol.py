@@ -38,7 +38,7 @@ def bad(param: str, message: str) -> APIError:
     return APIError(400, f"{param}: {message}", param=param)
 
 
-def _is_int(v) -> bool:
+def is_int(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
@@ -133,9 +133,9 @@ def check_detokenize_fields(body: Mapping) -> None:
 
 
 def sampling_fields(body: Mapping, *, chat: bool) -> Sampling:
-    max_tokens = _get(body, "max_tokens", _is_int, "an integer")
+    max_tokens = _get(body, "max_tokens", is_int, "an integer")
     if chat:
-        alt = _get(body, "max_completion_tokens", _is_int, "an integer")
+        alt = _get(body, "max_completion_tokens", is_int, "an integer")
         max_tokens = alt if alt is not None else max_tokens
     if max_tokens is not None and not (0 if not chat else 1) <= max_tokens <= INT32_MAX:
         raise bad("max_tokens", f"must be in [{0 if not chat else 1}, {INT32_MAX}], got {max_tokens}")
@@ -148,14 +148,14 @@ def sampling_fields(body: Mapping, *, chat: bool) -> Sampling:
     top_p = float(_get(body, "top_p", _is_num, "a number", 1.0))
     if not 0 < top_p <= 1:
         raise bad("top_p", f"must be in (0, 1], got {top_p}")
-    top_k = _get(body, "top_k", _is_int, "an integer", 0)
+    top_k = _get(body, "top_k", is_int, "an integer", 0)
     if not -1 <= top_k <= INT32_MAX:  # the engine's per-slot arrays are int32
         raise bad("top_k", f"must be in [-1, {INT32_MAX}] (0 or -1 = off; a value >= the vocabulary is off too), "
                            f"got {top_k}")
-    n = _get(body, "n", _is_int, "an integer", 1)
+    n = _get(body, "n", is_int, "an integer", 1)
     if not 1 <= n <= MAX_N:
         raise bad("n", f"must be in [1, {MAX_N}], got {n}")
-    seed = _get(body, "seed", _is_int, "an integer")
+    seed = _get(body, "seed", is_int, "an integer")
     if seed is None:  # fresh draws: without a seed, two samples must not be the same sample
         seeds = tuple(secrets.randbits(32) for _ in range(n))
     elif not 0 <= seed < 2**32:
@@ -178,13 +178,13 @@ def sampling_fields(body: Mapping, *, chat: bool) -> Sampling:
         raise bad("stream_options.include_usage", f"expected true or false, got {include_usage!r}")
     if chat:
         logprobs = _get(body, "logprobs", lambda v: isinstance(v, bool), "true or false", False)
-        top = _get(body, "top_logprobs", _is_int, "an integer", 0)
+        top = _get(body, "top_logprobs", is_int, "an integer", 0)
         if not 0 <= top <= 20:
             raise bad("top_logprobs", f"must be in 0-20, got {top}")
         if top and not logprobs:
             raise bad("top_logprobs", "needs logprobs=true")
     else:  # completions: logprobs is the number of top alternatives
-        top = _get(body, "logprobs", _is_int, "an integer", None)
+        top = _get(body, "logprobs", is_int, "an integer", None)
         logprobs = top is not None
         top = top or 0
         if not 0 <= top <= 20:

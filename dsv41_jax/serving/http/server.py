@@ -11,10 +11,11 @@ import threading
 import time
 
 from dsv41_jax.runtime import Runtime
-from dsv41_jax.serving.engine import Engine, EngineSettings, strategies
+from dsv41_jax.serving.engine import Engine, EngineSettings
 from dsv41_jax.serving.http.app import ServerConfig, build_app
 from dsv41_jax.serving.http.metrics import Metrics
 from dsv41_jax.serving.http.worker import EngineWorker
+from sharding.serving import engine_strategies
 
 
 @dataclasses.dataclass
@@ -34,9 +35,9 @@ class ServeOptions:
     runtime: Runtime = Runtime()
     max_request_bytes: int = 32 << 20
     warm: bool = False  # compile every program before /ready says ready (`dsv41 serve` turns it on)
-    mesh: object = None  # a jax.sharding.Mesh to serve on (engine.strategies); None = one device
+    mesh: object = None  # a jax.sharding.Mesh to serve on (sharding.serving.engine_strategies); None = one device
     preset: str = "inference"  # its sharding preset (the vocabulary of `dsv41 plan`)
-    engram_host: bool = False  # Engram tables in host memory (engine.strategies, --engram host)
+    engram_host: bool = False  # Engram tables in host memory (sharding.serving.engine_strategies, --engram host)
     test_hooks: bool = False  # tests build the app with this; no `dsv41 serve` flag sets it
     images: object = None  # images.ImageOptions (limits); None = the defaults
     speculative: int = 0  # K DSpark drafts per step (Engine(speculative=K); needs exact_prefill)
@@ -56,7 +57,7 @@ def banned_ids(cfg, tokenizer) -> list[int]:
 def make_engine(model, tokenizer, opts: ServeOptions) -> Engine:
     """The engine `build` serves with (every process serving across processes builds the same one).
     Its `max_seq_len` is the server's max model length (the options' or the config's)."""
-    from dsv41_jax.serving.generate import _engram_tables
+    from dsv41_jax.serving.generate import engram_tables
 
     cfg = model.cfg
     max_len = opts.max_model_len or cfg.max_seq_len
@@ -64,8 +65,8 @@ def make_engine(model, tokenizer, opts: ServeOptions) -> Engine:
                               prefill_chunk=opts.prefill_chunk, exact_prefill=opts.exact_prefill, runtime=opts.runtime,
                               banned_ids=tuple(banned_ids(cfg, tokenizer)), speculative=opts.speculative,
                               spec_acceptance=opts.spec_acceptance)
-    engram = _engram_tables(cfg, tokenizer) if cfg.engram_layer_ids else None
-    return Engine(model, settings, engram=engram, **strategies(opts.mesh, opts.preset, opts.engram_host))
+    engram = engram_tables(cfg, tokenizer) if cfg.engram_layer_ids else None
+    return Engine(model, settings, engram=engram, **engine_strategies(opts.mesh, opts.preset, opts.engram_host))
 
 
 def build(model, tokenizer, opts: ServeOptions):

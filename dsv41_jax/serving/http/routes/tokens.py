@@ -36,7 +36,7 @@ async def detokenize(request: HTTPRequest):
     """`{tokens}` -> `{prompt}`: the text of token ids, special tokens included."""
     state, body = await read_request(request, lambda body, state: P.check_detokenize_fields(body))
     tokens = body.get("tokens")
-    if not isinstance(tokens, list) or not all(P._is_int(t) for t in tokens):
+    if not isinstance(tokens, list) or not all(P.is_int(t) for t in tokens):
         raise P.bad("tokens", f"expected a list of token ids, got {tokens!r:.80}")
     ids = check_ids(state, "tokens", tokens)
     return {"prompt": await asyncio.to_thread(state.tokenizer.decode, ids)}

@@ -5,7 +5,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pallas_kernels.sparse_attention.dense_reference import sparse_attention
+from dsv41_jax.numerics.sparse_attention import sparse_attention
 from tests.support.kernel_vectors import bits, kernel_vectors
 from tests.support.mkl_exp_reference import mkl_expf_reference
 
