@@ -2,7 +2,10 @@
 
 Cheap checks first (folder, tokenizer.json, options), so a bad input fails with exit code 2
 before any weights are read. Then the checkpoint is loaded, the engine thread started and
-uvicorn serves until interrupted.
+uvicorn serves until interrupted. SIGTERM or SIGINT while the warm-up compiles ends the process
+at once with exit code 0 (a compile cannot be interrupted, and uvicorn would wait for it): after
+the compilation-cache entry being written, if any, is complete (`warmup.quiesce_cache`).
+`--warm-only` compiles every program into the persistent compilation cache and exits.
 
 Across processes (`--coordinator HOST:PORT --num-processes N --process-id I`, or a TPU pod slice /
 SLURM job detected by JAX; docs/SERVING.md "Across hosts"): every process runs the same command,
@@ -18,8 +21,11 @@ import argparse
 import json
 import os
 import pathlib
+import signal
 import sys
 import time
+
+from collections.abc import Callable
 
 from dsv41_jax.cli import distributed, speculative
 from dsv41_jax.cli.argtypes import effort_table, positive_int
@@ -133,23 +139,95 @@ def jax_processes() -> int:
 
 
 def _cmd_serve(args) -> int:
-    from dsv41_jax.serving.http.server import serve
-
     code = distributed.join(args, "dsv41 serve")
     if code is not None:
         return code
     if jax_processes() > 1:
         return _serve_across(args)
     try:
+        _check_warm_only(args)
         app, worker, opts = load_server(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"dsv41 serve: {e}", file=sys.stderr)
         return 2
+    if args.warm_only:
+        return warm_only(worker, "dsv41 serve")
     info = {"url": f"http://{args.host}:{args.port}", "model": opts.model_name, "max_model_len": opts.max_model_len,
             "max_batch": opts.max_batch}
     print(json.dumps(info) if args.json else f"dsv41 serve: {opts.model_name} on {info['url']} "
           f"(max batch {opts.max_batch}, max model length {opts.max_model_len})", file=sys.stderr)
     serve(app, worker, args.host, args.port)
+    return 0
+
+
+def _check_warm_only(args) -> None:
+    if not args.warm_only:
+        return
+    if args.no_warm:
+        raise InputError("--warm-only and --no-warm: --warm-only compiles every program and exits; drop one")
+    if args.compile_cache is not None and str(args.compile_cache) == "off":
+        raise InputError("--warm-only --compile-cache off: --warm-only fills the persistent compilation cache; "
+                         "give it a folder (or leave --compile-cache out for the default)")
+
+
+def stop_while_warming(worker, name: str) -> Callable[[int, object], None]:
+    """A signal handler: during the warm-up, exit 0 at once (once the compilation cache holds no
+    half-written entry); after it, nothing (uvicorn, which re-raises the signal it handled to the
+    handler it replaced, has shut the server down by then)."""
+    def handler(sig, frame):
+        if worker.ready.is_set():
+            return
+        from dsv41_jax.serving import warmup
+
+        st = worker.warm_state
+        print(f"{name}: {signal.Signals(sig).name} during the warm-up ({st['done']}/{st['total']} programs "
+              "compiled): exiting", file=sys.stderr, flush=True)
+        if not warmup.quiesce_cache():
+            print(f"{name}: the compilation cache's lock was not free within 60 s; exiting anyway",
+                  file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(0)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+    return handler
+
+
+def serve(app, worker, host: str, port: int) -> None:
+    """uvicorn in the foreground until interrupted, the engine thread beside it; a signal during the
+    warm-up ends the process at once (`stop_while_warming`)."""
+    import uvicorn
+
+    stop = stop_while_warming(worker, "dsv41 serve")
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            stop(sig, frame)
+            super().handle_exit(sig, frame)
+
+    worker.start()
+    try:
+        Server(uvicorn.Config(app, host=host, port=port, log_level="info")).run()
+    finally:
+        worker.stop()
+
+
+def warm_only(worker, name: str) -> int:
+    """Compile every program (into the persistent compilation cache) and exit: 0, or 1 when the
+    warm-up failed. The main thread waits, so a signal is handled at once."""
+    import jax
+
+    stop_while_warming(worker, name)
+    worker.start()
+    while not worker.ready.wait(0.2):
+        pass
+    st = worker.readiness()
+    worker.stop()
+    if st["error"] is not None:
+        print(f"{name}: the warm-up failed: {st['error']}", file=sys.stderr, flush=True)
+        return 1
+    print(f"{name}: compiled {st['total']} programs in {st['seconds']:.1f} s into the compilation cache "
+          f"{jax.config.jax_compilation_cache_dir}; exiting (--warm-only)", file=sys.stderr, flush=True)
     return 0
 
 
@@ -161,7 +239,6 @@ def _serve_across(args) -> int:
     follow. Every exit is os._exit: jax.distributed.shutdown's barrier would wait for a dead process."""
     import jax
 
-    from dsv41_jax.serving.http.server import serve
     from dsv41_jax.serving.lockstep import Channel, Watchdog, follow
 
     me, n = jax.process_index(), jax.process_count()
@@ -186,11 +263,16 @@ def _serve_across(args) -> int:
     channel = Channel()
     watchdog = Watchdog(on_dead, timeout=args.process_timeout, interval=min(0.5, args.process_timeout / 4)).start()
     try:
+        _check_warm_only(args)
         app, worker, opts = load_server(args, lockstep=(channel, watchdog) if me == 0 else None, follower=me != 0)
     except (ValueError, FileNotFoundError) as e:
         # every process reads the same folder and flags, so each refuses them alike
         print(f"{name}: {e}", file=sys.stderr, flush=True)
         os._exit(2)
+    if args.warm_only:  # every process compiled its own programs (the followers inside load_server)
+        code = warm_only(worker, name) if me == 0 else 0
+        sys.stderr.flush()
+        os._exit(code)
     if me != 0:
         print(f"{name}: following process 0 (this process serves nothing)", file=sys.stderr, flush=True)
         try:
@@ -257,6 +339,9 @@ def register(subparsers) -> None:
     s.add_argument("--no-warm", action="store_true",
                    help="skip the warm-up: report ready at once and compile each program on first use "
                         "(the first requests then wait for compiles)")
+    s.add_argument("--warm-only", action="store_true",
+                   help="compile every program into the persistent compilation cache and exit 0 (1 when the "
+                        "warm-up fails), serving nothing: fill the cache before traffic (README 'Compilation cache')")
     s.add_argument("--compile-cache", metavar="DIR|off", default=None,
                    help="persistent compilation cache folder, so a restart loads programs instead of compiling "
                         "(default: $DSV41_COMPILE_CACHE, $JAX_COMPILATION_CACHE_DIR or ~/.cache/dsv41-jax/xla; 'off' disables it)")

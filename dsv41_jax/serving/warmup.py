@@ -27,8 +27,10 @@ image request compiles them.
 """
 from __future__ import annotations
 
+import collections
 import os
 import pathlib
+import threading
 import time
 from collections.abc import Callable
 
@@ -144,12 +146,20 @@ def default_cache_dir() -> pathlib.Path:
     return pathlib.Path(base) / "dsv41-jax" / "xla"
 
 
+# Not a budget: any bound turns on JAX's file lock around every entry it writes (its LRU
+# eviction's), which `quiesce_cache` takes before a stopping process exits mid-compile.
+CACHE_BOUND_BYTES = 1 << 40
+_LOCK_NAME = ".lockfile"  # the lock file JAX's LRU cache keeps in the cache folder
+
+
 def compile_cache(folder) -> pathlib.Path | None:
     """Turn on JAX's persistent compilation cache in `folder` ("off" or None: leave it off).
     Every program is kept, however fast it compiled (JAX skips those under 1 s by default, and a
     server's small programs add up). Entries are keyed by the lowered program, the jax/jaxlib
     versions, the device kind and the compile options (jax/_src/cache_key.py), so a stale entry is
-    never used for a changed model or another machine's device."""
+    never used for a changed model or another machine's device. JAX writes an entry in place (not
+    through a rename), so every write happens under its file lock (`CACHE_BOUND_BYTES`): a process
+    that stops while compiling waits for that lock (`quiesce_cache`) and leaves no half entry."""
     if folder is None or str(folder) == "off":
         return None
     path = pathlib.Path(folder).expanduser()
@@ -157,4 +167,56 @@ def compile_cache(folder) -> pathlib.Path | None:
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    jax.config.update("jax_compilation_cache_max_size", CACHE_BOUND_BYTES)
     return path
+
+
+def quiesce_cache(timeout: float = 60.0) -> bool:
+    """Wait until no compilation-cache entry is being written, and keep it so (the lock is held
+    until the process exits): call it just before `os._exit` in a process that stops while another
+    thread compiles. True when the lock was taken (or no cache is on), False after `timeout` s."""
+    folder = jax.config.jax_compilation_cache_dir
+    if not folder:
+        return True
+    import filelock
+
+    lock = filelock.FileLock(str(pathlib.Path(folder) / _LOCK_NAME))
+    try:
+        lock.acquire(timeout=timeout)
+    except filelock.Timeout:
+        return False
+    _held_locks.append(lock)  # never released: the exit releases it
+    return True
+
+
+_held_locks: list = []
+
+
+# ------------------------------------------------------------------ compile counting
+# Programs compiled (XLA) or loaded from the persistent cache, per thread: a server's engine thread
+# counts its own after the warm-up (`EngineWorker`, the /metrics counter), so that compiles of
+# other threads in the same process (tests, a second server) are not counted against it.
+_COMPILE_EVENTS = ("/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_hits")
+_compiles: collections.Counter = collections.Counter()
+_listening = threading.Lock()
+_listeners_on = False
+
+
+def _count(event, *_, **__):
+    if event in _COMPILE_EVENTS:
+        _compiles[threading.get_ident()] += 1
+
+
+def count_compiles() -> None:
+    """Start counting compiles per thread (once per process; JAX's listeners cannot be removed)."""
+    global _listeners_on
+    with _listening:
+        if not _listeners_on:
+            jax.monitoring.register_event_duration_secs_listener(_count)
+            jax.monitoring.register_event_listener(_count)
+            _listeners_on = True
+
+
+def compiles(thread: int | None = None) -> int:
+    """Programs compiled or loaded by `thread` (an ident; default this thread) since `count_compiles`."""
+    return _compiles[threading.get_ident() if thread is None else thread]

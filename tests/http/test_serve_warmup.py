@@ -157,3 +157,101 @@ def test_warm_engine_with_split_prefill_never_compiles_again(tiny_every_role):
                 for n in range(1, cfg.max_seq_len - 1)]
         engine.run(reqs)
     assert seen == [], f"{len(seen)} programs compiled after warm()"
+
+
+# ------------------------------------------------------------------------------ a real `dsv41 serve` process
+def _checkpoint(root):
+    """A one-layer synthetic HF checkpoint with the byte tokenizer (tiny_app's model)."""
+    from dsv41_jax.checkpoint.hf_writer import save_hf_checkpoint
+    from dsv41_jax.train.data import ByteTokenizer as Bytes
+
+    cfg = ModelConfig.tiny(vocab_size=Bytes().vocab_size, n_layers=1, compress_ratios=(0,), kv_source_layers=(),
+                           index_source_layers=(), candidate_source_layer=-1, engram_layer_ids=(), n_routed_experts=4,
+                           max_seq_len=64, max_batch_size=2)
+    tok = Bytes().save_json(root / "tokenizer.json")
+    save_hf_checkpoint(synthetic_model(cfg, seed=1), root / "ckpt", tokenizer=tok)
+    return root / "ckpt"
+
+
+def _serve_cmd(ckpt, cache, *extra):
+    import sys
+
+    return [sys.executable, "-m", "dsv41_jax.cli", "serve", "--checkpoint", str(ckpt), "--compile-cache", str(cache),
+            "--max-model-len", "64", "--max-batch", "2", "--prefill-chunk", "16", "--exact-prefill", *extra]
+
+
+def _entries_complete(cache) -> list:
+    """The cache's entries, each checked to decompress whole (a half-written one does not)."""
+    from jax._src.compilation_cache import decompress_executable
+
+    entries = [p for p in cache.iterdir() if p.name.endswith("-cache")]
+    for p in entries:
+        decompress_executable(p.read_bytes())
+    return entries
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_during_the_warm_up_stops_the_server_with_exit_code_0(tmp_path, sig):
+    """The warm-up compiles in the engine thread and a compile cannot be interrupted; a signal then
+    ends the process at once (exit 0) instead of waiting for it, and no cache entry is left half-written."""
+    import os
+    import signal
+    import subprocess
+
+    from serve_process import reserve_port
+
+    ckpt = _checkpoint(tmp_path)
+    port, lock = reserve_port()
+    log = tmp_path / "serve.log"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(__import__("sys").path)}
+    with open(log, "w") as err:
+        proc = subprocess.Popen(_serve_cmd(ckpt, tmp_path / "xla", "--port", str(port)), stderr=err, env=env)
+    try:
+        while "warming up: compiling" not in log.read_text():
+            assert proc.poll() is None, log.read_text()[-3000:]
+            __import__("time").sleep(0.1)
+        proc.send_signal(getattr(signal, sig))
+        rc = proc.wait(timeout=120)  # a hang guard, not a timing assertion
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        lock.close()
+    text = log.read_text()
+    assert rc == 0, text[-3000:]
+    assert f"{sig} during the warm-up" in text and "dsv41 serve: ready" not in text, text[-3000:]
+    _entries_complete(tmp_path / "xla")
+
+
+@pytest.mark.slow
+def test_warm_only_fills_the_cache_and_a_restart_compiles_nothing(tmp_path):
+    """`dsv41 serve --warm-only` compiles every program and exits 0; a server started on that cache
+    then loads every program from it and compiles nothing after /ready (its /metrics counter)."""
+    import os
+    import subprocess
+
+    from serve_process import launch, stop, wait_ready
+
+    ckpt, cache = _checkpoint(tmp_path), tmp_path / "xla"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(__import__("sys").path)}
+    done = subprocess.run(_serve_cmd(ckpt, cache, "--warm-only"), env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0 and "exiting (--warm-only)" in done.stderr, done.stderr[-3000:]
+    assert len(_entries_complete(cache)) >= 6
+    logs = {"warm": str(tmp_path / "serve.log")}
+    procs, urls = {}, {}
+
+    def start(port):
+        with open(logs["warm"], "w") as err:
+            return subprocess.Popen(_serve_cmd(ckpt, cache, "--port", str(port)), stderr=err, env=env)
+
+    try:
+        launch({"warm": start}, procs, urls)
+        wait_ready(procs, urls, logs, starts={"warm": start})
+        for prompt in ("a", "hello there", "x" * 40):
+            r = httpx.post(urls["warm"] + "/v1/completions", json={"model": "ckpt", "prompt": prompt, "max_tokens": 2},
+                           timeout=600)
+            assert r.status_code == 200, r.text
+        metrics = httpx.get(urls["warm"] + "/metrics").text
+        assert "dsv41_compiles_after_ready_total 0.0" in metrics, metrics
+    finally:
+        stop(procs)

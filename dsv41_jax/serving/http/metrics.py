@@ -51,5 +51,11 @@ class Metrics:
                  "tokens per speculating slot-step: (accepted + slot-steps) / slot-steps")):
             Gauge(name, doc, registry=r).set_function(lambda key=key: summary(engine.spec_stats)[key])
 
+    def watch_compiles(self, worker) -> None:
+        """A gauge read from the engine thread at each scrape: programs it compiled (or loaded from
+        the persistent cache) after /ready said ready; 0 when the warm-up covered every request."""
+        Gauge("dsv41_compiles_after_ready_total", "programs compiled or loaded after the warm-up (0 when it "
+              "covered every request)", registry=self.registry).set_function(worker.compiles_after_ready)
+
     def text(self) -> bytes:
         return generate_latest(self.registry)

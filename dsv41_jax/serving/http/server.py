@@ -98,6 +98,7 @@ def build(model, tokenizer, opts: ServeOptions):
         def warm(engine, progress):  # across processes every process warms its own engine, unpublished
             return warmup.warm(getattr(engine, "local", engine), replay=replay, progress=progress)
     worker = EngineWorker(engine, metrics, max_queue=opts.max_queue, warm=warm)
+    metrics.watch_compiles(worker)
     has_vision = bool(getattr(cfg, "vision_enabled", False))
     images = None
     if has_vision:

@@ -11,7 +11,8 @@ serving.
 
 With `warm` (serving/warmup.py) the thread first compiles every program the engine will run;
 requests submitted meanwhile wait in the inbox, and `readiness()` (the server's /ready) reports
-the progress until it is done.
+the progress until it is done. `compiles_after_ready()` counts the programs the thread compiled
+(or loaded from the persistent cache) after that: a complete warm-up leaves it at 0.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import threading
 import time
 import traceback
 
+from dsv41_jax.serving import warmup
 from dsv41_jax.serving.engine import Engine, Request
 from dsv41_jax.serving.http.metrics import Metrics
 
@@ -56,6 +58,7 @@ class EngineWorker:
         self.engine, self.metrics, self.max_queue = engine, metrics, max_queue
         self.warm = warm  # callable(engine, progress) -> dict, run in the engine thread before serving
         self.ready = threading.Event()
+        self._compiles_at_ready: int | None = None  # the engine thread's compile count when ready
         self.warm_state = {"done": 0, "total": 0, "current": None, "error": None, "seconds": None}
         self.inbox: queue.Queue = queue.Queue()
         self.jobs: dict[str, Job] = {}
@@ -216,9 +219,17 @@ class EngineWorker:
 
     warm_progress = None  # optional callable(done, total, name, seconds): `dsv41 serve` prints it
 
+    def compiles_after_ready(self) -> int:
+        """Programs the engine thread compiled or loaded since it became ready (0 before)."""
+        if self._compiles_at_ready is None:
+            return 0
+        return warmup.compiles(self.thread.ident) - self._compiles_at_ready
+
     def _run(self):
+        warmup.count_compiles()
         if self.warm is not None:
             self._warm()
+        self._compiles_at_ready = warmup.compiles()
         self.ready.set()
         while not self._stop.is_set():
             idle = self.engine.idle()
