@@ -198,7 +198,7 @@ def test_a_signal_during_the_warm_up_stops_the_server_with_exit_code_0(tmp_path,
     import signal
     import subprocess
 
-    from serve_process import reserve_port
+    from tests.support.serve_process import reserve_port
 
     ckpt = _checkpoint(tmp_path)
     port, lock = reserve_port()
@@ -229,7 +229,7 @@ def test_warm_only_fills_the_cache_and_a_restart_compiles_nothing(tmp_path):
     import os
     import subprocess
 
-    from serve_process import launch, stop, wait_ready
+    from tests.support.serve_process import launch, stop, wait_ready
 
     ckpt, cache = _checkpoint(tmp_path), tmp_path / "xla"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(__import__("sys").path)}
