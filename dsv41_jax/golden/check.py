@@ -29,6 +29,7 @@ from flax import nnx
 
 from dsv41_jax.golden import data as golden_data
 from dsv41_jax.golden.entry import REPLAY_ULPS, Entry
+from dsv41_jax.golden.mechanisms import exercised
 from dsv41_jax.model.transformer import init_cache, make_step
 from dsv41_jax.runtime import Runtime
 
@@ -222,6 +223,15 @@ def _judge_forced(name, ours, ref, sets_equal, tol, forced=True) -> Entry:
 
 
 def check_case(runner: CaseRunner, case: dict) -> list[Entry]:
+    """The case's entries, each carrying the mechanisms the case exercised."""
+    entries = _case_entries(runner, case)
+    mechanisms = exercised(runner.cfg, case)
+    for e in entries:
+        e.mechanisms = mechanisms
+    return entries
+
+
+def _case_entries(runner: CaseRunner, case: dict) -> list[Entry]:
     gc = runner.gc
     t = gc.case_tensors(case)
     tokens = np.asarray(t.get("tokens", np.asarray(case["tokens"]))).astype(np.int64)
@@ -336,7 +346,7 @@ def check_replays(runner: CaseRunner, case: dict) -> list[Entry]:
         own = res["per_layer"].get(l, True)
         ok = worst <= REPLAY_ULPS and own
         entries.append(Entry(f"{gc.name}/replay_layer{l}", ok, max_abs, None, None, True, own,
-                             "; ".join(detail)))
+                             "; ".join(detail), exercised(cfg, case)))
     return entries
 
 
@@ -368,7 +378,11 @@ def run_all(root, *, impl="xla", interpret=False, only=None, log=sys.stderr, dec
 def format_table(entries: list[Entry]) -> str:
     rows = [f"{'entry':52s} {'ok':4s} {'max|d|':>9s} {'mean|d|':>9s} {'argmax':>7s} {'topk=':>6s}  detail"]
     f = lambda v, fmt: "-" if v is None else format(v, fmt)
+    shown = None
     for e in entries:
+        if e.mechanisms and e.mechanisms != shown:  # once per case: what its entries below proved
+            rows.append(f"  exercised: {'; '.join(e.mechanisms)}")
+            shown = e.mechanisms
         rows.append(f"{e.name:52s} {'PASS' if e.passed else 'FAIL':4s} {f(e.max_abs_err, '9.3g')} {f(e.mean_abs_err, '9.3g')} "
                     f"{f(e.argmax_agreement, '7.3f')} {f(e.topk_sets_equal, '>6')}  {e.detail}")
     n_fail = sum(not e.passed for e in entries)

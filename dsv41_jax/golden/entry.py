@@ -16,6 +16,7 @@ class Entry:
     forced_decisions: bool = False
     topk_sets_equal: bool | None = None
     detail: str = ""
+    mechanisms: tuple[str, ...] = ()  # what the case exercised (golden/mechanisms.py)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
