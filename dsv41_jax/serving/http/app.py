@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse
 
 from dsv41_jax.serving.http import protocol as P
 from dsv41_jax.serving.http.routes import chat, completions, status, tokens
+from dsv41_jax.serving.http.runs import ClientGone
 from dsv41_jax.serving.http.state import ServerConfig, ServingState, serving_state
 from dsv41_jax.serving.http.worker import EngineWorker
 
@@ -39,12 +40,27 @@ def _malloc_trim() -> None:
         pass
 
 
-async def _trim_after_large_bodies(request: HTTPRequest, call_next):
-    response = await call_next(request)
-    size = request.headers.get("content-length", "")
-    if size.isdigit() and int(size) >= LARGE_BODY:
-        await asyncio.to_thread(_malloc_trim)
-    return response
+class TrimAfterLargeBodies:
+    """ASGI middleware: after a request whose body was declared LARGE_BODY bytes or more, trim the
+    heap. Plain ASGI (not starlette's BaseHTTPMiddleware) so that the handlers see the client's
+    `http.disconnect` as it happens."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            size = dict(scope.get("headers") or ()).get(b"content-length", b"") if scope["type"] == "http" else b""
+            if size.isdigit() and int(size) >= LARGE_BODY:
+                await asyncio.to_thread(_malloc_trim)
+
+
+async def _client_gone(request: HTTPRequest, e: ClientGone):
+    """Nobody reads this answer; it is counted as nginx's 499 (client closed request)."""
+    serving_state(request).metrics.requests.labels(request.url.path, "499").inc()
+    return JSONResponse(P.APIError(499, "the client closed the connection", kind="client_closed_request").body(), status_code=499)
 
 
 async def _api_error(request: HTTPRequest, e: P.APIError):
@@ -62,8 +78,9 @@ async def _internal(request: HTTPRequest, e: Exception):
 def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
     app = FastAPI(title="dsv41 serve", docs_url=None, redoc_url=None)
     app.state.serving = ServingState.create(worker, tokenizer, cfg)
-    app.middleware("http")(_trim_after_large_bodies)
+    app.add_middleware(TrimAfterLargeBodies)
     app.add_exception_handler(P.APIError, _api_error)
+    app.add_exception_handler(ClientGone, _client_gone)
     app.add_exception_handler(Exception, _internal)
     for routes in (status, chat, tokens, completions):  # this order is /openapi.json's
         app.include_router(routes.router)

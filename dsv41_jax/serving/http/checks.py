@@ -54,18 +54,37 @@ def _parse(raw: bytes):
     raise _too_deep()
 
 
+DISCARD_BYTES = 256 << 20  # of a body over the limit, read and dropped before the 413
+
+
+async def _discard(stream, size: int, limit: int) -> P.APIError:
+    """The 413 of a body over `limit`, answered after the rest of the body is read and dropped (up to
+    DISCARD_BYTES past the limit; nothing is kept). A client that sends its whole body before it
+    reads the answer (Python's urllib, curl without Expect) gets the 413 and its JSON; answering
+    while it still sends would reset its connection. A body longer still is answered at once."""
+    async for chunk in stream:
+        size += len(chunk)
+        if size > limit + DISCARD_BYTES:
+            break
+    return _too_large(f"more than {limit}" if size > limit + DISCARD_BYTES else size, limit)
+
+
 async def read_body(request: HTTPRequest, limit: int) -> dict:
-    """The JSON object of the request, refused with 413 before it is read whole when it is over `limit`
-    bytes (by its Content-Length, or while it streams in); parsed off the event loop, so a large body
+    """The JSON object of the request; over `limit` bytes (by its Content-Length, or while it streams
+    in) a 413, with nothing of the body kept (`_discard`); parsed off the event loop, so a large body
     never stalls the other clients."""
     declared = request.headers.get("content-length")
+    stream = request.stream()
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _too_large(int(declared), limit)
+        if int(declared) > limit + DISCARD_BYTES:
+            raise _too_large(int(declared), limit)
+        raise await _discard(stream, 0, limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
+    async for chunk in stream:
         size += len(chunk)
         if size > limit:
-            raise _too_large(f"more than {limit}", limit)
+            chunks.clear()
+            raise await _discard(stream, size, limit)
         chunks.append(chunk)
     raw = b"".join(chunks)
     try:

@@ -33,6 +33,10 @@ class Metrics:
         self.cache_files = Gauge("dsv41_prefix_cache_files", "conversation cache files on disk", registry=r)
         self.cache_orphans = Counter("dsv41_prefix_cache_orphans_removed",
                                      "unfinished cache files of a stopped server, removed at start", registry=r)
+        self.cancelled = Counter("dsv41_cancelled_requests",
+                                 "requests dropped before they finished, freeing their slot: reason "
+                                 "client_disconnected (the client went away), stop_string, error (another choice of "
+                                 "the request failed)", ["reason"], registry=r)
         self.engine_errors = Counter("dsv41_engine_errors", "engine steps that failed (their requests got 500)",
                                      registry=r)
 

@@ -125,14 +125,39 @@ def submit_runs(state: ServingState, runs: list[Run]) -> list[Run]:
     return runs
 
 
-async def _next_event(state: ServingState, run: Run, request: HTTPRequest, check_disconnect: bool) -> tuple:
-    while True:
-        try:
-            return await asyncio.wait_for(run.job.events.get(), timeout=1.0)
-        except asyncio.TimeoutError:
-            if check_disconnect and await request.is_disconnected():
-                state.worker.cancel(run.request_id)
-                raise asyncio.CancelledError from None
+class ClientGone(Exception):
+    """The client closed its connection before the answer was complete."""
+
+
+async def _disconnected(request: HTTPRequest) -> None:
+    """Returns when the client has gone: after the body is read, the server's next ASGI message for
+    this request is `http.disconnect` (sent at once when the connection closes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def while_connected(state: ServingState, request: HTTPRequest, runs: list[Run], work):
+    """The result of the coroutine `work`, unless the client disconnects first: then every run is
+    cancelled at once (its slot is free at the engine's next step, counted as client_disconnected)
+    and `ClientGone` is raised. Waiting on the disconnect, rather than polling between events, is
+    what notices it while tokens are flowing."""
+    task, gone = asyncio.ensure_future(work), asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not task.done():
+        cancel_runs(state, runs, "client_disconnected")
+        task.cancel()
+        raise ClientGone()
+    return task.result()
+
+
+def cancel_runs(state: ServingState, runs: list[Run], reason: str) -> None:
+    """Drop the runs the engine still holds (a run already finished is not counted again)."""
+    for run in runs:
+        if run.finish is None:
+            state.worker.cancel(run.request_id, reason)
 
 
 def _on_token(state: ServingState, run: Run, sp: P.Sampling, tok: int, lp) -> None:
@@ -141,15 +166,16 @@ def _on_token(state: ServingState, run: Run, sp: P.Sampling, tok: int, lp) -> No
         run.logprobs.append(logprob_entry(state.tokenizer, tok, lp, sp.top_logprobs))
 
 
-async def text_pieces(state: ServingState, run: Run, sp: P.Sampling, request: HTTPRequest, streaming: bool):
-    """Text pieces of the reply as they become certain, then sets run.finish."""
+async def text_pieces(state: ServingState, run: Run, sp: P.Sampling):
+    """Text pieces of the reply as they become certain, then sets run.finish. Closed early (the
+    stream's client went away: starlette cancels the response) or failed, it cancels the run."""
     stream = TextStream(state.tokenizer, skip_ids=state.skip_ids)
     stops = Stops(sp.stop)
     try:
         while True:
             ev, run.first = run.first, None
             if ev is None:
-                ev = await _next_event(state, run, request, check_disconnect=not streaming)
+                ev = await run.job.events.get()
             if ev[0] == "token":
                 _, tok, lp = ev
                 _on_token(state, run, sp, tok, lp)
@@ -157,7 +183,7 @@ async def text_pieces(state: ServingState, run: Run, sp: P.Sampling, request: HT
                 if text:
                     yield text
                 if hit:
-                    state.worker.cancel(run.request_id)
+                    state.worker.cancel(run.request_id, "stop_string")
                     run.finish = "stop"
                     return
             elif ev[0] == "done":
@@ -170,20 +196,20 @@ async def text_pieces(state: ServingState, run: Run, sp: P.Sampling, request: HT
                 return
             else:
                 raise P.APIError(ev[1], ev[2])
-    finally:
-        if run.finish is None:  # the client went away or the handler failed: free the slot
-            state.worker.cancel(run.request_id)
+    except (asyncio.CancelledError, GeneratorExit):
+        cancel_runs(state, [run], "client_disconnected")
+        raise
+    except BaseException:
+        cancel_runs(state, [run], "error")
+        raise
 
 
-async def first_events(state: ServingState, runs: list[Run], request: HTTPRequest) -> None:
+async def first_events(state: ServingState, runs: list[Run]) -> None:
     """Wait for every run's first event so a request refused by the engine gets its status code
     rather than a 200 stream that carries an error; a refused choice refuses the request."""
-    try:
-        for run in runs:
-            run.first = await _next_event(state, run, request, check_disconnect=True)
-            if run.first[0] == "error":
-                raise P.APIError(run.first[1], run.first[2])
-    except BaseException:
-        for run in runs:  # free the other choices' slots
-            state.worker.cancel(run.request_id)
-        raise
+    for run in runs:
+        run.first = await run.job.events.get()
+        if run.first[0] == "error":
+            run.finish = "error"  # the engine holds it no more
+            cancel_runs(state, runs, "error")  # free the other choices' slots
+            raise P.APIError(run.first[1], run.first[2])

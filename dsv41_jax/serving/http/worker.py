@@ -95,8 +95,10 @@ class EngineWorker:
             self.inbox.put(("submit", job))
         return [job.request.request_id for job in jobs]
 
-    def cancel(self, request_id: str):
-        self.inbox.put(("cancel", request_id))
+    def cancel(self, request_id: str, reason: str):
+        """Drop a request at the next step (its slot is freed); `reason` labels
+        `dsv41_cancelled_requests_total` when the request was still running or waiting."""
+        self.inbox.put(("cancel", request_id, reason))
 
     def fail_open(self, status: int, message: str) -> int:
         """Answer every open request (in a slot, queued, or not yet taken from the inbox) with an
@@ -182,6 +184,7 @@ class EngineWorker:
             job = self.jobs.pop(item[1], None)
             if job is not None:
                 self.engine.cancel(item[1])
+                self.metrics.cancelled.labels(item[2]).inc()
                 if job.on_cancel is not None:
                     job.on_cancel(job)
         return True
