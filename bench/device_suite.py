@@ -204,7 +204,8 @@ def section_layer(tiny: bool, steps: int) -> dict:
         model = nnx.merge(gd, params)
         plan = dataclasses.replace(decode_plan(rt), writes="window")
         span = body.Span.at(cache["length"], 1)
-        return body.run_layers(model, h, pre, body.QuantStore(cfg, cache), span, plan, range(layer, layer + 1))[0]
+        return body.run_layers(model, body.LayerState.first(h, pre, body.QuantStore(cfg, cache)), span, plan,
+                               range(layer, layer + 1))[0].h
 
     t = _time(lambda: one(params, h, pre, cache), steps=steps)
     weights = sum(int(a.nbytes) for a in jax.tree.leaves(nnx.state(nnx.merge(gd, params).layers[layer])))

@@ -56,6 +56,13 @@ class Runtime:
         if self.fp8_kernel not in (None, True, False):
             raise ValueError(f"Runtime.fp8_kernel must be None, True or False, got {self.fp8_kernel!r}")
 
+    def resolved(self) -> "Runtime":
+        """This runtime with what depends on the backend decided: impl "xla" or "pallas", interpret and
+        fp8_kernel True or False (what `model.plan.Plan` holds)."""
+        return Runtime(mode=self.mode, impl=self.resolved_impl(), index_k_quirk=self.index_k_quirk,
+                       interpret=self.resolved_interpret(), check_finite=self.check_finite,
+                       fp8_kernel=self.resolved_fp8_kernel())
+
     def resolved_fp8_kernel(self) -> bool:
         """Whether the dense FP8 linears run the FP8 block GEMM kernel (see `fp8_kernel`)."""
         if self.resolved_impl() != "pallas" or self.mode != "fast":

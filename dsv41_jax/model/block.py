@@ -3,100 +3,45 @@ once at load, in `dsv41_jax.model.kernel_weights`).
 
 What differs between the drivers (model.forward, the engine's steps, split prefill, replay) is
 data, never a copy of the body:
-- `Plan`: static and hashable (part of every jit key): numerics, the resolved kernel choice
-  (the one place `Runtime`'s "auto" and `interpret` are decided), index-key mode, which writes
-  the global caches get, and the scoring variants serving uses.
-- `Span`: traced: RoPE positions, the chunk start, Engram ids, a window floor, image-span mask.
-- `Carry`: traced, what later layers take from earlier ones (index sources' top-k, the pool).
-- `QuantStore`: the serving cache behind the few questions the body asks (window rows, global
-  writes, index keys, top-k width, compressed rows). The body never touches the cache dict.
-- probes (`dsv41_jax.model.probe`): static observers; `NO_PROBE` traces to nothing.
+- `Plan` (`model/plan.py`): static and hashable (part of every jit key): the resolved `Runtime`
+  (numerics, kernel choice, index-key mode), which writes the global caches get, and the scoring
+  variants serving uses.
+- `Span` (`model/plan.py`): traced: RoPE positions, the chunk start, Engram ids, a window floor,
+  image-span mask.
+- `LayerState`: what one layer hands the next: the stream, its pre-mix, the store and the `Carry`
+  (what later layers take from earlier ones: index sources' top-k, the pool).
+- a `Store` (`model/store.py`): the cache behind the questions the body asks (window rows, global
+  writes, index keys, top-k width, compressed rows); serving's `QuantStore` and training's
+  `FakeQuantStore` answer them. The body asks nothing else of a store.
+- probes (`dsv41_jax.model.probe`): static observers with their traced `probe_inputs`; the body
+  shows them its intermediates (`probe.see(l, AttnSeen(...))`) and they name what they record
+  (golden-check's names live in the probe); `NO_PROBE` traces to nothing.
 
 block_step's only `if`s on structure test the layer's role (the architecture) or the plan.
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsv41_jax.layers import compressor
+from dsv41_jax.layers import fast_index  # the packed scoring variant (Plan.packed_scoring)
 from dsv41_jax.layers.basic import matmul
-from dsv41_jax.layers.indexer import candidate_pool, index_key_container, select_topk
+from dsv41_jax.layers.indexer import candidate_pool, select_topk
 from dsv41_jax.layers.mhc_site import collapse, expand
 from dsv41_jax.layers.rope import apply_rope, cos_sin, layer_rope
-from dsv41_jax.model.cache import index_keys_for, scatter_container, window_indices, write_ring
-from dsv41_jax.model.probe import NO_PROBE, Probe, merge_records
+from dsv41_jax.model.plan import Plan, Span
+from dsv41_jax.model.probe import (NO_PROBE, AttnSeen, EngramSeen, FfnSeen, FinalSeen, PoolSeen, Probe, ScoresSeen,
+                                   SourceSeen, merge_records)
+from dsv41_jax.model.store import QuantStore, Store
 from dsv41_jax.numerics import gemm, kv_layout, quant
-from dsv41_jax.runtime import Runtime
-from dsv41_jax.layers import fast_index  # the packed scoring variant (Plan.packed_scoring)
 from dsv41_jax.numerics.sparse_attention import sparse_attention
 
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """How a driver runs the body (static).
-
-    writes: "all" (KV sources write compressed entries, index keys, compressor state), "window"
-      (only the window rings: Graph B of the split prefill and the replay read the globals) or
-      "pending" (a speculative verify: the chunk reads its own writes as with "all", and the store
-      also returns them, `QuantStore.pending`, so that `commit` applies only an accepted prefix).
-    pool_scoring: in-pool Reindex layers score only the pool's index keys, and the compressed rows
-      the attention reads are gathered when that is smaller (decode; intended index keys only).
-    packed_scoring: with pool_scoring in fast mode, score the packed keys with
-      `fast_index.scores_packed` (a second, deliberately different fast numerics).
-    fp8_kernel: the dense FP8 linears run the FP8 block GEMM kernel (`Runtime.fp8_kernel`).
-    """
-
-    numerics: Literal["fast", "exact"] = "fast"
-    impl: Literal["xla", "pallas"] = "xla"
-    interpret: bool = False
-    index_keys: Literal["intended", "quirk"] = "intended"
-    check_finite: bool = False
-    writes: Literal["all", "window", "pending"] = "all"
-    pool_scoring: bool = False
-    packed_scoring: bool = False
-    fp8_kernel: bool = False
-
-    def __post_init__(self):
-        if self.writes not in ("all", "window", "pending"):
-            raise ValueError(f"Plan.writes must be 'all', 'window' or 'pending', got {self.writes!r}")
-
-    @classmethod
-    def resolve(cls, runtime: Runtime, **kw) -> "Plan":
-        """The plan for `runtime`, with impl and interpret decided here (on this backend) once."""
-        return cls(numerics=runtime.mode, impl=runtime.resolved_impl(), interpret=runtime.resolved_interpret(),
-                   index_keys="quirk" if runtime.index_k_quirk else "intended", check_finite=runtime.check_finite,
-                   fp8_kernel=runtime.resolved_fp8_kernel(), **kw)
-
-    @property
-    def runtime(self) -> Runtime:
-        """The equivalent resolved Runtime (what the layers' kernel entry points take)."""
-        return Runtime(mode=self.numerics, impl=self.impl, index_k_quirk=self.index_keys == "quirk",
-                       interpret=self.interpret, check_finite=self.check_finite, fp8_kernel=self.fp8_kernel)
-
-    @property
-    def kernel_mode(self) -> str | None:
-        """The numerics the attention/indexer kernels run, or None when they run their XLA math."""
-        return self.runtime.kernel_mode()
-
-
-class Span(NamedTuple):
-    """The chunk a driver runs (traced)."""
-
-    positions: jax.Array  # [B, T] RoPE positions
-    start: jax.Array  # [B] absolute position of the chunk's first token (ring slots, group ids)
-    engram_ids: jax.Array | None = None  # [B, T, n_engram_layers, cols]
-    floor: jax.Array | None = None  # [B]: window slots at positions below it are empty
-    vl: jax.Array | None = None  # [B, T] bool: image-span positions
-
-    @classmethod
-    def at(cls, start: jax.Array, T: int, **kw) -> "Span":
-        return cls(positions=start[:, None] + jnp.arange(T)[None], start=start, **kw)
+# The drivers build the body's inputs as body.Plan, body.Span and body.QuantStore.
+__all__ = ["Carry", "LayerState", "Plan", "QuantStore", "Span", "Store", "block_step", "run_layers"]
 
 
 class Carry(NamedTuple):
@@ -107,145 +52,18 @@ class Carry(NamedTuple):
     pool_blocks: tuple | None = None  # (block ids, valid) of the pool, ascending (pool_scoring)
 
 
-class QuantStore:
-    """The serving cache (docs/REFERENCE.md §5) as the body sees it: packed FP8/FP4 rows.
+class LayerState(NamedTuple):
+    """What one layer hands the next."""
 
-    pending: None, or (a "pending" plan's store, `QuantStore.pending_for`) the chunk's writes as
-    they are made: {"start": [B], "window": {layer: new rows [B,T]}, "sources": {layer: {"gids",
-    "entries", "index_keys", "rows", "state"}}}, which `commit` applies to the cache the chunk
-    started from, for an accepted prefix of each row.
-    """
-
-    def __init__(self, cfg, cache: dict, pending: dict | None = None):
-        self.cfg = cfg
-        self.cache = {"length": cache["length"], "window": list(cache["window"]),
-                      "compressed": dict(cache["compressed"]), "index_keys": dict(cache["index_keys"]),
-                      "compressor": dict(cache["compressor"]), "published": cache["published"]}
-        self.pending = None if pending is None else {"start": pending["start"], "window": dict(pending["window"]),
-                                                     "sources": dict(pending["sources"])}
+    h: jax.Array  # [B, T, hc, d] the residual stream, hc copies
+    pre: jax.Array  # [B, T, hc] the last FFN site's pre-mix: the next attention site collapses h with it
+    store: Store  # the cache, as the body sees it (a Python object: a store is never a jit output)
+    carry: Carry
 
     @classmethod
-    def pending_for(cls, cfg, cache: dict, start: jax.Array) -> "QuantStore":
-        """A store that records the writes of a chunk starting at `start` (Plan.writes == "pending")."""
-        return cls(cfg, cache, {"start": start, "window": {}, "sources": {}})
-
-    def copy(self) -> "QuantStore":
-        return QuantStore(self.cfg, self.cache, self.pending)
-
-    def window(self, l: int, raw: jax.Array, span: Span):
-        """This chunk's window rows [B, T, D] in (stored FP8): (rows [B, W+T, D] dequantized, idx [B, T, W],
-        the packed rows for the kernel). The ring keeps the chunk's last W rows."""
-        W = self.cfg.window_size
-        ring = self.cache["window"][l]
-        new = kv_layout.quantize_window(raw)
-        rows = jnp.concatenate([kv_layout.dequantize_window(ring), kv_layout.dequantize_window(new)], 1)
-        idx = window_indices(span.start, span.positions.shape[1], W)
-        if span.floor is not None:
-            p = span.positions[..., None] - (W - 1) + jnp.arange(W)
-            idx = jnp.where(p >= span.floor[:, None, None], idx, -1)
-        self.cache["window"][l] = write_ring(ring, new, span.start, W)
-        if self.pending is not None:
-            self.pending["window"][l] = new
-        return rows, idx, kv_layout.concat_rows(ring, new)
-
-    def visible(self, span: Span, m: int) -> jax.Array:
-        """[B, T] compressed groups complete by each query (docs/REFERENCE.md §3)."""
-        return (span.positions + 1) // m
-
-    def groups(self, src: int, m: int, lat, gids, span: Span):
-        """(latents, their RoPE positions, write group ids): a group sits at its first token's position."""
-        return lat, jnp.maximum(gids, 0) * m, gids
-
-    def key_source(self, lat):
-        """The latent the index keys are computed from."""
-        return lat
-
-    def index_inputs(self, x, qr):
-        """The indexer's query-side inputs (x, qr)."""
-        return x, qr
-
-    def index_key_container(self, role, plan: "Plan") -> kv_layout.IndexKeys:
-        """The quantized index keys the indexer kernel reads for an index source."""
-        return index_key_container(self.cfg, self.cache, role, plan.index_keys == "quirk")
-
-    def index_keys(self, role, plan: "Plan") -> jax.Array:
-        """The bf16 index keys [B, G, Di] an index source scores (intended or the reference's quirk)."""
-        return index_keys_for(self.cfg, self.cache, role, plan.runtime).astype(jnp.bfloat16)
-
-    def mask_scores(self, src: int, scores):
-        return scores
-
-    def pool_visible(self, src: int, visible):
-        """The visible length the candidate pool pins its newest block by."""
-        return visible
-
-    def restrict(self, src: int, sel):
-        """A top-k selection with the groups this store hides removed (none: visibility is a length)."""
-        return sel
-
-    def compressed(self, src: int):
-        """The source's compressed container (what the attention kernel reads)."""
-        return self.cache["compressed"][f"layer{src}"]
-
-    def compressed_rows(self, src: int) -> jax.Array:
-        """The source's compressed rows [B, G, D], dequantized."""
-        return kv_layout.dequantize_compressed(self.cache["compressed"][f"layer{src}"])
-
-    def compressor_state(self, src: int):
-        return self.cache["compressor"].get(f"layer{src}")
-
-    def write_source(self, src: int, state, gids, entries, index_keys, rows=None) -> None:
-        """A KV source's global writes: compressor state, FP4 index keys (and who published last),
-        FP8 compressed entries, at group ids `gids` (-1 = none). rows: the compressor's per-position
-        (kv, score) of the chunk (a pending store keeps them to rebuild the state of a prefix)."""
-        key = f"layer{src}"
-        old_state = self.cache["compressor"].get(key)
-        entries = kv_layout.quantize_compressed(entries)
-        k_new = None if index_keys is None else kv_layout.quantize_index_keys(index_keys)
-        if self.pending is not None:
-            self.pending["sources"][src] = {"gids": gids, "entries": entries, "index_keys": k_new, "rows": rows,
-                                            "state": old_state}
-        self._write_source(src, state, gids, entries, k_new)
-
-    def _write_source(self, src: int, state, gids, entries, k_new) -> None:
-        key = f"layer{src}"
-        if state is not None:
-            self.cache["compressor"][key] = state
-        if k_new is not None:
-            self.cache["index_keys"][key] = scatter_container(self.cache["index_keys"][key], k_new, gids)
-            produced = jnp.any(gids >= 0, axis=1)
-            self.cache["published"] = jnp.where(produced, src, self.cache["published"])
-        self.cache["compressed"][key] = scatter_container(self.cache["compressed"][key], entries, gids)
-
-    def commit(self, pending: dict, n: jax.Array) -> "QuantStore":
-        """The store with the first n [B] positions of a pending chunk's writes applied (this store
-        must hold the cache the chunk started from): exactly what a chunk of those n tokens writes
-        (window slots, the compressor groups complete by start + n, their entries and index keys,
-        who published last, the partial group after them), and length = start + n."""
-        cfg, out = self.cfg, QuantStore(self.cfg, self.cache)
-        start = pending["start"]
-        end = start + n
-        W = cfg.window_size
-        for l, new in pending["window"].items():
-            j = jnp.arange(new.values.shape[1])[None]
-            keep = (j < n[:, None]) & (j >= n[:, None] - W)  # a chunk of n keeps its last min(n, W) rows
-            out.cache["window"][l] = scatter_container(out.cache["window"][l], new,
-                                                       jnp.where(keep, (start[:, None] + j) % W, -1))
-        for src in sorted(pending["sources"]):  # in layer order: the last producer publishes
-            p = pending["sources"][src]
-            m = cfg.compress_ratios[src]
-            gids = jnp.where((p["gids"] >= 0) & ((p["gids"] + 1) * m <= end[:, None]), p["gids"], -1)
-            state = None
-            if p["state"] is not None:
-                state = compressor.partial_state(*p["rows"], start, p["state"], end, m)
-                state = jax.tree.map(lambda new, old: jnp.where((n > 0)[:, None, None], new, old), state, p["state"])
-            out._write_source(src, state, gids, p["entries"], p["index_keys"])
-        out.cache["length"] = end
-        return out
-
-    def topk_width(self, src: int) -> int:
-        """min(index_topk, rows the cache holds): the one width formula (cfg.topk_width at full capacity)."""
-        return min(self.cfg.index_topk, int(self.cache["compressed"][f"layer{src}"].packed.shape[1]))
+    def first(cls, h, pre, store: Store, carry: Carry | None = None) -> "LayerState":
+        """The state entering the first layer a driver runs (no carry unless it continues one)."""
+        return cls(h, pre, store, Carry({}) if carry is None else carry)
 
 
 def embed(model, tokens: jax.Array, spans: tuple | None = None):
@@ -264,7 +82,7 @@ def embed(model, tokens: jax.Array, spans: tuple | None = None):
 def head(model, h: jax.Array, pre: jax.Array, mode: str, probe: Probe = NO_PROBE):
     """Collapse with the last pre-mix, final norm, fp32 head: (logits [B,T,V], records)."""
     final = collapse(h, pre)
-    rec = probe.see(-1, lambda: {"final_hidden": final})
+    rec = probe.see(-1, FinalSeen(final))
     x = model.norm(final, mode)
     return matmul(x.astype(jnp.float32), model.head[...].astype(jnp.float32), "btd,vd->btv", jnp.float32, mode), rec
 
@@ -277,39 +95,30 @@ def engram_site(cfg, block, h, span: Span, plan: Plan, probe: Probe = NO_PROBE):
     if span.engram_ids is None:
         raise ValueError(f"layer {l} has Engram: pass engram_ids (see dsv41_jax.engram.hashing.hash_ids)")
     h_in = h
-    h, gate = block.engram(h, span.engram_ids[:, :, cfg.engram_layer_ids.index(l)], plan.numerics)
+    h, gate = block.engram(h, span.engram_ids[:, :, cfg.engram_layer_ids.index(l)], plan.runtime.mode)
     if span.vl is not None:  # the reference shuts the gate at image-span positions
         h = jnp.where(span.vl[..., None, None], h_in, h)
         gate = jnp.where(span.vl[..., None], 0.0, gate)
-    return h, probe.see(l, lambda: {f"engram.{l}.gate": gate})
+    return h, probe.see(l, EngramSeen(gate))
 
 
 def attn_input(block, h, pre, plan: Plan):
     """The attention's input: the stream collapsed with the layer's pre-mix, normed."""
-    return block.attn_norm(collapse(h, pre), plan.numerics)
+    return block.attn_norm(collapse(h, pre), plan.runtime.mode)
 
 
-def write_source(block, x, span: Span, store: QuantStore, plan: Plan, probe: Probe = NO_PROBE):
+def write_source(block, x, span: Span, store: Store, plan: Plan, probe: Probe = NO_PROBE):
     """A KV source's global writes for the chunk (compressor groups, their index keys and their FP4
     compressed entries; docs/REFERENCE.md §3 "Compressor", "Indexer"): records."""
     cfg, attn, l = store.cfg, block.attn, block.layer
     m = block.role.ratio
     freqs = layer_rope(cfg, m)
-    lat, gids, state, rows = attn.compressor.groups(x, span.start, store.compressor_state(l), plan.numerics)
+    lat, gids, state, rows = attn.compressor.groups(x, span.start, store.compressor_state(l), plan.runtime.mode)
     lat, gpos, gids = store.groups(l, m, lat, gids, span)
     gcos, gsin = cos_sin(gpos, freqs)
-    keys = attn.indexer.keys(store.key_source(lat), gcos, gsin, plan.numerics) if attn.indexer is not None else None
+    keys = attn.indexer.keys(store.key_source(lat), gcos, gsin, plan.runtime.mode) if attn.indexer is not None else None
     store.write_source(l, state, gids, apply_rope(lat, gcos, gsin, cfg.rope_head_dim), keys, rows)
-    key = f"layer{l}"
-
-    def trace():
-        t = {f"layer{l}.compressor_latent": lat, f"layer{l}.compressor_gids": gids,
-             f"layer{l}.compressed_kv_entries": kv_layout.dequantize_compressed(store.cache["compressed"][key])}
-        if attn.indexer is not None:
-            t[f"layer{l}.index_k_entries"] = kv_layout.dequantize_index_keys(store.cache["index_keys"][key])
-        return t
-
-    return probe.see(l, trace)
+    return probe.see(l, SourceSeen(lat, gids, store, attn.indexer is not None))
 
 
 def index_scores(attn, store, x, qr, keys, cos, sin, visible, plan: Plan, how: str = "xla", pool=None):
@@ -334,22 +143,21 @@ def index_scores(attn, store, x, qr, keys, cos, sin, visible, plan: Plan, how: s
         return fast_index.scores_packed(attn.indexer, x, qr, keys, cos, sin, visible)
     if how != "xla":
         raise ValueError(f"index_scores: how={how!r}; use 'xla', 'packed' or 'kernel'")
-    return attn.indexer.scores(*store.index_inputs(x, qr), keys, cos, sin, visible, plan.numerics)
+    return attn.indexer.scores(*store.index_inputs(x, qr), keys, cos, sin, visible, plan.runtime.mode)
 
 
-def select(block, x, qr, cos, sin, visible, store: QuantStore, carry: Carry, plan: Plan, probe: Probe, pin):
+def select(block, x, qr, cos, sin, visible, store: Store, carry: Carry, plan: Plan, probe: Probe, probe_inputs):
     """An index source's top-k: (sel [B,T,K], carry, records)."""
     cfg, attn, role, l = store.cfg, block.attn, block.role, block.layer
-    src, mode = role.kv_source, plan.numerics
-    key = f"layer{src}"
+    src, mode = role.kv_source, plan.runtime.mode
     width = store.topk_width(src)
-    pool_scoring = plan.pool_scoring and plan.index_keys == "intended"
+    pool_scoring = plan.pool_scoring and not plan.runtime.index_k_quirk
     packed = pool_scoring and plan.packed_scoring and mode == "fast"
     P = cfg.candidate_topk_blocks * cfg.candidate_block_size
     rec, pool, pool_blocks = {}, carry.pool, carry.pool_blocks
     if (role.uses_candidates and pool_scoring and pool_blocks is not None
-            and width <= P < store.cache["index_keys"][key].packed.shape[1]):
-        s, cand = _pool_scores(attn, store, x, qr, cos, sin, store.cache["index_keys"][key], *pool_blocks,
+            and width <= P < store.stored_index_keys(src).packed.shape[1]):
+        s, cand = _pool_scores(attn, store, x, qr, cos, sin, store.stored_index_keys(src), *pool_blocks,
                                cfg.candidate_block_size, visible, plan, packed)
         sel = _pool_select(s, cand, visible, width)
     else:
@@ -358,10 +166,10 @@ def select(block, x, qr, cos, sin, visible, store: QuantStore, carry: Carry, pla
             scores = index_scores(attn, store, x, qr, ikeys, cos, sin, visible, plan, "kernel",
                                   pool if role.uses_candidates else None)
         elif packed:
-            scores = index_scores(attn, store, x, qr, store.cache["index_keys"][key], cos, sin, visible, plan, "packed")
+            scores = index_scores(attn, store, x, qr, store.stored_index_keys(src), cos, sin, visible, plan, "packed")
         else:
             if pool_scoring:
-                keys_bf16 = decode_index_keys(store.cache["index_keys"][key])
+                keys_bf16 = decode_index_keys(store.stored_index_keys(src))
             else:
                 keys_bf16 = store.index_keys(role, plan)
             scores = index_scores(attn, store, x, qr, keys_bf16, cos, sin, visible, plan)
@@ -369,7 +177,7 @@ def select(block, x, qr, cos, sin, visible, store: QuantStore, carry: Carry, pla
         if role.is_candidate_source:
             pool, block_scores = candidate_pool(scores, store.pool_visible(src, visible), cfg.candidate_topk_blocks,
                                                 cfg.candidate_block_size)
-            rec = probe.see(l, lambda: {f"layer{l}.candidates": pool, "candidate_block_scores": block_scores})
+            rec = probe.see(l, PoolSeen(pool, block_scores))
             if pool_scoring:
                 vals, bidx = jax.lax.top_k(block_scores, min(cfg.candidate_topk_blocks, block_scores.shape[-1]))
                 order = jnp.argsort(bidx, -1)
@@ -377,8 +185,8 @@ def select(block, x, qr, cos, sin, visible, store: QuantStore, carry: Carry, pla
         elif role.uses_candidates:
             scores = jnp.where(pool, scores, -jnp.inf)
         sel = store.restrict(src, select_topk(scores, visible, width))
-        sel, r = probe.decide("topk", l, sel, scores, pin)
-        rec = merge_records(rec, r, probe.see(l, lambda: {f"layer{l}.index_score": scores}))
+        sel, r = probe.decide("topk", l, sel, scores, probe_inputs)
+        rec = merge_records(rec, r, probe.see(l, ScoresSeen(scores)))
     return sel, Carry({**carry.topk, l: sel}, pool, pool_blocks), rec
 
 
@@ -386,7 +194,7 @@ def attn_in(block, h, pre, positions, ratio: int, cfg, plan: Plan):
     """The attention site's inputs: (x, qr, q, cos, sin, this chunk's window rows (unquantized: the
     store keeps them in its format), the site's mHC mixes (pre, post, comb)). A DSpark stage is a
     layer of ratio 0."""
-    mode = plan.numerics
+    mode = plan.runtime.mode
     mixes = block.hc_attn.mixes(h, mode)
     x = attn_input(block, h, pre, plan)
     cos, sin = cos_sin(positions, layer_rope(cfg, ratio))
@@ -408,41 +216,44 @@ def attend(attn, q, rows, idx, cfg, plan: Plan, kernel_inputs=None):
     if kernel_inputs is not None:
         return attn.attend_pallas(q, *kernel_inputs, cfg.head_dim ** -0.5, plan.runtime)
     return sparse_attention(q, rows.astype(q.dtype), attn.attn_sink[...], idx, cfg.head_dim ** -0.5,
-                            mode=plan.numerics, keep_nonfinite=plan.check_finite)
+                            mode=plan.runtime.mode, keep_nonfinite=plan.runtime.check_finite)
 
 
 def attn_out(attn, o, cos, sin, h, mixes, plan: Plan):
     """The attention output projected and mixed back into the stream: (a_out, h)."""
-    a_out = attn.output(o, cos, sin, plan.numerics)
+    a_out = attn.output(o, cos, sin, plan.runtime.mode)
     return a_out, expand(a_out, h, *mixes)
 
 
-def ffn_site(block, h, a_pre, plan: Plan, probe: Probe = NO_PROBE, pin=None, l=None, vl=None):
+def ffn_site(block, h, a_pre, plan: Plan, probe: Probe = NO_PROBE, probe_inputs=None, l=None, vl=None):
     """The FFN site: (h, its pre-mix, (x, y, post, comb, MoE info), records). The MoE routes, the probe
     decides ("experts": golden-check imposes stored choices), the MoE applies the decided experts.
     l: the layer (or DSpark stage) the probe sees; vl: image-span mask (selection with `bias_vl`).
     records: {"experts": the experts run [B,T,k], "gate_scores": [B,T,E]} and the probe's."""
-    mode = plan.numerics
+    mode = plan.runtime.mode
     f_pre, f_post, f_comb = block.hc_ffn.mixes(h, mode)
     x = block.ffn_norm(collapse(h, a_pre), mode)
     scores, biased, own = block.ffn.route(x, mode, vl)
-    experts, rec = probe.decide("experts", l, own, biased, pin)
-    y, info = block.ffn.apply(x, scores, experts, mode, plan.impl, plan.interpret)
+    experts, rec = probe.decide("experts", l, own, biased, probe_inputs)
+    y, info = block.ffn.apply(x, scores, experts, mode, plan.runtime.impl, plan.runtime.interpret)
     rec = merge_records(rec, {"experts": experts, "gate_scores": scores})
     return expand(y, h, f_post, f_comb), f_pre, (x, y, f_post, f_comb, info), rec
 
 
-def block_step(block, h, pre, store: QuantStore, carry: Carry, span: Span, plan: Plan, probe: Probe = NO_PROBE,
-               pin=None):
-    """One layer over a chunk: (h, pre, store, carry, records).
+def block_step(block, state: LayerState, span: Span, plan: Plan, probe: Probe = NO_PROBE,
+               probe_inputs=None) -> tuple[LayerState, dict]:
+    """One layer over a chunk: (the state for the next layer, records).
 
+    The caller's store is not changed (the layer writes into a copy). probe_inputs: the traced data
+    the probe reads (golden-check's stored decisions, training's KL positions); None for none.
     records: {"topk": sel (compressed layers), "experts": [B,T,k], "gate_scores": [B,T,E]} and whatever the
     probe records.
     """
+    h, pre, store, carry = state
     cfg, l, role, attn = store.cfg, block.layer, block.role, block.attn
     store = store.copy()
     h, rec = engram_site(cfg, block, h, span, plan, probe)
-    h, pre, r = probe.enter(l, h, pre, pin)
+    h, pre, r = probe.enter(l, h, pre, probe_inputs)
     rec = merge_records(rec, r)
     x, qr, q, cos, sin, win_raw, (a_pre, a_post, a_comb) = attn_in(block, h, pre, span.positions, role.ratio, cfg,
                                                                    plan)
@@ -456,13 +267,9 @@ def block_step(block, h, pre, store: QuantStore, carry: Carry, span: Span, plan:
         if role.is_kv_source and plan.writes != "window":
             rec = merge_records(rec, write_source(block, x, span, store, plan, probe))
         if role.is_index_source:
-            _, carry, r = select(block, x, qr, cos, sin, visible, store, carry, plan, probe, pin)
-            win_keys, win_idx = keys, idx
-            rec = merge_records(rec, r, probe.scored(l, lambda: {
-                "store": store, "src": src, "attn": block.attn, "q": q, "win": win_keys, "win_idx": win_idx,
-                "pool": carry.pool if role.uses_candidates else None,
-                "score": lambda pick, k: index_scores(block.attn, store, pick(x), pick(qr), k, pick(cos), pick(sin),
-                                                      pick(visible), plan)}, pin))
+            _, carry, r = select(block, x, qr, cos, sin, visible, store, carry, plan, probe, probe_inputs)
+            scoring = _scoring_context(block, store, carry, plan, x, qr, q, cos, sin, visible, keys, idx)
+            rec = merge_records(rec, r, probe.scored(l, scoring, probe_inputs))
         sel = carry.topk[role.index_source]
         rec["topk"] = sel
         kernel_inputs = (win_rows, idx, store.compressed(src), sel)
@@ -471,18 +278,22 @@ def block_step(block, h, pre, store: QuantStore, carry: Carry, span: Span, plan:
 
     o = attend(attn, q, keys, idx, cfg, plan, kernel_inputs if kernel else None)
     a_out, h = attn_out(attn, o, cos, sin, h, (a_post, a_comb), plan)
-    rec = merge_records(rec, probe.see(l, lambda: {
-        f"layer{l}.after_attn": h, f"layer{l}.attn_input": x, f"layer{l}.attn_output": a_out,
-        f"layer{l}.sparse_attn_out": o, f"layer{l}.hc_attn_pre": a_pre, f"layer{l}.hc_attn_post": a_post,
-        f"layer{l}.hc_attn_comb": a_comb}))
+    rec = merge_records(rec, probe.see(l, AttnSeen(h, x, a_out, o, a_pre, a_post, a_comb)))
 
-    h, f_pre, (x, y, f_post, f_comb, info), r = ffn_site(block, h, a_pre, plan, probe, pin, l, span.vl)
-    rec = merge_records(rec, r)
-    rec = merge_records(rec, probe.see(l, lambda: {
-        f"layer{l}.ffn_input": x, f"layer{l}.ffn_output": y, f"layer{l}.hc_ffn_pre": f_pre,
-        f"layer{l}.hc_ffn_post": f_post, f"layer{l}.hc_ffn_comb": f_comb, f"layer{l}.gate_scores": info["scores"],
-        f"layer{l}.gate_weights": info["weights"], f"layer{l}.gate_indices": info["experts"]}))
-    return h, f_pre, store, carry, rec
+    h, f_pre, (x, y, f_post, f_comb, info), r = ffn_site(block, h, a_pre, plan, probe, probe_inputs, l, span.vl)
+    rec = merge_records(rec, r, probe.see(l, FfnSeen(x, y, f_pre, f_post, f_comb, info)))
+    return LayerState(h, f_pre, store, carry), rec
+
+
+def _scoring_context(block, store: Store, carry: Carry, plan: Plan, x, qr, q, cos, sin, visible, win_keys, win_idx):
+    """What `Probe.scored` may ask for after an index source selected (built only when asked): the
+    store, the source, the attention's query and window rows, the pool and the one scoring function."""
+    role = block.role
+    return lambda: {
+        "store": store, "src": role.kv_source, "attn": block.attn, "q": q, "win": win_keys, "win_idx": win_idx,
+        "pool": carry.pool if role.uses_candidates else None,
+        "score": lambda pick, k: index_scores(block.attn, store, pick(x), pick(qr), k, pick(cos), pick(sin),
+                                              pick(visible), plan)}
 
 
 def _with_compressed(keys, idx, store, src: int, sel, plan: Plan):
@@ -553,21 +364,20 @@ def _pool_select(scores, positions, visible, k: int):
     return jnp.where(pos < visible[..., None], pos, -1).astype(jnp.int32)
 
 
-def run_layers(model, h, pre, store: QuantStore, span: Span, plan: Plan, layers, probe: Probe = NO_PROBE,
-               pin=None, carry: Carry | None = None):
-    """`block_step` over `layers` (the one loop): (h, pre, store, carry, records) with
+def run_layers(model, state: LayerState, span: Span, plan: Plan, layers, probe: Probe = NO_PROBE,
+               probe_inputs=None) -> tuple[LayerState, dict]:
+    """`block_step` over `layers` (the one loop): (the state after the last, records) with
     records = {kind: {layer: value}} and the probes' traces merged into records["trace"]."""
-    carry = Carry({}) if carry is None else carry
     records: dict = {}
     with fp8_linears(plan):
         for l in layers:
-            h, pre, store, carry, rec = block_step(model.layers[l], h, pre, store, carry, span, plan, probe, pin)
+            state, rec = block_step(model.layers[l], state, span, plan, probe, probe_inputs)
             for k, v in rec.items():
                 if k == "trace":
                     records.setdefault("trace", {}).update(v)
                 else:
                     records.setdefault(k, {})[l] = v
-    return h, pre, store, carry, records
+    return state, records
 
 
 def fp8_linears(plan: Plan):
@@ -581,8 +391,8 @@ def _fp8_kernel(plan: Plan):
     tiles and dequantizes in registers) when the plan says so (`Runtime.fp8_kernel`: impl "pallas",
     fast numerics, compiled kernels by default), else None (the XLA math, which dequantizes the whole
     weight per call; exact mode always: the kernel has none)."""
-    if not plan.fp8_kernel:
+    if not plan.runtime.fp8_kernel:
         return None
     from pallas_kernels import fp8_block_gemm  # noqa: WPS433 (optional dependency on the kernels)
 
-    return lambda x, w, s: fp8_block_gemm(x, w, s, impl="pallas", interpret=plan.interpret)
+    return lambda x, w, s: fp8_block_gemm(x, w, s, impl="pallas", interpret=plan.runtime.interpret)

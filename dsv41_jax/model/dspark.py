@@ -165,11 +165,12 @@ def _fp8_rows(rows: jax.Array) -> jax.Array:
     return kv_layout.dequantize_window(kv_layout.quantize_window(rows))
 
 
-def stage_forward(stage: DSparkStage, h, pre, ring_rows, newest, cfg, mode, probe, pin, trace, impl,
+def stage_forward(stage: DSparkStage, h, pre, ring_rows, newest, cfg, mode, probe, probe_inputs, trace, impl,
                    fp8_rows=_fp8_rows, ring_len=None):
     """One stage over the block stream h [B, bs, hc, d]: the layer body's stage functions (a window-only
     layer) over the read-only ring rows [B, W, D] (dequantized) plus the block, every block token seeing
-    the whole block. probe/pin: the FFN site's (golden-check imposes stored stage experts);
+    the whole block. probe, probe_inputs: the FFN site's probe and its traced inputs (golden-check
+    imposes stored stage experts);
     fp8_rows: how the block's own rows take their FP8 values (training passes the straight-through
     fake quantization); ring_len [B]: valid ring rows (default min(W, newest + 1));
     returns (h, pre, info, records)."""
@@ -181,7 +182,8 @@ def stage_forward(stage: DSparkStage, h, pre, ring_rows, newest, cfg, mode, prob
     idx = _block_indices(newest if ring_len is None else ring_len - 1, ring_rows.shape[1], bs)
     o = body.attend(stage.attn, q, keys, idx, cfg, plan)
     a_out, h_attn = body.attn_out(stage.attn, o, cos, sin, h, (a_post, a_comb), plan)
-    out, f_pre, (xf, y, f_post, f_comb, info), rec = body.ffn_site(stage, h_attn, a_pre, plan, probe, pin, stage.stage)
+    out, f_pre, (xf, y, f_post, f_comb, info), rec = body.ffn_site(stage, h_attn, a_pre, plan, probe, probe_inputs,
+                                                                    stage.stage)
     if trace is not None:
         p = f"stage{stage.stage}."
         trace.update({p + "block_input": h, p + "pre_mix_in": pre, p + "hc_attn_pre": a_pre, p + "hc_attn_post": a_post,

@@ -26,12 +26,12 @@ def kernel_params(graphdef, params, plan: Plan):
     (`gemm.linear` and the kernels' wrappers reject a word view elsewhere). The DSpark stages
     (`model.mtp`) keep their bytes: they run the XLA math. Works on abstract params too
     (`jax.eval_shape`)."""
-    if plan.numerics != "fast" or plan.impl != "pallas":
+    if plan.runtime.mode != "fast" or plan.runtime.impl != "pallas":
         return params
     from pallas_kernels.common.backend import resolve  # noqa: WPS433 (optional dependency on the kernels)
     from pallas_kernels.expert_gemm import layout  # noqa: WPS433
 
-    if resolve("pallas", plan.interpret).kind != "tpu":
+    if resolve("pallas", plan.runtime.interpret).kind != "tpu":
         return params
     from dsv41_jax.layers.basic import QLinear
     from dsv41_jax.layers.moe import Experts
@@ -43,7 +43,7 @@ def kernel_params(graphdef, params, plan: Plan):
                 words, swords = _jit(layout.fp4_weight_words)(w.get_value(), s.get_value())
                 w.set_value(words)
                 s.set_value(swords)
-        elif (isinstance(node, QLinear) and node.kind == "fp8" and plan.fp8_kernel
+        elif (isinstance(node, QLinear) and node.kind == "fp8" and plan.runtime.fp8_kernel
               and not layout.is_words(node.weight)):
             node.weight.set_value(_jit(layout.fp8_weight_view)(node.weight.get_value()))
     return nnx.state(model)

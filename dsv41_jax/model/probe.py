@@ -1,9 +1,14 @@
-"""Observers of the layer body: forced decisions and their agreement (golden-check, DSpark stages)."""
+"""Observers of the layer body: forced decisions and their agreement (golden-check, DSpark stages),
+and what the body shows them (the `...Seen` tuples; golden-check's names for them live here, not
+in the body)."""
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from dsv41_jax.numerics import kv_layout
 from dsv41_jax.numerics.exact_ops import sum_in_order
 
 
@@ -35,31 +40,118 @@ def tie_aware_equal(scores: jax.Array, own: jax.Array, ref: jax.Array) -> jax.Ar
     return same_count & ok_own & ok_ref
 
 
+# What the body shows a probe (`Probe.see`), site by site; `named(l)` gives golden-check's names
+# (the golden folders' tensor names, docs/REFERENCE.md §8) for layer l.
+class FinalSeen(NamedTuple):
+    final: jax.Array  # the stream collapsed with the last pre-mix, before the final norm
+
+    def named(self, l) -> dict:
+        return {"final_hidden": self.final}
+
+
+class InputSeen(NamedTuple):
+    h: jax.Array  # the layer's input stream, after its Engram
+    pre: jax.Array
+
+    def named(self, l) -> dict:
+        return {f"layer{l}.block_input": self.h, f"layer{l}.pre_mix_in": self.pre}
+
+
+class EngramSeen(NamedTuple):
+    gate: jax.Array
+
+    def named(self, l) -> dict:
+        return {f"engram.{l}.gate": self.gate}
+
+
+class SourceSeen(NamedTuple):
+    """A KV source's writes: the compressor's latents and group ids, and the store they went to
+    (its entries and index keys are read back, dequantized, only when a probe names them)."""
+
+    latent: jax.Array
+    gids: jax.Array
+    store: object  # the `model.store.Store` written
+    has_index_keys: bool
+
+    def named(self, l) -> dict:
+        t = {f"layer{l}.compressor_latent": self.latent, f"layer{l}.compressor_gids": self.gids,
+             f"layer{l}.compressed_kv_entries": self.store.compressed_rows(l)}
+        if self.has_index_keys:
+            t[f"layer{l}.index_k_entries"] = kv_layout.dequantize_index_keys(self.store.stored_index_keys(l))
+        return t
+
+
+class PoolSeen(NamedTuple):
+    pool: jax.Array  # [B, T, G] the candidate pool mask
+    block_scores: jax.Array
+
+    def named(self, l) -> dict:
+        return {f"layer{l}.candidates": self.pool, "candidate_block_scores": self.block_scores}
+
+
+class ScoresSeen(NamedTuple):
+    scores: jax.Array  # [B, T, G] the index scores a top-k was taken over
+
+    def named(self, l) -> dict:
+        return {f"layer{l}.index_score": self.scores}
+
+
+class AttnSeen(NamedTuple):
+    h: jax.Array  # the stream after the attention site
+    x: jax.Array  # the attention's input
+    out: jax.Array  # its output projection
+    o: jax.Array  # the sparse attention's output
+    pre: jax.Array  # the site's mHC mixes
+    post: jax.Array
+    comb: jax.Array
+
+    def named(self, l) -> dict:
+        return {f"layer{l}.after_attn": self.h, f"layer{l}.attn_input": self.x, f"layer{l}.attn_output": self.out,
+                f"layer{l}.sparse_attn_out": self.o, f"layer{l}.hc_attn_pre": self.pre,
+                f"layer{l}.hc_attn_post": self.post, f"layer{l}.hc_attn_comb": self.comb}
+
+
+class FfnSeen(NamedTuple):
+    x: jax.Array  # the FFN's input
+    y: jax.Array  # its output
+    pre: jax.Array  # the site's mHC mixes
+    post: jax.Array
+    comb: jax.Array
+    info: dict  # the MoE's {"scores", "weights", "experts"}
+
+    def named(self, l) -> dict:
+        return {f"layer{l}.ffn_input": self.x, f"layer{l}.ffn_output": self.y, f"layer{l}.hc_ffn_pre": self.pre,
+                f"layer{l}.hc_ffn_post": self.post, f"layer{l}.hc_ffn_comb": self.comb,
+                f"layer{l}.gate_scores": self.info["scores"], f"layer{l}.gate_weights": self.info["weights"],
+                f"layer{l}.gate_indices": self.info["experts"]}
+
+
 class Probe:
-    """A static observer of the layer body (hashable; part of the jit key). Traced inputs come in
-    through `pin`; each hook returns per-layer records. This base observes nothing: its hooks are
-    identities that return no records, so the body traces to the same program as without it.
+    """A static observer of the layer body (hashable; part of the jit key). Traced data it reads come
+    in as `inputs` (the body's `probe_inputs`); each hook returns per-layer records. This base
+    observes nothing: its hooks are identities that return no records, so the body traces to the
+    same program as without it.
 
     Hooks, in body order:
-    - enter(l, h, pre, pin) -> (h, pre, records): the layer's input, after its Engram;
-    - decide(kind, l, own, scores, pin) -> (chosen, records): a decision the body takes, with the
+    - enter(l, h, pre, inputs) -> (h, pre, records): the layer's input, after its Engram;
+    - decide(kind, l, own, scores, inputs) -> (chosen, records): a decision the body takes, with the
       scores it was taken on: "topk" (an index source's top-k) and "experts" (the MoE's routed
       experts, with the biased gate scores); the body runs what the probe returns;
-    - scored(l, ctx, pin) -> records: after an index source selected; `ctx()` gives the store, the
+    - scored(l, ctx, inputs) -> records: after an index source selected; `ctx()` gives the store, the
       attention's query and window rows, the pool and a scoring function (training's indexer KL);
-    - see(l, thunk) -> records: `thunk()` builds named intermediates; only recording probes call it.
+    - see(l, seen) -> records: a site's intermediates (one of the `...Seen` tuples above).
     """
 
-    def enter(self, l, h, pre, pin):
+    def enter(self, l, h, pre, inputs):
         return h, pre, {}
 
-    def decide(self, kind, l, own, scores, pin):
+    def decide(self, kind, l, own, scores, inputs):
         return own, {}
 
-    def scored(self, l, ctx, pin) -> dict:
+    def scored(self, l, ctx, inputs) -> dict:
         return {}
 
-    def see(self, l, thunk) -> dict:
+    def see(self, l, seen) -> dict:
         return {}
 
     def __eq__(self, other):
@@ -73,34 +165,34 @@ NO_PROBE = Probe()
 
 
 class GoldenProbe(Probe):
-    """golden-check's observer. pin = {"topk": {l: [B,T,K]}, "experts": {l: [B,T,k]}, "impose": bool,
-    "replay": {l: (h, pre)}} (any part may be missing). Stored decisions (pin[kind][l]) are compared
+    """golden-check's observer. inputs = {"topk": {l: [B,T,K]}, "experts": {l: [B,T,k]}, "impose": bool,
+    "replay": {l: (h, pre)}} (any part may be missing). Stored decisions (inputs[kind][l]) are compared
     with the model's own (tie-aware, records `{kind}_own`, `{kind}_agree`) and imposed where the traced
     `impose` holds, so free and forced runs share one compilation; `replay` substitutes a layer's
-    input; `collect` records the traces."""
+    input; `collect` records the traces under the golden folders' names."""
 
     def __init__(self, collect: bool = False):
         self.collect = bool(collect)
 
-    def enter(self, l, h, pre, pin):
-        replay = (pin or {}).get("replay") or {}
+    def enter(self, l, h, pre, inputs):
+        replay = (inputs or {}).get("replay") or {}
         if l in replay:
             h, pre = replay[l][0].astype(h.dtype), replay[l][1].astype(jnp.float32)
-        return h, pre, self.see(l, lambda: {f"layer{l}.block_input": h, f"layer{l}.pre_mix_in": pre})
+        return h, pre, self.see(l, InputSeen(h, pre))
 
-    def decide(self, kind, l, own, scores, pin):
+    def decide(self, kind, l, own, scores, inputs):
         rec = {f"{kind}_own": own}
-        forced = ((pin or {}).get(kind) or {}).get(l)
+        forced = ((inputs or {}).get(kind) or {}).get(l)
         if forced is None:
             return own, rec
         # stored top-k rows may be narrower than the model's (-1 padding); stored experts are not
         ref = jnp.pad(forced.astype(own.dtype), [(0, 0)] * (own.ndim - 1) + [(0, own.shape[-1] - forced.shape[-1])],
                       constant_values=-1)
         rec[f"{kind}_agree"] = tie_aware_equal(scores, own, ref)
-        return jnp.where(pin.get("impose", True), ref, own), rec
+        return jnp.where(inputs.get("impose", True), ref, own), rec
 
-    def see(self, l, thunk) -> dict:
-        return {"trace": thunk()} if self.collect else {}
+    def see(self, l, seen) -> dict:
+        return {"trace": seen.named(l)} if self.collect else {}
 
 
 class TapProbe(Probe):
@@ -109,7 +201,7 @@ class TapProbe(Probe):
     def __init__(self, layers=()):
         self.layers = frozenset(layers)
 
-    def enter(self, l, h, pre, pin):
+    def enter(self, l, h, pre, inputs):
         return h, pre, ({"tap": tap(h)} if l in self.layers else {})
 
     @staticmethod
@@ -127,30 +219,30 @@ class Probes(Probe):
     def __init__(self, *probes: Probe):
         self.probes = tuple(probes)
 
-    def enter(self, l, h, pre, pin):
+    def enter(self, l, h, pre, inputs):
         rec = {}
         for p in self.probes:
-            h, pre, r = p.enter(l, h, pre, pin)
+            h, pre, r = p.enter(l, h, pre, inputs)
             rec = merge_records(rec, r)
         return h, pre, rec
 
-    def decide(self, kind, l, own, scores, pin):
+    def decide(self, kind, l, own, scores, inputs):
         rec = {}
         for p in self.probes:
-            own, r = p.decide(kind, l, own, scores, pin)
+            own, r = p.decide(kind, l, own, scores, inputs)
             rec = merge_records(rec, r)
         return own, rec
 
-    def scored(self, l, ctx, pin) -> dict:
+    def scored(self, l, ctx, inputs) -> dict:
         rec = {}
         for p in self.probes:
-            rec = merge_records(rec, p.scored(l, ctx, pin))
+            rec = merge_records(rec, p.scored(l, ctx, inputs))
         return rec
 
-    def see(self, l, thunk) -> dict:
+    def see(self, l, seen) -> dict:
         rec = {}
         for p in self.probes:
-            rec = merge_records(rec, p.see(l, thunk))
+            rec = merge_records(rec, p.see(l, seen))
         return rec
 
 

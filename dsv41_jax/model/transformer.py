@@ -108,12 +108,12 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
     probe = GoldenProbe(collect)
     if cfg.has_dspark:
         probe = Probes(probe, TapProbe(cfg.dspark_target_layer_ids))
-    pin = {**(forced or {}), "replay": replay}
+    probe_inputs = {**(forced or {}), "replay": replay}
     h, pre = body.embed(model, tokens, spans)
-    h, pre, store, _, rec = body.run_layers(model, h, pre, body.QuantStore(cfg, cache), span,
-                                            body.Plan.resolve(runtime), range(cfg.n_layers), probe, pin)
-    logits, final = body.head(model, h, pre, runtime.mode, probe)
-    new_cache = store.cache
+    state, rec = body.run_layers(model, body.LayerState.first(h, pre, body.QuantStore(cfg, cache)), span,
+                                 body.Plan.resolve(runtime), range(cfg.n_layers), probe, probe_inputs)
+    logits, final = body.head(model, state.h, state.pre, runtime.mode, probe)
+    new_cache = state.store.cache
     new_cache["length"] = start + T
     # topk_own / experts_own: the model's own choices before any forced decision replaced them
     aux = {k: rec.get(k, {}) for k in ("topk", "experts", "topk_agree", "experts_agree", "topk_own", "experts_own")}

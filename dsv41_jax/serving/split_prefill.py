@@ -59,7 +59,8 @@ def _layers(model, h, pre, cache: dict, span: body.Span, plan: body.Plan, layers
     pending = plan.writes == "pending"
     store = (body.QuantStore.pending_for if pending else body.QuantStore)(model.cfg, cache, *([span.start] if pending
                                                                                              else []))
-    h, pre, store, carry, records = body.run_layers(model, h, pre, store, span, plan, layers, probe)
+    (h, pre, store, carry), records = body.run_layers(model, body.LayerState.first(h, pre, store), span, plan, layers,
+                                                      probe)
     aux = {"topk": records.get("topk", {}) if collect_topk else {}, "pool": carry.pool}
     if "tap" in records:
         aux["main_hidden"] = TapProbe.hidden(records)
@@ -125,7 +126,7 @@ def decoder_pass(model, h: jax.Array, pre: jax.Array, cache: dict, *, start: jax
                                  _split_taps(model, taps))
     if taps:
         aux["main_hidden"] = _taps(aux, h)
-    return body.head(model, h, pre, plan.numerics)[0], cache, aux
+    return body.head(model, h, pre, plan.runtime.mode)[0], cache, aux
 
 
 def tail_floor(start: jax.Array, n_new: int, tail: int) -> jax.Array:
@@ -178,7 +179,7 @@ def exact_prefill(model, tokens: jax.Array, cache: dict, *, runtime: Runtime = R
     h, pre, cache, aux = _layers(model, h, pre, cache, span, plan, range(cfg.n_layers), collect_topk,
                                  TapProbe(cfg.dspark_target_layer_ids) if taps else NO_PROBE)
     cache["length"] = start + tokens.shape[1]
-    return body.head(model, h, pre, plan.numerics)[0], cache, aux
+    return body.head(model, h, pre, plan.runtime.mode)[0], cache, aux
 
 
 def replay_window(model, tokens: jax.Array, cache: dict, *, runtime: Runtime = Runtime(), engram_ids=None,
@@ -194,7 +195,7 @@ def replay_window(model, tokens: jax.Array, cache: dict, *, runtime: Runtime = R
     span = body.Span.at(start, T, engram_ids=engram_ids, floor=start, vl=_vl(spans))
     h, pre = body.embed(model, tokens, spans)
     h, pre, cache, _ = _layers(model, h, pre, cache, span, plan, range(cfg.n_layers))
-    return body.head(model, h, pre, plan.numerics)[0], cache
+    return body.head(model, h, pre, plan.runtime.mode)[0], cache
 
 
 def decode_plan(runtime: Runtime = Runtime(), packed: bool = True) -> body.Plan:
@@ -223,7 +224,7 @@ def decode_step(model, tokens: jax.Array, cache: dict, plan: body.Plan, *, engra
                                  collect_topk, probe)
     if plan.writes != "pending":
         cache["length"] = start + T if active is None else jnp.where(active, start + T, start)
-    return body.head(model, h, pre, plan.numerics)[0], cache, aux
+    return body.head(model, h, pre, plan.runtime.mode)[0], cache, aux
 
 
 def commit(cfg, cache: dict, pending: dict, n: jax.Array) -> dict:

@@ -124,7 +124,7 @@ def _kl(target, student_scores, allowed):
 class FakeQuantStore:
     """The training cache as the layer body (`dsv41_jax.model.block`) sees it: every row a whole
     (packed) sequence from position 0, nothing stored across calls, values fake-quantized in place
-    (straight-through). Same questions as `block.QuantStore`; the answers differ in:
+    (straight-through). It answers the body's `model.store.Store` as `QuantStore` does; the answers differ in:
       * window: the row's own keys at fake-FP8 values, visible inside the query's document only
         (and, with `replay_start`, decoder layers see only slots >= the tail start);
       * groups: one zero compressor state per row, groups at their document-relative positions, only
@@ -193,12 +193,16 @@ class FakeQuantStore:
         quantized keys bit for bit), no gradient; None without act_quant (the XLA scoring then)."""
         if not self.act_quant:
             return None
-        if plan.index_keys != "intended":
+        if plan.runtime.index_k_quirk:
             raise ValueError("training scores the intended index keys (Runtime.index_k_quirk=False)")
-        return kv_layout.quantize_index_keys(sg(self.ikeys_raw[role.kv_source]))
+        return self.stored_index_keys(role.kv_source)
+
+    def stored_index_keys(self, src: int):
+        """The source's keys packed as MXFP4 (values: the fake-quantized keys), no gradient."""
+        return kv_layout.quantize_index_keys(sg(self.ikeys_raw[src]))
 
     def index_keys(self, role, plan):
-        if plan.index_keys != "intended":
+        if plan.runtime.index_k_quirk:
             raise ValueError("training scores the intended index keys (Runtime.index_k_quirk=False)")
         return sg(self.ikeys[role.kv_source])
 
@@ -223,19 +227,19 @@ class FakeQuantStore:
 
 class TrainProbe(body_probe.Probe):
     """Training's observer of the layer body: with `kl`, the indexer KL at the sampled query positions
-    pin["kl_pos"] [B, P] (docs/REFERENCE.md §7). The balance loss's gate scores are the body's own
+    inputs["kl_pos"] [B, P] (docs/REFERENCE.md §7). The balance loss's gate scores are the body's own
     record (`ffn_site`'s "gate_scores")."""
 
     def __init__(self, kl: bool = False):
         self.kl = bool(kl)
 
-    def scored(self, l, ctx, pin) -> dict:
+    def scored(self, l, ctx, inputs) -> dict:
         if not self.kl:
             return {}
         c = ctx()
         store, src, attn = c["store"], c["src"], c["attn"]
         allowed = store.legal[src] if c["pool"] is None else store.legal[src] & c["pool"]
-        pick = lambda a: _gather_rows(a, pin["kl_pos"])
+        pick = lambda a: _gather_rows(a, inputs["kl_pos"])
         allowed_s = pick(allowed)
         target = sg(_attention_target(sg(pick(c["q"])), sg(c["win"]), pick(c["win_idx"]), sg(store.comp[src]),
                                       allowed_s, sg(attn.attn_sink[...]), store.cfg.head_dim ** -0.5))
@@ -270,9 +274,9 @@ def train_forward(model, batch: dict, opts: ForwardOptions = ForwardOptions(), *
     if taps:
         probe = body_probe.Probes(probe, body_probe.TapProbe(cfg.dspark_target_layer_ids))
     h, pre = body.embed(model, tokens)
-    h, pre, _, _, rec = body.run_layers(model, h, pre, store, span, plan, range(cfg.n_layers), probe,
-                                        {"kl_pos": kl_pos})
-    logits = body.head(model, h, pre, plan.numerics)[0]
+    state, rec = body.run_layers(model, body.LayerState.first(h, pre, store), span, plan, range(cfg.n_layers), probe,
+                                 {"kl_pos": kl_pos})
+    logits = body.head(model, state.h, state.pre, plan.runtime.mode)[0]
     aux = {k: rec.get(k, {}) for k in ("experts", "gate_scores", "indexer_kl")}
     if taps:
         aux["main_hidden"] = body_probe.TapProbe.hidden(rec)

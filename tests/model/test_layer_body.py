@@ -110,13 +110,13 @@ def test_probes_with_nothing_to_do_trace_to_nothing():
                            index_source_layers=(1, 3), candidate_source_layer=3, hc_sinkhorn_iters=2)
     gd, params = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=0)))  # abstract: traced, never run
 
-    def count(probe, pin=None):
+    def count(probe, probe_inputs=None):
         def run(params, tokens, cache):
             model = nnx.merge(gd, params)
             h, pre = body.embed(model, tokens)
             span = body.Span.at(cache["length"], tokens.shape[1])
-            h, pre, store, _, rec = body.run_layers(model, h, pre, body.QuantStore(cfg, cache), span, body.Plan(),
-                                                    range(cfg.n_layers), probe, pin)
+            (h, pre, store, _), rec = body.run_layers(model, body.LayerState.first(h, pre, body.QuantStore(cfg, cache)),
+                                                      span, body.Plan(), range(cfg.n_layers), probe, probe_inputs)
             return h, pre, store.cache, {k: v for k, v in rec.items() if k not in ("topk_own", "experts_own")}
 
         return _eqns(jax.make_jaxpr(run)(params, jnp.zeros((1, 3), jnp.int32), init_cache(cfg, 1)).jaxpr)
@@ -129,3 +129,56 @@ def test_probes_with_nothing_to_do_trace_to_nothing():
     assert count(GoldenProbe(collect=False)) == base
     assert count(Probes(GoldenProbe(), TapProbe(()))) == base
     assert count(GoldenProbe(collect=True)) > base  # the count sees a probe that records
+
+
+def test_the_body_asks_a_store_only_what_the_store_protocol_states():
+    """Both stores implement every member of `Store`, and the body, run on a store that answers only
+    those (any other read fails), traces to the program it traces on the store itself: prefill with
+    every probe hook recording, and the engine's decode plan (in-pool and packed index scoring)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dsv41_jax.config import ModelConfig
+    from dsv41_jax.model import block as body
+    from dsv41_jax.model.cache import init_cache
+    from dsv41_jax.model.probe import GoldenProbe
+    from dsv41_jax.model.store import QuantStore, Store
+    from dsv41_jax.model.transformer import Transformer
+    from dsv41_jax.runtime import Runtime
+    from dsv41_jax.train.forward import FakeQuantStore
+
+    members = {n for n in vars(Store) if not n.startswith("_")} | set(Store.__annotations__)
+    for impl in (QuantStore, FakeQuantStore):
+        missing = {n for n in members - {"cfg"} if not callable(getattr(impl, n, None))}
+        assert not missing, f"{impl.__name__} does not answer {sorted(missing)}"
+
+    class OnlyTheProtocol:
+        def __init__(self, store):
+            self.inner = store
+
+        def __getattr__(self, name):
+            assert name in members, f"the body read store.{name}, which the Store protocol does not state"
+            if name == "copy":
+                return lambda: OnlyTheProtocol(self.inner.copy())
+            return getattr(self.inner, name)
+
+    # the tiny config's layer 5 reindexes within layer 4's candidate pool (in-pool scoring at decode)
+    cfg = ModelConfig.tiny(engram_layer_ids=(), hc_sinkhorn_iters=2)
+    gd, params = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=0)))
+
+    def count(wrap, plan, T):
+        def run(params, tokens, cache):
+            model = nnx.merge(gd, params)
+            h, pre = body.embed(model, tokens)
+            span = body.Span.at(cache["length"], tokens.shape[1])
+            state, rec = body.run_layers(model, body.LayerState.first(h, pre, wrap(QuantStore(cfg, cache))), span,
+                                         plan, range(cfg.n_layers), GoldenProbe(collect=True))
+            store = state.store.inner if isinstance(state.store, OnlyTheProtocol) else state.store
+            return state.h, store.cache, rec
+
+        return _eqns(jax.make_jaxpr(run)(params, jnp.zeros((1, T), jnp.int32), init_cache(cfg, 1)).jaxpr)
+
+    decode = body.Plan.resolve(Runtime(), pool_scoring=True, packed_scoring=True)
+    for plan, T in ((body.Plan(), 3), (decode, 1)):
+        assert count(OnlyTheProtocol, plan, T) == count(lambda s: s, plan, T)
