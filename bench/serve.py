@@ -95,6 +95,7 @@ async def follow_up(client, model: str, rng, turns: int = 3) -> dict:
 def _tiny_server(cache_dir: str):
     from dsv41_jax.checkpoint.synthetic import synthetic_model
     from dsv41_jax.config import ModelConfig
+    from dsv41_jax.serving.engine import EngineSettings
     from dsv41_jax.serving.http.server import BackgroundServer, ServeOptions, build
     from dsv41_jax.text.tokenizer import load_tokenizer
     from dsv41_jax.train.data import ByteTokenizer
@@ -105,7 +106,8 @@ def _tiny_server(cache_dir: str):
                            kv_source_layers=(1,), index_source_layers=(1,), candidate_source_layer=1,
                            engram_layer_ids=(), index_topk=4, candidate_topk_blocks=2, candidate_block_size=4,
                            n_routed_experts=4, max_seq_len=1024, max_batch_size=64)
-    opts = ServeOptions(model_name="tiny", max_batch=16, max_model_len=1024, min_capacity=1024, prefill_chunk=64,
+    opts = ServeOptions(model_name="tiny", engine=EngineSettings(slots=16, max_seq_len=1024, min_capacity=1024,
+                                                                 prefill_chunk=64),
                         max_queue=1024, cache_dir=cache_dir, cache_bytes=1 << 28)
     app, worker = build(synthetic_model(cfg, seed=0), tok, opts)
     return BackgroundServer(app, worker).start()

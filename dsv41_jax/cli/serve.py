@@ -61,6 +61,7 @@ def load_server(args, lockstep=None, follower: bool = False):
     from dsv41_jax.runtime import Runtime
     from dsv41_jax.serving import warmup
     from dsv41_jax.serving.http.images import image_options
+    from dsv41_jax.serving.engine import EngineSettings
     from dsv41_jax.serving.http.server import ServeOptions, build
     from dsv41_jax.text.tokenizer import load_tokenizer
 
@@ -94,15 +95,15 @@ def load_server(args, lockstep=None, follower: bool = False):
         print(f"dsv41 serve: mesh {dict(mesh.shape)} over {mesh.devices.size} devices of {jax_processes()} processes "
               "(each loads its own shards)", file=sys.stderr)
     k = speculative.draft_tokens(args, model)
-    opts = ServeOptions(model_name=args.served_model_name or folder.resolve().name, max_batch=args.max_batch,
-                        max_model_len=cfg.max_seq_len, prefill_chunk=args.prefill_chunk,
-                        exact_prefill=args.exact_prefill, max_queue=args.max_queue, api_key=args.api_key,
-                        cache_dir=args.prefix_cache_dir, cache_bytes=args.prefix_cache_bytes,
-                        runtime=Runtime(mode=args.numerics, impl=args.impl),
-                        max_request_bytes=args.max_request_bytes, warm=not args.no_warm, mesh=mesh,
-                        preset=args.preset, engram_host=args.engram == "host", images=image_options(args), speculative=k,
-                        spec_acceptance=speculative.acceptance(args), effort_table=args.effort_table,
-                        lockstep=lockstep)
+    # the config holds --max-model-len (a load override), so the engine's length is the config's
+    engine = EngineSettings(slots=args.max_batch, max_seq_len=cfg.max_seq_len, prefill_chunk=args.prefill_chunk,
+                            exact_prefill=args.exact_prefill, runtime=Runtime(mode=args.numerics, impl=args.impl),
+                            speculative=k, spec_acceptance=speculative.acceptance(args))
+    opts = ServeOptions(model_name=args.served_model_name or folder.resolve().name, engine=engine,
+                        max_queue=args.max_queue, api_key=args.api_key, cache_dir=args.prefix_cache_dir,
+                        cache_bytes=args.prefix_cache_bytes, max_request_bytes=args.max_request_bytes,
+                        warm=not args.no_warm, mesh=mesh, preset=args.preset, engram_host=args.engram == "host",
+                        images=image_options(args), effort_table=args.effort_table, lockstep=lockstep)
     if follower:
         from dsv41_jax.serving.http.server import make_engine
 

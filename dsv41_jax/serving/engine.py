@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +61,11 @@ class EngineSettings:
     # at T > 0: "rejection" (rejection sampling, the target distribution) or "match" (a draft must
     # equal the target's own draw: the same tokens as without speculation)
     spec_acceptance: str = "rejection"
+
+    def for_model(self, cfg) -> "EngineSettings":
+        """These settings with max_seq_len decided for a config (None: the config's): the one place
+        the serving length is derived."""
+        return self if self.max_seq_len is not None else replace(self, max_seq_len=cfg.max_seq_len)
 
     def check(self, model) -> None:
         """Refuse settings this model cannot serve, naming the value and the fix."""
@@ -100,15 +105,15 @@ class Engine:
         prefix-cache files (default: hashed from the params as stored)."""
         if settings is not None and options:
             raise TypeError(f"pass settings or its fields as keywords, not both (got {sorted(options)})")
-        s = settings if settings is not None else EngineSettings(**options)
         cfg = model.cfg
+        s = (settings if settings is not None else EngineSettings(**options)).for_model(cfg)
         s.check(model)
         if cfg.engram_layer_ids and engram is None:
             raise ValueError("this config has Engram layers: pass engram=(layout, token_map) "
                              "(dsv41_jax.engram.hashing.EngramLayout and the token map)")
         self.settings, self.cfg, self.runtime, self.engram = s, cfg, s.runtime, engram
         self.slots, self.K, self.spec_acceptance = s.slots, s.speculative, s.spec_acceptance
-        self.max_seq_len = s.max_seq_len or cfg.max_seq_len
+        self.max_seq_len = s.max_seq_len
         self.min_capacity, self.prefill_chunk, self.exact = s.min_capacity, s.prefill_chunk, s.exact_prefill
         self.tail = cfg.window_size + s.tail_slack
         self.placement, self.tables = placement or OneDevice(), tables or DeviceTables()

@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from dsv41_jax.checkpoint.synthetic import synthetic_model  # noqa: E402
 from dsv41_jax.config import ModelConfig  # noqa: E402
+from dsv41_jax.serving.engine import EngineSettings  # noqa: E402
 from dsv41_jax.serving.http.server import BackgroundServer, ServeOptions, build  # noqa: E402
 from dsv41_jax.text import dsml
 from dsv41_jax.text import pieces  # noqa: E402
@@ -54,8 +55,9 @@ def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("serve")
     tokenizer = load_tokenizer(ByteTokenizer().save_json(folder / "tokenizer.json"))
     model = synthetic_model(tiny_config(), seed=1)
-    opts = ServeOptions(model_name="tiny", max_batch=2, max_model_len=MAX_LEN, min_capacity=MAX_LEN, prefill_chunk=16,
-                        exact_prefill=True, max_queue=1, api_key=KEY, test_hooks=True, cache_dir=str(folder / "conv"),
+    opts = ServeOptions(model_name="tiny", engine=EngineSettings(slots=2, max_seq_len=MAX_LEN, min_capacity=MAX_LEN,
+                                                                 prefill_chunk=16, exact_prefill=True),
+                        max_queue=1, api_key=KEY, test_hooks=True, cache_dir=str(folder / "conv"),
                         cache_bytes=1 << 20, max_request_bytes=1 << 20)
     app, worker = build(model, tokenizer, opts)
     srv = BackgroundServer(app, worker).start()

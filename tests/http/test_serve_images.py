@@ -25,6 +25,7 @@ from PIL import Image  # noqa: E402
 from dsv41_jax.checkpoint.synthetic import synthetic_model  # noqa: E402
 from dsv41_jax.config import ModelConfig  # noqa: E402
 from dsv41_jax.serving.http.images import ImageOptions  # noqa: E402
+from dsv41_jax.serving.engine import EngineSettings  # noqa: E402
 from dsv41_jax.serving.http.server import BackgroundServer, ServeOptions, banned_ids, build  # noqa: E402
 from dsv41_jax.text.tokenizer import load_tokenizer  # noqa: E402
 from dsv41_jax.train.data import ByteTokenizer  # noqa: E402
@@ -59,8 +60,9 @@ def served(tmp_path_factory):
     cfg = vision_config()
     assert tokenizer.token_to_id("<\uff5cdeepseek_image\uff5c>") == cfg.image_token_id
     model = synthetic_model(cfg, seed=3)
-    opts = ServeOptions(model_name="tiny-vl", max_batch=2, max_model_len=MAX_LEN, min_capacity=MAX_LEN,
-                        prefill_chunk=64, exact_prefill=True, cache_dir=str(folder / "conv"), cache_bytes=1 << 22,
+    opts = ServeOptions(model_name="tiny-vl", engine=EngineSettings(slots=2, max_seq_len=MAX_LEN, min_capacity=MAX_LEN,
+                                                                    prefill_chunk=64, exact_prefill=True),
+                        cache_dir=str(folder / "conv"), cache_bytes=1 << 22,
                         images=ImageOptions(ImageLimits(max_images=2)))
     app, worker = build(model, tokenizer, opts)
     srv = BackgroundServer(app, worker).start()

@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from dsv41_jax.checkpoint.hf_writer import save_hf_checkpoint  # noqa: E402
 from dsv41_jax.checkpoint.synthetic import synthetic_model  # noqa: E402
 from dsv41_jax.cli.main import main  # noqa: E402
+from dsv41_jax.serving.engine import EngineSettings  # noqa: E402
 from dsv41_jax.serving.http.server import BackgroundServer, ServeOptions, build  # noqa: E402
 from dsv41_jax.text.tokenizer import load_tokenizer  # noqa: E402
 from dsv41_jax.train.data import ByteTokenizer  # noqa: E402
@@ -77,7 +78,7 @@ def test_speculative_acceptance_flag_selects_the_engine_rule(ckpts, capsys):
     for extra, rule in (([], "rejection"), (["--speculative-acceptance", "match"], "match"),
                         (["--speculative-acceptance", "rejection"], "rejection")):
         _, worker, opts = load_server(build_parser().parse_args(base + extra))
-        assert opts.spec_acceptance == rule and worker.engine.spec_acceptance == rule
+        assert opts.engine.spec_acceptance == rule and worker.engine.spec_acceptance == rule
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(base + ["--speculative-acceptance", "greedy"])
     err = capsys.readouterr().err
@@ -97,8 +98,9 @@ def test_warm_speculative_server_compiles_nothing_after_ready(tmp_path):
     tokenizer = load_tokenizer(ByteTokenizer().save_json(tmp_path / "tokenizer.json"))
     k = BLOCK - 1
     app, worker = build(synthetic_model(dspark_config(64), seed=3), tokenizer,
-                        ServeOptions(model_name="tiny", max_batch=2, max_model_len=64, prefill_chunk=16,
-                                     exact_prefill=True, warm=True, speculative=k))
+                        ServeOptions(model_name="tiny", engine=EngineSettings(slots=2, max_seq_len=64, prefill_chunk=16,
+                                                                              exact_prefill=True, speculative=k),
+                                     warm=True))
     srv = BackgroundServer(app, worker).start()
     try:
         with httpx.Client(base_url=srv.url, timeout=600) as http:

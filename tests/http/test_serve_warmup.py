@@ -14,7 +14,7 @@ import pytest
 
 from dsv41_jax.checkpoint.synthetic import synthetic_model
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.serving.engine import Engine, Request, pieces
+from dsv41_jax.serving.engine import Engine, EngineSettings, Request, pieces
 from dsv41_jax.serving.http.server import BackgroundServer, ServeOptions, build
 from dsv41_jax.serving.sampling import SamplingParams
 from dsv41_jax.serving.warmup import piece_sizes, program_list, warm
@@ -63,8 +63,8 @@ def tiny_app(folder, max_len: int, seed: int = 1, **opts):
                            engram_layer_ids=(), n_routed_experts=4, max_seq_len=max_len, max_batch_size=2)
     tokenizer = load_tokenizer(ByteTokenizer().save_json(folder / "tokenizer.json"))
     return build(synthetic_model(cfg, seed=seed), tokenizer,
-                 ServeOptions(model_name="tiny", max_batch=2, max_model_len=max_len, prefill_chunk=16,
-                              exact_prefill=True, **opts))
+                 ServeOptions(model_name="tiny", engine=EngineSettings(slots=2, max_seq_len=max_len, prefill_chunk=16,
+                                                                       exact_prefill=True), **opts))
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 8, 16, 100, 512])

@@ -10,7 +10,6 @@ import socket
 import threading
 import time
 
-from dsv41_jax.runtime import Runtime
 from dsv41_jax.serving.engine import Engine, EngineSettings
 from dsv41_jax.serving.http.app import ServerConfig, build_app
 from dsv41_jax.serving.http.metrics import Metrics
@@ -20,19 +19,16 @@ from sharding.serving import engine_strategies
 
 @dataclasses.dataclass
 class ServeOptions:
-    """The engine and server knobs of `dsv41 serve` (see its --help)."""
+    """The server knobs of `dsv41 serve` (see its --help), and the settings of the engine it serves with."""
 
     model_name: str = "dsv41"
-    max_batch: int = 4
-    max_model_len: int | None = None
-    min_capacity: int = 256
-    prefill_chunk: int = 512
-    exact_prefill: bool = False
+    # slots = --max-batch, max_seq_len = --max-model-len (None: the config's), speculative = K DSpark
+    # drafts per step (needs exact_prefill); `make_engine` adds the tokenizer's banned ids
+    engine: EngineSettings = EngineSettings()
     max_queue: int = 256
     api_key: str | None = None
     cache_dir: str | None = None
     cache_bytes: int = 1 << 30
-    runtime: Runtime = Runtime()
     max_request_bytes: int = 32 << 20
     warm: bool = False  # compile every program before /ready says ready (`dsv41 serve` turns it on)
     mesh: object = None  # a jax.sharding.Mesh to serve on (sharding.serving.engine_strategies); None = one device
@@ -40,11 +36,19 @@ class ServeOptions:
     engram_host: bool = False  # Engram tables in host memory (sharding.serving.engine_strategies, --engram host)
     test_hooks: bool = False  # tests build the app with this; no `dsv41 serve` flag sets it
     images: object = None  # images.ImageOptions (limits); None = the defaults
-    speculative: int = 0  # K DSpark drafts per step (Engine(speculative=K); needs exact_prefill)
-    spec_acceptance: str = "rejection"  # Engine(spec_acceptance=...): "rejection" or "match" at T > 0
     effort_table: object = None  # reasoning_effort names -> budgets (chat.EFFORT_TABLES); None: the default
     # across processes, on process 0: (lockstep.Channel, lockstep.Watchdog); its engine publishes every call
     lockstep: object = None
+
+    @property
+    def max_batch(self) -> int:
+        """Sequences served together (the engine's slots), by the server's name."""
+        return self.engine.slots
+
+    @property
+    def max_model_len(self) -> int | None:
+        """Prompt + completion limit per sequence (the engine's max_seq_len), by the server's name."""
+        return self.engine.max_seq_len
 
 
 def banned_ids(cfg, tokenizer) -> list[int]:
@@ -56,15 +60,14 @@ def banned_ids(cfg, tokenizer) -> list[int]:
 
 def make_engine(model, tokenizer, opts: ServeOptions) -> Engine:
     """The engine `build` serves with (every process serving across processes builds the same one).
-    Its `max_seq_len` is the server's max model length (the options' or the config's)."""
+    Its `max_seq_len` is the server's max model length (`EngineSettings.for_model`: the options' or the
+    config's); the smallest capacity bucket is at most that."""
     from dsv41_jax.serving.generate import engram_tables
 
     cfg = model.cfg
-    max_len = opts.max_model_len or cfg.max_seq_len
-    settings = EngineSettings(slots=opts.max_batch, max_seq_len=max_len, min_capacity=min(opts.min_capacity, max_len),
-                              prefill_chunk=opts.prefill_chunk, exact_prefill=opts.exact_prefill, runtime=opts.runtime,
-                              banned_ids=tuple(banned_ids(cfg, tokenizer)), speculative=opts.speculative,
-                              spec_acceptance=opts.spec_acceptance)
+    settings = opts.engine.for_model(cfg)
+    settings = dataclasses.replace(settings, min_capacity=min(settings.min_capacity, settings.max_seq_len),
+                                   banned_ids=tuple(banned_ids(cfg, tokenizer)))
     engram = engram_tables(cfg, tokenizer) if cfg.engram_layer_ids else None
     return Engine(model, settings, engram=engram, **engine_strategies(opts.mesh, opts.preset, opts.engram_host))
 
