@@ -8,6 +8,8 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
+from dsv41_jax.layers.basic import QLinear
+from dsv41_jax.layers.moe import Experts
 from dsv41_jax.model.block import Plan
 
 
@@ -28,14 +30,12 @@ def kernel_params(graphdef, params, plan: Plan):
     (`jax.eval_shape`)."""
     if plan.runtime.mode != "fast" or plan.runtime.impl != "pallas":
         return params
-    from pallas_kernels.common.backend import resolve  # noqa: WPS433 (optional dependency on the kernels)
-    from pallas_kernels.expert_gemm import layout  # noqa: WPS433
+    # deferred: the kernels' modules load only for a plan that runs them
+    from pallas_kernels.common.backend import resolve
+    from pallas_kernels.expert_gemm import layout
 
     if resolve("pallas", plan.runtime.interpret).kind != "tpu":
         return params
-    from dsv41_jax.layers.basic import QLinear
-    from dsv41_jax.layers.moe import Experts
-
     model = nnx.merge(graphdef, params, copy=True)  # fresh Variables (the same arrays): params stay as they are
     for _, node in nnx.iter_graph(model.layers):
         if isinstance(node, Experts) and node.kind == "fp4" and not layout.is_words(node.w1):

@@ -17,12 +17,14 @@ import numpy as np
 from flax import nnx
 
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.engram.hashing import EngramLayout
 from dsv41_jax.layers.attention import Attention
 from dsv41_jax.layers.basic import KeyStream, RMSNorm
 from dsv41_jax.layers.engram import Engram
 from dsv41_jax.layers.mhc_site import HyperSite
 from dsv41_jax.layers.moe import MoE
 from dsv41_jax.runtime import COMPILER_OPTIONS, Runtime
+from dsv41_jax.vision.tower import Aligner, ViT
 from dsv41_jax.model import block as body
 from dsv41_jax.model.cache import init_cache  # noqa: F401 (re-exported: the drivers' import)
 from dsv41_jax.model.dspark import build_stages
@@ -61,8 +63,6 @@ class Transformer(nnx.Module):
         # DSpark stages (mtp.{k}.*); they share embed and head (dsv41_jax.model.dspark)
         self.mtp = build_stages(cfg, rngs)
         if cfg.vision_enabled:  # the VL path (docs/VISION.md); dsv41_jax.vision.merge builds the span rows
-            from dsv41_jax.vision.tower import ViT, Aligner
-
             delim = lambda: nnx.Param(jax.random.normal(rngs.params(), (cfg.dim,), jnp.float32).astype(jnp.bfloat16))
             self.vision, self.aligner = ViT(cfg, rngs=rngs), Aligner(cfg, rngs=rngs)
             self.image_start, self.image_end, self.image_newline = delim(), delim(), delim()
@@ -76,8 +76,6 @@ def engram_table_rows(cfg: ModelConfig) -> tuple[int, ...]:
         return ()
     if cfg.engram_num_embeddings:
         return tuple(cfg.engram_num_embeddings)
-    from dsv41_jax.engram.hashing import EngramLayout
-
     return EngramLayout.build(cfg.engram_layer_ids, cfg.engram_max_ngram_size, cfg.engram_n_heads, cfg.engram_head_dim,
                               cfg.engram_vocab_size, cfg.engram_compressed_vocab_size, cfg.engram_pad_id).num_embeddings
 

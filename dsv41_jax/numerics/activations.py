@@ -14,7 +14,7 @@ from dsv41_jax.numerics.exact_ops import no_fma, true_divide
 from dsv41_jax.numerics.glibc_expf import expf_glibc
 from dsv41_jax.numerics.glibc_log1pf import log1pf_glibc
 from dsv41_jax.numerics.mkl_sqrt import sqrt_mkl
-from dsv41_jax.numerics.sleef_exp import expf_u10, log1pf_u10
+from dsv41_jax.numerics.sleef_exp import expf_u10, fma64, log1pf_u10
 from dsv41_jax.numerics.torch_loops import scalar_tail_mask
 
 
@@ -93,8 +93,6 @@ _ERF_POLY = (1.061405429, -1.453152027, 1.421413741, -0.284496736, 0.254829592)
 
 
 def _erf_torch_vec(x: jax.Array) -> jax.Array:
-    from dsv41_jax.numerics.sleef_exp import fma64
-
     f32 = jnp.float32
     a = jnp.abs(x)
     t = true_divide(jnp.ones_like(x), fma64(f32(_ERF_P), a, f32(1.0)))

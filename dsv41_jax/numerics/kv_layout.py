@@ -17,6 +17,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from dsv41_jax.numerics import quant
+
 
 class WindowKV(NamedTuple):
     """FP8 window entries: values [..., D] float8_e4m3fn, scales [..., D/32] uint8 (E8M0)."""
@@ -40,38 +42,26 @@ class IndexKeys(NamedTuple):
 
 
 def quantize_window(x: jax.Array) -> WindowKV:
-    from dsv41_jax.numerics import quant
-
     return WindowKV(*quant.quant_fp8_act(x, 32))
 
 
 def dequantize_window(w: WindowKV) -> jax.Array:
-    from dsv41_jax.numerics import quant
-
     return quant.dequant_fp8_act(w.values, w.scales, 32)
 
 
 def quantize_compressed(x: jax.Array) -> CompressedKV:
-    from dsv41_jax.numerics import quant
-
     return CompressedKV(*quant.quant_fp4_kv(x, 16))
 
 
 def dequantize_compressed(c: CompressedKV) -> jax.Array:
-    from dsv41_jax.numerics import quant
-
     return quant.dequant_fp4_kv(c.packed, c.scales, 16)
 
 
 def quantize_index_keys(x: jax.Array) -> IndexKeys:
-    from dsv41_jax.numerics import quant
-
     return IndexKeys(*quant.quant_fp4_mx(x, 32))
 
 
 def dequantize_index_keys(k: IndexKeys) -> jax.Array:
-    from dsv41_jax.numerics import quant
-
     return quant.dequant_fp4_mx(k.packed, k.scales, 32)
 
 

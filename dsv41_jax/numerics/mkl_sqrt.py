@@ -33,7 +33,7 @@ from dsv41_jax.numerics.exact_ops import exact_sqrt, no_fma
 @functools.lru_cache(maxsize=1)
 def rsqrtps_table() -> np.ndarray:
     """uint32 [8192]: rsqrtps bits for an input of biased exponent 126 + parity (see the table module)."""
-    from dsv41_jax.numerics.amd_rsqrtps_table import TABLE_B64
+    from dsv41_jax.numerics.amd_rsqrtps_table import TABLE_B64  # deferred: a 240-line table, read on first use
 
     v = np.frombuffer(base64.b64decode("".join(TABLE_B64)), "<u2").astype(np.uint32)
     return ((np.uint32(0x70) | (v >> np.uint32(12))) << np.uint32(23)) | ((v & np.uint32(0xFFF)) << np.uint32(11))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dsv41_jax.numerics.libm_powf import two_sum
+from dsv41_jax.numerics.libm_powf import powf, two_sum
 from dsv41_jax.numerics.torch_loops import TORCH_AVX512_STEP
 
 F32 = np.float32
@@ -187,8 +187,6 @@ def powf_u10(x, y) -> np.ndarray:
 def rope_pow(base: float, exps: np.ndarray) -> np.ndarray:
     """torch's ``base ** exps`` for a contiguous float32 vector on the oracle's AVX-512 CPU:
     SLEEF on the first 32 * floor(n / 32) elements, glibc powf on the rest (`torch_loops`)."""
-    from dsv41_jax.numerics.libm_powf import powf
-
     exps = np.asarray(exps, F32)
     n_body = (exps.size // TORCH_AVX512_STEP) * TORCH_AVX512_STEP
     out = powf(F32(base), exps)

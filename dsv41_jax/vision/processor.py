@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from dsv41_jax.vision.merge import ImageInput, llm_grid, num_image_tokens, span_types, TEXT
 
@@ -90,8 +91,6 @@ def plan_grid(width: int, height: int, cfg) -> ImageGrid:
 
 def decode_image(data: bytes, *, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int = MAX_IMAGE_PIXELS):
     """Encoded image bytes (PNG, JPEG, WebP, GIF, ...) -> an RGB PIL image, with clear refusals."""
-    from PIL import Image, UnidentifiedImageError
-
     if len(data) > max_bytes:
         raise ImageError(f"image is {len(data)} bytes, over the {max_bytes}-byte limit; send a smaller file")
     try:
@@ -108,8 +107,6 @@ def decode_image(data: bytes, *, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: i
 
 def image_patches(image, cfg) -> tuple[np.ndarray, ImageGrid]:
     """A PIL image -> (patches bf16 [n_vit_h * n_vit_w, 3, p, p], grid)."""
-    from PIL import ImageOps
-
     image = image.convert("RGB")
     grid = plan_grid(image.width, image.height, cfg)
     size = (grid.width, grid.height)

@@ -25,7 +25,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Mapping
 
-from dsv41_jax.vision.processor import ImageError, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS
+from dsv41_jax.vision.processor import ImageError, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, decode_image
 
 DETAILS = ("auto", "low", "high")
 
@@ -160,8 +160,6 @@ def image_bytes(part: Mapping, where: str, limits: ImageLimits) -> bytes:
 
 def load_images(parts, limits: ImageLimits, where: str = "messages"):
     """Decoded RGB images for a prompt's image parts (in prompt order), within `limits`."""
-    from dsv41_jax.vision.processor import decode_image
-
     if len(parts) > limits.max_images:
         raise ImageError(f"{where}: {len(parts)} images, over the limit of {limits.max_images} per request "
                          "(--max-images-per-request)")
