@@ -67,7 +67,7 @@ class CaseRunner:
         self.engram = gc.engram_hasher()
         self.impl, self.interpret = impl, interpret
         self._steps: dict = {}
-        self._encoder = None  # the jitted image encoder, built on the first image case
+        self.image_encoder = None  # the jitted image encoder, built on the first image case (check_vision)
         self.decisions: list | None = None  # when a list: one record per run (`--dump-decisions`)
 
     def _step(self, quirk: bool, collect: bool):
@@ -283,8 +283,8 @@ def check_vision(runner: CaseRunner, case: dict, t: dict) -> tuple[Entry, tuple]
     Returns the entry and the prompt's span (rows, token_types) for the backbone checks."""
     from dsv41_jax.vision.merge import ImageInput, make_image_encoder, span_rows
 
-    if runner._encoder is None:
-        runner._encoder = make_image_encoder(runner.graphdef, Runtime(mode="exact"), collect=True)
+    if runner.image_encoder is None:
+        runner.image_encoder = make_image_encoder(runner.graphdef, Runtime(mode="exact"), collect=True)
     types = np.asarray(t["token_types"]).astype(np.int64)
     images, embeds, detail, ok, max_abs = [], [], [], True, 0.0
 
@@ -299,7 +299,7 @@ def check_vision(runner: CaseRunner, case: dict, t: dict) -> tuple[Entry, tuple]
 
     for k, im in enumerate(case["images"]):
         img = ImageInput(im["start"], t[f"image{k}.patches"], im["n_vit_h"], im["n_vit_w"])
-        feats, emb, trace = runner._encoder(runner.params, jnp.asarray(img.patches), img.n_vit_h, img.n_vit_w)
+        feats, emb, trace = runner.image_encoder(runner.params, jnp.asarray(img.patches), img.n_vit_h, img.n_vit_w)
         for key, val in trace.items():
             if f"trace.image{k}.{key}" in t:
                 compare(f"image{k}.{key}", val, t[f"trace.image{k}.{key}"])

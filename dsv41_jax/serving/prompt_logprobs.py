@@ -13,6 +13,7 @@ log-softmax, the target gather and the top entries are computed on the device, s
 from __future__ import annotations
 
 import functools
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -24,10 +25,12 @@ from dsv41_jax.serving.engine import Engine, pieces
 from dsv41_jax.serving.split_prefill import exact_prefill
 
 TOP = 20  # the most top_logprobs a request may ask for (OpenAI's bound)
+# engine -> its jitted scoring step, built on the engine's first echo request (and gone with the engine)
+_PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _program(engine: Engine):
-    fn = getattr(engine, "_prompt_logprobs_step", None)
+    fn = _PROGRAMS.get(engine)
     if fn is None:
         gd, rt = engine.graphdef, engine.runtime
         # on a mesh: the cache keeps the preset's layout, and the logits are gathered whole before
@@ -43,7 +46,7 @@ def _program(engine: Engine):
             top_lp, top_ids = jax.lax.top_k(lp, min(TOP, lp.shape[-1]))
             return target, top_lp, top_ids, fix(cache)
 
-        engine._prompt_logprobs_step = fn
+        _PROGRAMS[engine] = fn
     return fn
 
 
