@@ -5,8 +5,9 @@ Between decode steps the scheduler admits waiting requests into free slots (thei
 prefilled alone, in pieces, and the one-row cache is inserted into the slot), emits each slot's
 tokens, and evicts finished or cancelled ones; the device work is `serving.steps`, jitted pure
 functions of (params, cache, inputs) -> (outputs, cache) built once from the settings, so the host
-keeps only the slot table. Prefill uses the CED split (Graph A over every prompt token, Graph B
-over the last `window + tail_slack`) unless `exact_prefill`. Decode is `split_prefill.decode_step`
+keeps only the slot table. Prefill (`serving.prefill`, which drives those steps for one request)
+uses the CED split (Graph A over every prompt token, Graph B over the last `window + tail_slack`)
+unless `exact_prefill`. Decode is `split_prefill.decode_step`
 (the one layer body, `model.block`) with `Engine.decode_plan` (pool scoring, packed fast index
 scoring, selected compressed rows gathered).
 
@@ -34,11 +35,12 @@ from dsv41_jax.runtime import Runtime
 from dsv41_jax.serving import prefix_cache, speculation
 from dsv41_jax.serving.buckets import capacity_for, empty_cache, resize_cache
 from dsv41_jax.serving.placement import DeviceTables, OneDevice
+from dsv41_jax.serving.prefill import prefill_request
 from dsv41_jax.serving.request import Request, Result, check_request
 from dsv41_jax.serving.sampling import (banned_mask, check_finite_logits, empty_history, history_row,
                                         mask_words, sample, slot_arrays)
 from dsv41_jax.serving.split_prefill import check_splittable, decode_plan
-from dsv41_jax.serving.steps import build_steps, pieces, span_rows
+from dsv41_jax.serving.steps import build_steps, pieces
 
 __all__ = ["Engine", "EngineSettings", "Request", "Result", "pieces"]
 
@@ -179,21 +181,6 @@ class Engine:
         """An empty cache for `batch` sequences at the engine's capacity, placed (`placed`)."""
         return self.placed(empty_cache(self.cfg, batch, self.capacity))
 
-    def prefill_buffers(self) -> dict:
-        """Graph A's buffers, empty and placed: the newest `tail` positions' hidden state and
-        pre-mix, and with a drafter the taps of its target layers before the first decoder layer."""
-        cfg, tail = self.cfg, self.tail
-        buffers = {"h": jnp.zeros((1, tail, cfg.hc_mult, cfg.dim), jnp.bfloat16),
-                   "pre": jnp.zeros((1, tail, cfg.hc_mult), jnp.float32)}
-        if self.K:
-            width = cfg.dim * sum(l < cfg.decoder_start for l in cfg.dspark_target_layer_ids)
-            buffers["taps"] = jnp.zeros((1, tail, width), jnp.bfloat16)
-        return self.placed(buffers)
-
-    def row_state(self):
-        """A one-row drafter state for a prefill, placed (None without a drafter)."""
-        return self.placed(dspark.init_state(self.cfg, 1)) if self.K else None
-
     def grow(self, needed: int):
         """The batch cache at the capacity bucket that holds `needed` positions (never smaller)."""
         if needed <= self.capacity:
@@ -223,63 +210,9 @@ class Engine:
         rings, one row: new ones, or those stored with its conversation), else leaves it None: a
         conversation stored without rings (an older file, or one written without speculation) resumes
         without speculating (its replayed window cannot rebuild them: `prefix_cache.load_rings`).
-        The steps take rings on every speculating engine (one program per step): a request without
-        its own runs with fresh ones, then dropped."""
-        rings = None
-        if self.K and req.speculate:
-            rings = (dspark.init_state(self.cfg, 1) if req.resume_from is None else
-                     prefix_cache.load_rings(req.resume_from, self.cfg, fingerprint=self.fingerprint))
-            rings = None if rings is None else self.placed(rings)
-        own = rings is not None
-        rings = rings if own else self.row_state()
-        tokens: list[int] = []
-        logits = None
-        if req.resume_from is not None:
-            logits, cache, tokens = self._resume(req)
-        else:
-            cache = self.empty(1)
-        new = [int(t) for t in req.prompt]
-        if new:
-            run = self._prefill_exact if self.exact or len(new) <= self.tail else self._prefill_split
-            logits, cache, rings = run(tokens, new, req.spans, cache, rings)
-        self.row_rings = rings if own else None
-        return logits, cache, tokens + new, len(tokens)
-
-    def _resume(self, req: Request):
-        """(logits, one-row cache, stored tokens) of a stored conversation, its last window replayed."""
-        cache, stored = prefix_cache.load_prefix(req.resume_from, self.cfg, capacity=self.capacity,
-                                                 fingerprint=self.fingerprint)
-        cache = self.placed(cache)
-        tokens = [int(t) for t in stored]
-        n = min(self.cfg.window_size, len(tokens))
-        params, ids = self.step_inputs(self.engram_ids(tokens[:-n], tokens[-n:]))
-        logits, cache = self.steps.replay(params, jnp.asarray([tokens[-n:]], jnp.int32), cache, ids,
-                                          span_rows(req.history_spans, len(tokens) - n, len(tokens)))
-        return logits, cache, tokens
-
-    def _prefill_exact(self, tokens: list[int], new: list[int], spans, cache: dict, rings):
-        logits, done = None, 0
-        for size in pieces(len(new), self.prefill_chunk):
-            chunk = new[done:done + size]
-            params, ids = self.step_inputs(self.engram_ids(tokens + new[:done], chunk))
-            logits, cache, rings = self.steps.prefill(params, jnp.asarray([chunk], jnp.int32), cache, rings, ids,
-                                                      span_rows(spans, done, done + size))
-            done += size
-        return logits, cache, rings
-
-    def _prefill_split(self, tokens: list[int], new: list[int], spans, cache: dict, rings):
-        buffers, done = self.prefill_buffers(), 0
-        for size in pieces(len(new), self.prefill_chunk):
-            chunk = new[done:done + size]
-            params, ids = self.step_inputs(self.engram_ids(tokens + new[:done], chunk))
-            cache, buffers = self.steps.encode(params, jnp.asarray([chunk], jnp.int32), cache, buffers, ids,
-                                               span_rows(spans, done, done + size))
-            done += size
-        floor = jnp.full((1,), len(tokens) + len(new) - self.tail, jnp.int32)
-        tail_spans = span_rows(spans, len(new) - self.tail, len(new))
-        params, ids = self.step_inputs(self.engram_ids(tokens + new[:-self.tail], new[-self.tail:]))
-        vl = None if tail_spans is None else tail_spans[1] >= 0
-        return self.steps.finish(params, buffers, cache, rings, floor, ids, vl)
+        The device work is `serving.prefill.prefill_request`."""
+        logits, cache, tokens, cached, self.row_rings = prefill_request(self, req)
+        return logits, cache, tokens, cached
 
     def _admit(self):
         while self.waiting and None in self.table:

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv41_jax.serving.engine import Engine, Request
+from dsv41_jax.serving.prefill import prefill_buffers, row_state
 from dsv41_jax.serving.sampling import SamplingParams
 
 
@@ -89,11 +90,11 @@ def _run(engine: Engine, kind: str, n: int):
     params, ids = engine.step_inputs(engine.engram_ids([], [0] * n))  # host Engram: compact tables
     steps = engine.steps
     if kind == "exact":
-        out = steps.prefill(params, tokens, engine.empty(1), engine.row_state(), ids, None)
+        out = steps.prefill(params, tokens, engine.empty(1), row_state(engine), ids, None)
     elif kind == "graph_a":
-        out = steps.encode(params, tokens, engine.empty(1), engine.prefill_buffers(), ids, None)
+        out = steps.encode(params, tokens, engine.empty(1), prefill_buffers(engine), ids, None)
     elif kind == "graph_b":
-        out = steps.finish(params, engine.prefill_buffers(), engine.empty(1), engine.row_state(),
+        out = steps.finish(params, prefill_buffers(engine), engine.empty(1), row_state(engine),
                            jnp.full((1,), 0, jnp.int32), ids, None)
     elif kind == "replay":
         out = steps.replay(params, tokens, engine.empty(1), ids, None)
