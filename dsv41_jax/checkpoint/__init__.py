@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import pathlib
 
-from dsv41_jax.checkpoint.hf_loader import CheckpointError, LoadReport, load_checkpoint
+from dsv41_jax.checkpoint.hf_loader import CheckpointError, INDEX_FILE, load_checkpoint, LoadReport, SINGLE_FILE
 from dsv41_jax.checkpoint.hf_writer import save_hf_checkpoint, write_hf_folder
+from dsv41_jax.model.info import abstract_model
+from dsv41_jax.model.param_names import flat_params
 
 __all__ = ["CheckpointError", "LoadReport", "checkpoint_format", "load", "load_checkpoint", "save_hf_checkpoint",
            "write_hf_folder"]
@@ -17,8 +19,7 @@ __all__ = ["CheckpointError", "LoadReport", "checkpoint_format", "load", "load_c
 
 def checkpoint_format(folder) -> str:
     """"hf" or "orbax" for a checkpoint folder; CheckpointError when it is neither."""
-    from dsv41_jax.checkpoint import orbax_io
-    from dsv41_jax.checkpoint.hf_loader import INDEX_FILE, SINGLE_FILE
+    from dsv41_jax.checkpoint import orbax_io  # deferred: the orbax side loads for an orbax folder only
 
     folder = pathlib.Path(folder)
     if not folder.is_dir():
@@ -39,7 +40,7 @@ def load(folder, *, shardings=None, progress: bool = True, config_overrides: dic
     language_model_only: build the text-only model (no vision tower, no `bias_vl`), as vLLM's
     --language-model-only; an HF load does not read those tensors at all."""
     if checkpoint_format(folder) == "orbax":
-        from dsv41_jax.checkpoint.orbax_io import load_orbax_checkpoint
+        from dsv41_jax.checkpoint.orbax_io import load_orbax_checkpoint  # deferred: as in checkpoint_format
 
         cfg, model, report = load_orbax_checkpoint(folder, shardings=shardings, config_overrides=config_overrides,
                                                    check_values=check_values)
@@ -53,9 +54,6 @@ def load(folder, *, shardings=None, progress: bool = True, config_overrides: dic
 def _without_vision(text_cfg, model):
     """The text-only model holding `model`'s backbone arrays (shared, not copied)."""
     from flax import nnx
-
-    from dsv41_jax.model.param_names import flat_params
-    from dsv41_jax.model.info import abstract_model
 
     graphdef, state = nnx.split(abstract_model(text_cfg))
     have = flat_params(model)

@@ -23,10 +23,11 @@ import numpy as np
 from flax import nnx
 
 from dsv41_jax.checkpoint import fp8_tiles, placement, values
-from dsv41_jax.checkpoint.names import DiskTensor, disk_tensors, is_wo_a, wo_a_scale_shape
-from dsv41_jax.checkpoint.safetensors_file import SafetensorsFile, TensorInfo, normalize_index, read_header
+from dsv41_jax.checkpoint.names import disk_tensors, DiskTensor, is_wo_a, wo_a_scale_shape
+from dsv41_jax.checkpoint.safetensors_file import normalize_index, read_header, SafetensorsFile, TensorInfo
+from dsv41_jax.checkpoint.weights import config_for_names, is_ignored, WeightError
 from dsv41_jax.config import ConfigError, ModelConfig
-from dsv41_jax.checkpoint.weights import WeightError, config_for_names, is_ignored
+from dsv41_jax.model.info import abstract_model
 from dsv41_jax.model.param_names import flat_params
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -279,8 +280,6 @@ def load_checkpoint(folder, *, shardings: placement.ShardingSpec = None, progres
       `sharding.load`). The report's `bytes_per_device` counts what each device holds.
     """
     from tqdm.auto import tqdm
-
-    from dsv41_jax.model.info import abstract_model
 
     folder = pathlib.Path(folder)
     if not folder.is_dir():

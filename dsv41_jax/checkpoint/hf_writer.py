@@ -22,12 +22,12 @@ import numpy as np
 from flax import nnx
 
 from dsv41_jax.checkpoint import atomic, fp8_tiles
-from dsv41_jax.checkpoint.hf_loader import INDEX_FILE
-from dsv41_jax.checkpoint.names import DiskTensor, disk_tensors, is_compressor_weight, is_wo_a, wo_a_scale_shape
-from dsv41_jax.checkpoint.safetensors_file import DTYPES, TensorEntry, write_file
+from dsv41_jax.checkpoint.hf_loader import INDEX_FILE, weight_map
+from dsv41_jax.checkpoint.names import disk_tensors, DiskTensor, is_compressor_weight, is_wo_a, wo_a_scale_shape
+from dsv41_jax.checkpoint.safetensors_file import DTYPES, read_header, SafetensorsFile, TensorEntry, write_file
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.text import special_tokens as st
 from dsv41_jax.model.param_names import flat_params
+from dsv41_jax.text import special_tokens as st
 
 DEFAULT_SHARD_BYTES = 5 << 30
 NARROW_POLICIES = ("auto", "strict", "round")
@@ -95,7 +95,7 @@ def write_hf_folder(out_dir, cfg: ModelConfig, entries: Sequence[TensorEntry], *
         raise ValueError(f"tensor names written twice: {dup[:10]}")
     tok = tokenizer_file(tokenizer)
     shards = _group(entries, max_shard_bytes)
-    weight_map, total = {}, 0
+    shard_of, total = {}, 0
     with atomic.atomic_folder(out_dir, overwrite=overwrite, sources=sources) as out:
         atomic.write_text(out / "config.json", json.dumps(cfg.to_hf_dict(), indent=2))
         if tok is not None:
@@ -105,9 +105,9 @@ def write_hf_folder(out_dir, cfg: ModelConfig, entries: Sequence[TensorEntry], *
             for i, shard in enumerate(shards):
                 fname = shard_name(i, len(shards))
                 total += write_file(out / fname, shard, metadata={"format": "pt"})
-                weight_map.update({e.name: fname for e in shard})
+                shard_of.update({e.name: fname for e in shard})
                 bar.update(sum(e.nbytes for e in shard))
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        index = {"metadata": {"total_size": total}, "weight_map": shard_of}
         atomic.write_text(out / INDEX_FILE, json.dumps(index, indent=2))
     return index
 
@@ -196,9 +196,6 @@ def save_hf_checkpoint(model: nnx.Module, out_dir, *, narrow: str = "auto", wo_a
 def copied_entries(src_folder, names: Iterable[str]) -> list[TensorEntry]:
     """Entries that copy tensors unchanged from an HF folder (convert keeps the DSpark mtp.*,
     vision.* and aligner.* tensors the model does not hold). Each is read when its turn comes."""
-    from dsv41_jax.checkpoint.hf_loader import weight_map
-    from dsv41_jax.checkpoint.safetensors_file import SafetensorsFile, read_header
-
     src = pathlib.Path(src_folder)
     wm = weight_map(src)
     wanted = set(names)

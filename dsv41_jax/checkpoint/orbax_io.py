@@ -16,7 +16,11 @@ import numpy as np
 from flax import nnx
 
 from dsv41_jax.checkpoint import atomic, placement
+from dsv41_jax.checkpoint.hf_loader import CheckpointError, LoadReport, read_config
+from dsv41_jax.checkpoint.hf_writer import tokenizer_file
+from dsv41_jax.checkpoint.values import check_model_values
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.model.info import abstract_model
 from dsv41_jax.model.param_names import flat_params
 
 PARAMS_DIR = "params"
@@ -36,8 +40,6 @@ def to_pure(params) -> dict:
 
 def abstract_target(cfg: ModelConfig, shardings: placement.ShardingSpec = None):
     """(graphdef, abstract state, pure dict of ShapeDtypeStructs carrying their target shardings)."""
-    from dsv41_jax.model.info import abstract_model
-
     graphdef, state = nnx.split(abstract_model(cfg))
     where = placement.resolve(shardings)
     for path, var in flat_params(state).items():
@@ -51,8 +53,6 @@ def save_params(folder, params, cfg: ModelConfig | None = None, *, tokenizer=Non
     """Write params (model or state) under folder/params, with config.json (and tokenizer.json),
     as a whole (`atomic.atomic_folder`): built beside `folder`, it replaces it only when complete."""
     import orbax.checkpoint as ocp
-
-    from dsv41_jax.checkpoint.hf_writer import tokenizer_file
 
     folder = pathlib.Path(folder).absolute()
     cfg = cfg if cfg is not None else getattr(params, "cfg", None)
@@ -81,8 +81,6 @@ def load_orbax_checkpoint(folder, *, shardings: placement.ShardingSpec = None, c
                           check_values: bool = True):
     """(cfg, model, report) from an orbax folder written by `save_params`; check_values refuses
     NaN/inf parameters (`values.py`)."""
-    from dsv41_jax.checkpoint.hf_loader import CheckpointError, LoadReport, read_config
-
     folder = pathlib.Path(folder)
     if not is_orbax_checkpoint(folder):
         raise CheckpointError(f"{folder} is not an orbax checkpoint folder (needs {CONFIG_FILE} and {PARAMS_DIR}/)")
@@ -94,8 +92,6 @@ def load_orbax_checkpoint(folder, *, shardings: placement.ShardingSpec = None, c
         raise CheckpointError(f"{folder / PARAMS_DIR} does not hold the parameters of {folder / CONFIG_FILE}: {e}") from e
     nnx.replace_by_pure_dict(state, pure)
     if check_values:
-        from dsv41_jax.checkpoint.values import check_model_values
-
         check_model_values(state)
     leaves = jax.tree.leaves(pure)
     report = LoadReport(str(folder), "orbax", tensors_read=len(leaves), bytes_read=sum(x.nbytes for x in leaves))

@@ -16,9 +16,10 @@ import numpy as np
 from flax import nnx
 
 from dsv41_jax.checkpoint import fp8_tiles
-from dsv41_jax.checkpoint.names import DiskTensor, disk_tensors
+from dsv41_jax.checkpoint.names import disk_tensors, DiskTensor
 from dsv41_jax.checkpoint.safetensors_file import DTYPES, TensorEntry
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.model.info import abstract_model
 from dsv41_jax.model.param_names import flat_params
 
 _E4M3, _BF16 = DTYPES["F8_E4M3"], DTYPES["BF16"]
@@ -63,8 +64,6 @@ def _value(path: tuple, shape: tuple, dt: np.dtype, flat: dict, rng: np.random.G
 
 def random_params(cfg: ModelConfig, seed: int = 0) -> dict[tuple, np.ndarray]:
     """Host parameters for every path of `Transformer(cfg)`, in the model's storage dtypes."""
-    from dsv41_jax.model.info import abstract_model
-
     flat = flat_params(abstract_model(cfg))
     rng = np.random.default_rng(seed)
     return {p: _value(p, tuple(v.shape), np.dtype(v.dtype), flat, rng) for p, v in flat.items()}
@@ -72,8 +71,6 @@ def random_params(cfg: ModelConfig, seed: int = 0) -> dict[tuple, np.ndarray]:
 
 def model_from_params(cfg: ModelConfig, params: dict[tuple, np.ndarray], device=None) -> nnx.Module:
     """A Transformer holding `params` (numpy, model dtypes) on `device` (default: the first)."""
-    from dsv41_jax.model.info import abstract_model
-
     graphdef, state = nnx.split(abstract_model(cfg))
     flat = flat_params(state)
     device = device or jax.devices()[0]
@@ -112,8 +109,6 @@ def random_entries(cfg: ModelConfig, seed: int = 0, *, chunk_bytes: int = 32 << 
     """Random bytes of the release dtypes for every tensor of `cfg`, produced per tensor in row
     chunks without building the model: for loader tests at sizes no host copy should be made of.
     The values do not make a working model."""
-    from dsv41_jax.model.info import abstract_model
-
     tensors = disk_tensors(abstract_model(cfg), wo_a_fp8=cfg.dtype == "fp8")
     return [TensorEntry(t.name, t.dtype, t.shape, _random_chunks(t, seed * 1_000_003 + i, chunk_bytes))
             for i, t in enumerate(tensors)]

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from dsv41_jax.checkpoint.names import disk_tensors
 from dsv41_jax.checkpoint.weights import WeightError
+from dsv41_jax.model.param_names import flat_params
 
 SKIP_HINT = "pass --no-value-check (check_values=False) to load it anyway"
 
@@ -49,9 +51,6 @@ def check_model_values(model_or_state) -> None:
     """`check_values` for every parameter of a loaded model (the orbax path, which restores whole
     arrays), each named by its checkpoint tensor name; one host copy of a parameter at a time."""
     import jax
-
-    from dsv41_jax.checkpoint.names import disk_tensors
-    from dsv41_jax.model.param_names import flat_params
 
     flat = flat_params(model_or_state)
     host: dict[tuple, np.ndarray] = {}

@@ -16,6 +16,7 @@ from flax import nnx
 
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.model.param_names import flat_params, is_vision_name, our_path, reference_name
+from dsv41_jax.model.transformer import Transformer
 
 
 class WeightError(ValueError):
@@ -62,8 +63,6 @@ def load_reference_state_dict(cfg: ModelConfig, get: Callable[[str], np.ndarray]
     get(name) returns a numpy array (only called for names we use). Raises WeightError naming
     every missing, unexpected or mis-shaped tensor. Returns (model, skipped names).
     """
-    from dsv41_jax.model.transformer import Transformer
-
     names = list(names)
     if model is None:
         cfg = config_for_names(cfg, names)

@@ -27,9 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsv41_jax.golden import data as golden_data
-from dsv41_jax.golden.entry import REPLAY_ULPS, Entry
+from dsv41_jax.engram.hashing import hash_ids
+from dsv41_jax.golden import data as golden_data, dspark as gd
+from dsv41_jax.golden.entry import Entry, REPLAY_ULPS
 from dsv41_jax.golden.mechanisms import exercised
+from dsv41_jax.golden.vectors import check_vectors
 from dsv41_jax.model.transformer import init_cache, make_step
 from dsv41_jax.runtime import Runtime
 
@@ -80,7 +82,6 @@ class CaseRunner:
     def _engram_ids(self, tokens: np.ndarray, start: int, all_tokens: np.ndarray):
         if self.engram is None:
             return None
-        from dsv41_jax.engram.hashing import hash_ids
 
         layout, token_map = self.engram
         hist = all_tokens[max(0, start - (layout.max_ngram_size - 1)):start][None] if start else None
@@ -155,8 +156,6 @@ class CaseRunner:
         The oracle stored main-model and stage decisions for the published schedule only, so the
         corrected forced entry imposes the stored corrected draft ids on the free corrected run's taps.
         """
-        from dsv41_jax.golden import dspark as gd
-
         if not hasattr(self, "_drafter"):
             self._drafter = gd.Drafter(self.graphdef, self.params, self.cfg)
         sfx = "_corrected" if variant == "corrected" else ""
@@ -281,6 +280,7 @@ def check_vision(runner: CaseRunner, case: dict, t: dict) -> tuple[Entry, tuple]
     """`<config>/<case>[vision]`: ViT output (and traced blocks), aligner output and the merged
     embeddings, each bit-exact (the oracle's vision numerics are reproducible: tests/README.md).
     Returns the entry and the prompt's span (rows, token_types) for the backbone checks."""
+    # deferred: the image path loads only for a folder with image cases
     from dsv41_jax.vision.merge import ImageInput, make_image_encoder, span_rows
 
     if runner.image_encoder is None:
@@ -353,8 +353,6 @@ def check_replays(runner: CaseRunner, case: dict) -> list[Entry]:
 def run_all(root, *, impl="xla", interpret=False, only=None, log=sys.stderr, decisions: dict | None = None) -> list[Entry]:
     """Every entry of a golden folder; `only` restricts to named config folders (and "quant").
     decisions: when a dict, filled with {"<config>/<case>": [one record per run, see `_call_decisions`]}."""
-    from dsv41_jax.golden.vectors import check_vectors
-
     entries: list[Entry] = []
     with jax.enable_x64(True):
         qv = golden_data.load_quant_vectors(root) if not only or "quant" in only else None

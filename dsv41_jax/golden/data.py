@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dsv41_jax.checkpoint.weights import load_reference_state_dict
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.engram.hashing import EngramLayout
 
 
 def _load_safetensors(path: pathlib.Path, names=None) -> dict[str, np.ndarray]:
@@ -50,8 +52,6 @@ class GoldenConfig:
         """The model with this folder's weights (reference state-dict names)."""
         from safetensors import safe_open
 
-        from dsv41_jax.checkpoint.weights import load_reference_state_dict
-
         with safe_open(str(self.weights_path), "flax") as f:
             names = list(f.keys())
             model, _ = load_reference_state_dict(self.cfg, lambda n: np.asarray(f.get_tensor(n)), names)
@@ -67,7 +67,6 @@ class GoldenConfig:
         """(layout, token_map) for Engram configs, else None."""
         if not self.cfg.engram_layer_ids:
             return None
-        from dsv41_jax.engram.hashing import EngramLayout
 
         eng = self.raw["engram"]
         layout = EngramLayout.from_golden_json(eng, self.raw["model_args"])

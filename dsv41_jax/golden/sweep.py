@@ -24,6 +24,10 @@ import subprocess
 import sys
 
 import numpy as np
+from dsv41_jax.checkpoint.synthetic import model_from_params, random_params
+from dsv41_jax.checkpoint.weights import to_reference_state_dict
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.engram.hashing import EngramLayout
 
 # the shared golden set's main_fp8 arguments that every sweep config starts from (then shrunk)
 BASE = dict(
@@ -163,8 +167,6 @@ def token_map(name: str, vocab: int) -> list[int]:
 def engram_layout(name: str, args: dict):
     """Primes, offsets and multipliers as our hashing derives them (stored in config.json; the oracle
     derives its own from model_args, so a disagreement shows up as different logits)."""
-    from dsv41_jax.engram.hashing import EngramLayout
-
     size = max(token_map(name, args["vocab_size"])) + 1
     return EngramLayout.from_model_args({**args, "engram_compressed_vocab_size": size})
 
@@ -174,10 +176,6 @@ def write_weights(path: pathlib.Path, args: dict, seed: int, all_logical: bool =
     all_logical: name every tensor's dtype in `logical_dtypes` (vision_golden.py reads them all)."""
     import ml_dtypes
     from safetensors.numpy import save_file
-
-    from dsv41_jax.checkpoint.synthetic import model_from_params, random_params
-    from dsv41_jax.checkpoint.weights import to_reference_state_dict
-    from dsv41_jax.config import ModelConfig
 
     cfg = ModelConfig.from_dict(args)
     sd = to_reference_state_dict(model_from_params(cfg, random_params(cfg, seed)))

@@ -26,9 +26,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.runtime import COMPILER_OPTIONS
-from dsv41_jax.runtime import Runtime
+from dsv41_jax.layers.fast_index import scores_packed
+from dsv41_jax.layers.mhc import unrolled_sinkhorn
+from dsv41_jax.layers.rope import cos_sin, layer_rope
+from dsv41_jax.model.block import decode_index_keys
+from dsv41_jax.model.info import abstract_model, model_info
+from dsv41_jax.numerics import kv_layout
+from dsv41_jax.runtime import COMPILER_OPTIONS, Runtime
 from dsv41_jax.serving.buckets import empty_cache
+from dsv41_jax.serving.split_prefill import decode_plan, decode_step, exact_prefill, split_prefill
+from dsv41_jax.serving.weight_traffic import kernel_name, sub_jaxprs
 
 
 def arithmetic_config(cfg: ModelConfig) -> ModelConfig:
@@ -37,8 +44,6 @@ def arithmetic_config(cfg: ModelConfig) -> ModelConfig:
 
 
 def abstract_params(cfg: ModelConfig):
-    from dsv41_jax.model.info import abstract_model
-
     return nnx.split(abstract_model(cfg))
 
 
@@ -57,8 +62,6 @@ def lowered(fn, *args, platform: str | None = None):
     """The lowered program, mHC's Sinkhorn rounds written out (`mhc.unrolled_sinkhorn`): a `while` would
     hide all but one round from cost analysis (`loop_probe`). platform: lower for another backend
     than this one (e.g. "tpu": the Pallas kernels become Mosaic custom calls instead of loops)."""
-    from dsv41_jax.layers.mhc import unrolled_sinkhorn
-
     with unrolled_sinkhorn():
         if platform is None:
             return jax.jit(fn, compiler_options=COMPILER_OPTIONS).lower(*args)
@@ -86,8 +89,6 @@ def kernel_calls(fn, *args) -> dict[str, int]:
     interpreted (CPU) they lower to a loop over the grid whose body it counts once; compiled they are
     custom calls it counts as nothing."""
     from collections import Counter
-
-    from dsv41_jax.serving.weight_traffic import kernel_name, sub_jaxprs
 
     counts: Counter = Counter()
 
@@ -133,8 +134,6 @@ def loop_probe() -> dict:
 # ---------------------------------------------------------------------------------- decode
 def decode_fn(graphdef, runtime: Runtime = Runtime(), layers: range | None = None):
     """The engine's lean one-token step, optionally over a slice of layers (for per-role costs)."""
-    from dsv41_jax.serving.split_prefill import decode_plan, decode_step
-
     def step(params, tokens, cache, engram_ids=None):
         logits, cache, _ = decode_step(nnx.merge(graphdef, params), tokens, cache, decode_plan(runtime),
                                        engram_ids=engram_ids, layers=layers)
@@ -218,11 +217,6 @@ def indexer_scoring_flops(cfg: ModelConfig, positions: int, batch: int = 1, pack
     key decode, the FP4 query and head weights, the dots, the ReLU-weighted head sum and the
     masking (no top-k). packed: the lean fast step's `fast_index.scores_packed` (what decode
     runs); False: `Indexer.scores` on `decode_index_keys` (reference rounding points)."""
-    from dsv41_jax.numerics import kv_layout
-    from dsv41_jax.layers.rope import cos_sin, layer_rope
-    from dsv41_jax.layers.fast_index import scores_packed
-    from dsv41_jax.model.block import decode_index_keys
-
     gd, params = abstract_params(cfg)
     layer = cfg.decoder_start
 
@@ -258,8 +252,6 @@ def positions_scored(cfg: ModelConfig, context: int) -> dict[int, int]:
 def arithmetic_decode(cfg: ModelConfig, context: int, batch: int = 1) -> dict:
     """The textbook count of a decode step: 2 x active matrix parameters, attention over
     window + selected slots, and the indexer term positions x 2 x heads x dim."""
-    from dsv41_jax.model.info import model_info
-
     info = model_info(cfg)
     rows = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads * cfg.engram_head_dim * len(cfg.engram_layer_ids)
     # table lookups (embedding row, Engram rows) move bytes, they do no arithmetic
@@ -278,8 +270,6 @@ def arithmetic_decode(cfg: ModelConfig, context: int, batch: int = 1) -> dict:
 
 # ---------------------------------------------------------------------------------- prefill
 def prefill_fns(graphdef, runtime: Runtime = Runtime(), tail: int | None = None):
-    from dsv41_jax.serving.split_prefill import exact_prefill, split_prefill
-
     def split(params, tokens, cache, engram_ids=None):
         return split_prefill(nnx.merge(graphdef, params), tokens, cache, tail=tail, runtime=runtime,
                              engram_ids=engram_ids)[0]

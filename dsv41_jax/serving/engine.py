@@ -39,6 +39,7 @@ from dsv41_jax.serving.prefill import prefill_request
 from dsv41_jax.serving.request import Request, Result, check_request
 from dsv41_jax.serving.sampling import (banned_mask, check_finite_logits, empty_history, history_row,
                                         mask_words, sample, slot_arrays)
+from dsv41_jax.engram.hashing import hash_ids
 from dsv41_jax.serving.split_prefill import check_splittable, decode_plan
 from dsv41_jax.serving.steps import build_steps, pieces
 
@@ -150,7 +151,6 @@ class Engine:
         (None without Engram). `step_inputs` turns them into what a step takes."""
         if self.engram is None:
             return None
-        from dsv41_jax.engram.hashing import hash_ids
 
         layout, token_map = self.engram
         depth = layout.max_ngram_size - 1

@@ -15,10 +15,12 @@ from typing import Callable
 import numpy as np
 
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.engram.hashing import EngramLayout
+from dsv41_jax.engram.tokens import build_token_map
 from dsv41_jax.runtime import Runtime
 from dsv41_jax.serving.engine import Engine, EngineSettings, Request
 from dsv41_jax.serving.sampling import SamplingParams
-from dsv41_jax.text.tokenizer import Tokenizer, sentinel_ids
+from dsv41_jax.text.tokenizer import sentinel_ids, Tokenizer
 from sharding.serving import engine_strategies
 
 
@@ -110,9 +112,6 @@ class Generator:
 
 def engram_tables(cfg: ModelConfig, tokenizer: Tokenizer):
     """(layout, token map) for Engram hashing; the tokenizer's map must match the config."""
-    from dsv41_jax.engram.hashing import EngramLayout
-    from dsv41_jax.engram.tokens import build_token_map
-
     layout = EngramLayout.build(cfg.engram_layer_ids, cfg.engram_max_ngram_size, cfg.engram_n_heads, cfg.engram_head_dim,
                                 cfg.engram_vocab_size, cfg.engram_compressed_vocab_size, cfg.engram_pad_id)
     if cfg.engram_num_embeddings:

@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 import traceback
+from dsv41_jax.serving import prefix_cache
 
 CHUNK = 1 << 20  # a command's pickle larger than this goes into the store in parts (a conversation's cache)
 
@@ -294,8 +295,6 @@ def follow(engine, channel: Channel, *, poll: float = 60.0, log=None) -> int:
     """A follower's loop: make process 0's engine calls in order until it says stop (returns 0).
     Raises what the channel raises when process 0 is gone (the caller exits non-zero)."""
     import tempfile
-
-    from dsv41_jax.serving import prefix_cache
 
     log = log or (lambda msg: print(f"dsv41 serve (process {channel.process}): {msg}", file=sys.stderr, flush=True))
     scratch = pathlib.Path(tempfile.mkdtemp(prefix=f"dsv41-follower{channel.process}-"))

@@ -14,12 +14,11 @@ import numpy as np
 from flax import nnx
 
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.model.transformer import Transformer
 
 
 def random_model(cfg: ModelConfig, seed: int = 0):
     """A Transformer of `cfg` with seeded random weights (not the module's own init)."""
-    from dsv41_jax.model.transformer import Transformer
-
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=0))
     graphdef, state = nnx.split(abstract)
     rng = np.random.default_rng(seed)

@@ -17,6 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.model.info import abstract_model, param_elems
+from dsv41_jax.model.param_names import flat_params
 
 
 def _array_bytes(var) -> int:
@@ -24,8 +26,6 @@ def _array_bytes(var) -> int:
 
 
 def _elems(path, var) -> int:
-    from dsv41_jax.model.info import param_elems
-
     return param_elems(path, var)
 
 
@@ -37,9 +37,6 @@ def distinct_experts(E: int, k: int, tokens: int) -> float:
 def step_costs(cfg: ModelConfig, batch: int, drafts: int | None = None) -> dict:
     """{"plain", "verify", "draft"}: bytes and FLOPs of one step for `batch` sequences; the verify
     step checks `drafts` tokens (default the drafter's block: `Engine(speculative=drafts)`)."""
-    from dsv41_jax.model.param_names import flat_params
-    from dsv41_jax.model.info import abstract_model
-
     params = flat_params(abstract_model(cfg))
     bs = cfg.dspark_block_size
     E, k = cfg.n_routed_experts, cfg.n_activated_experts

@@ -19,9 +19,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dsv41_jax.text import pieces as P
-from dsv41_jax.text import special_tokens as st
-from dsv41_jax.text.tokenizer import check_encodable
+from dsv41_jax.engram.hashing import EngramLayout, hash_ids
+from dsv41_jax.engram.tokens import build_token_map
+from dsv41_jax.text import pieces as P, special_tokens as st
+from dsv41_jax.text.chat import encode_chat_ids
+from dsv41_jax.text.tokenizer import check_encodable, load_tokenizer as load
 
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".c", ".h", ".json", ".toml", ".cfg"}
 
@@ -144,14 +146,11 @@ def load_tokenizer(path: str | None):
     """The checkpoint's tokenizer.json (file or folder), or the byte-level fallback when None."""
     if path is None:
         return ByteTokenizer()
-    from dsv41_jax.text.tokenizer import load_tokenizer as load
 
     return load(path)
 
 
 def engram_token_map(tokenizer) -> tuple[np.ndarray, int]:
-    from dsv41_jax.engram.tokens import build_token_map
-
     if isinstance(tokenizer, ByteTokenizer):
         return build_token_map(tokenizer.token_texts())
     return build_token_map(tokenizer)
@@ -179,8 +178,6 @@ def chat_document(tokenizer, messages, thinking: bool = False) -> Document:
     overrides that: `"mask": true` masks the message out of the loss (an assistant reply kept as
     context only), `"mask": false` trains on it (a user, system or tool message too: its rendered
     tokens, the turn markers after it included). The prompt text never depends on it."""
-    from dsv41_jax.text.chat import encode_chat_ids
-
     full = encode_chat_ids(tokenizer, messages, thinking=thinking)
     mask = np.zeros(len(full), bool)
     for i, msg in enumerate(messages):
@@ -320,8 +317,6 @@ def pack(docs: list[Document], seq_len: int, align: int, pad_id: int, seed: int 
 def engram_ids(layout, token_map, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """int32 [B, T, n_layers, cols] Engram rows, hashed per document (n-grams never reach
     back into the previous document of a packed row)."""
-    from dsv41_jax.engram.hashing import hash_ids
-
     B, T = tokens.shape
     out = np.zeros((B, T, len(layout.layer_ids), layout.n_hash_cols), np.int64)
     for b in range(B):
@@ -370,7 +365,6 @@ def engram_setup(cfg, tokenizer):
     """(layout, token map) for configs with Engram layers, else None."""
     if not cfg.engram_layer_ids:
         return None
-    from dsv41_jax.engram.hashing import EngramLayout
 
     token_map, size = engram_token_map(tokenizer)
     if size > cfg.engram_compressed_vocab_size:

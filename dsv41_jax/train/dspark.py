@@ -32,10 +32,10 @@ import jax.numpy as jnp
 
 from dsv41_jax.layers.mhc_site import collapse
 from dsv41_jax.layers.rope import cos_sin, layer_rope
-from dsv41_jax.model import block as body
-from dsv41_jax.model import dspark
+from dsv41_jax.model import block as body, dspark
 from dsv41_jax.model.probe import NO_PROBE
 from dsv41_jax.numerics import quant
+from dsv41_jax.train import losses
 
 sg = jax.lax.stop_gradient
 
@@ -192,7 +192,6 @@ def drafter_loss(model, batch: dict, taps: jax.Array, target_logits: jax.Array, 
     N = anchors.size
     total, metrics = dspark_losses(logits, tl.reshape(N, bs, -1), labels.reshape(N, bs), eval_mask.reshape(N, bs),
                                    confidence, keep.reshape(N), obj)
-    from dsv41_jax.train import losses
 
     E = cfg.dspark_moe[0]
     valid = jnp.broadcast_to(keep.reshape(N, 1), (N, bs))

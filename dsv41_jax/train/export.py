@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import pathlib
 
+from dsv41_jax.checkpoint.atomic import check_destination
+from dsv41_jax.checkpoint.hf_loader import load_checkpoint
+from dsv41_jax.checkpoint.hf_writer import model_entries, write_hf_folder
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.train.params import Format, merge_model, serving_graph
+from dsv41_jax.train.data import ByteTokenizer
+from dsv41_jax.train.params import flatten_state, Format, merge_model, serving_graph
 from dsv41_jax.train.weight_quant import export_serving_jit, import_serving_jit
 
 
@@ -29,10 +33,6 @@ def export_checkpoint(out_dir, cfg: ModelConfig, master: dict, formats: dict[str
     is self-contained for `dsv41 generate` / `dsv41 serve`. Returns the folder."""
     import tempfile
 
-    from dsv41_jax.checkpoint.atomic import check_destination
-    from dsv41_jax.checkpoint.hf_writer import model_entries, write_hf_folder
-    from dsv41_jax.train.data import ByteTokenizer
-
     check_destination(out_dir, overwrite=overwrite)  # before the masters are quantized
     model = serving_model(cfg, master, formats)
     with tempfile.TemporaryDirectory() as tmp:
@@ -49,15 +49,11 @@ def load_exported(folder, cfg: ModelConfig | None = None, *, check_values: bool 
     """(config, served model) from an HF checkpoint folder (an export or the release), through the
     one HF loader (`hf_loader.load_checkpoint`). cfg: load into this config instead of the
     folder's (e.g. with another max_seq_len); its shapes must match the tensors."""
-    from dsv41_jax.checkpoint.hf_loader import load_checkpoint
-
     cfg, model, _ = load_checkpoint(folder, cfg=cfg, progress=False, check_values=check_values)
     return cfg, model
 
 
 def masters_from_checkpoint(folder, formats: dict[str, Format], cfg: ModelConfig | None = None) -> dict:
     """Start from released (or exported) weights: dequantize FP8/FP4 storage into fp32 masters."""
-    from dsv41_jax.train.params import flatten_state
-
     _, model = load_exported(folder, cfg)
     return import_serving_jit(flatten_state(model), formats)

@@ -46,7 +46,7 @@ def make_mesh(spec: str | None = None, devices=None) -> Mesh:
     shape = _parse(spec, len(devices))
     devices = devices[: math.prod(shape.values())]
     try:
-        from sharding.mesh import make_mesh as project_mesh
+        from sharding.mesh import make_mesh as project_mesh  # the project's mesh builder where importable
     except ImportError:
         return Mesh(np.asarray(devices).reshape(tuple(shape.values())), tuple(shape))
     return project_mesh(",".join(f"{k}={v}" for k, v in shape.items()), devices)
@@ -70,7 +70,7 @@ def _shape_rule(mesh: Mesh, shape) -> P:
 def param_spec(mesh: Mesh, key: str, shape) -> P:
     """PartitionSpec of one parameter (master key) on `mesh`."""
     try:
-        from sharding import rules
+        from sharding import rules  # the project's rule table where importable (else the shape rule)
     except ImportError:
         return _shape_rule(mesh, shape)
     try:

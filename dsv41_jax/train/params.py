@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.model.transformer import Transformer
 
 FP8_WEIGHT = "fp8_weight"  # E4M3 + E8M0 per 32x32 tile (stacked: per expert)
 FP4_WEIGHT = "fp4_weight"  # packed E2M1 + E8M0 per 32 along K (routed experts)
@@ -55,8 +56,6 @@ def merge_model(graphdef, flat: dict[str, jax.Array]):
 
 def serving_graph(cfg: ModelConfig):
     """(graphdef, abstract flat params) of the served model, without allocating it."""
-    from dsv41_jax.model.transformer import Transformer
-
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=0))
     graphdef, state = nnx.split(abstract)
     return graphdef, flatten_state(state)

@@ -16,16 +16,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv41_jax.numerics import quant
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.layers.basic import QLinear
+from dsv41_jax.layers.basic import matmul, mean_square, QLinear
 from dsv41_jax.layers.engram import Engram
+from dsv41_jax.layers.mhc import sinkhorn_split
 from dsv41_jax.layers.mhc_site import HyperSite
 from dsv41_jax.layers.moe import Experts
+from dsv41_jax.model.transformer import Transformer
+from dsv41_jax.numerics import quant
 from dsv41_jax.numerics.exact_ops import sum_in_order, true_divide
-from dsv41_jax.layers.basic import matmul, mean_square
-from dsv41_jax.layers.mhc import sinkhorn_split
-from dsv41_jax.train.params import FP4_WEIGHT, FP8_ROWS, FP8_WEIGHT, Format, flatten_state, path_key
+from dsv41_jax.train.params import flatten_state, Format, FP4_WEIGHT, FP8_ROWS, FP8_WEIGHT, path_key
 
 _BLOCK = 32
 # XLA options for programs that run once (init, import/export): compile fast, run slower
@@ -182,8 +182,6 @@ def build_training_model(cfg: ModelConfig, formats: dict[str, Format], *, seed: 
     The whole initialisation runs as one compiled program (eager init compiles once per
     parameter shape, which dominates start-up on CPU). abstract=True returns shapes only.
     """
-    from dsv41_jax.model.transformer import Transformer
-
     holder = {}
 
     def init():

@@ -9,6 +9,7 @@ come from a table of accelerator kinds (dense bf16) or the user; MFU is None whe
 from __future__ import annotations
 
 import jax
+from dsv41_jax.model.info import model_info
 
 # dense bf16 peak FLOP/s per chip (vendor figures)
 PEAK_BF16 = {
@@ -18,8 +19,6 @@ PEAK_BF16 = {
 
 
 def flops_per_token(cfg, seq_len: int) -> float:
-    from dsv41_jax.model.info import model_info
-
     info = model_info(cfg)
     active = info["active_params_decode"] - cfg.dim  # the embedding row is a lookup
     slots = cfg.window_size + min(cfg.index_topk, seq_len)

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from dsv41_jax.numerics import quant
-from dsv41_jax.train.params import BF16, F32, FP4_WEIGHT, FP8_ROWS, FP8_WEIGHT, Format
+from dsv41_jax.train.params import BF16, F32, Format, FP4_WEIGHT, FP8_ROWS, FP8_WEIGHT
+from dsv41_jax.train.qat_modules import ONE_SHOT_COMPILE
 
 
 def _per_matrix(fn, w):
@@ -117,7 +118,6 @@ def _per_matrix_pair(fn, w, s):
 @functools.lru_cache(maxsize=None)
 def _jitted(name):
     fns = {"export": export_serving, "import": import_serving}
-    from dsv41_jax.train.qat_modules import ONE_SHOT_COMPILE
 
     return jax.jit(fns[name], static_argnums=1, compiler_options=ONE_SHOT_COMPILE)
 

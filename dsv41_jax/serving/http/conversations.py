@@ -36,6 +36,7 @@ import traceback
 
 import numpy as np
 
+from dsv41_jax.checkpoint.atomic import pid_alive
 from dsv41_jax.serving import prefix_cache
 from dsv41_jax.serving.engine import Request
 
@@ -76,8 +77,6 @@ class ConversationStore:
         """Delete what a killed server left behind: `.pending-*` files of requests that never finished
         and the atomic writer's temporary files (`.NAME.tmp-PID-*`) whose process is gone. They are
         outside the byte budget, so without this they would stay forever. Returns how many."""
-        from dsv41_jax.checkpoint.atomic import pid_alive
-
         removed = 0
         for p in self.folder.iterdir():
             m = _TMP.match(p.name)

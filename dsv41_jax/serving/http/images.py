@@ -22,8 +22,12 @@ import types
 
 import numpy as np
 
-from dsv41_jax.text.chat import IMAGE_PART_TYPES
-from dsv41_jax.vision.sources import ImageLimits
+from dsv41_jax.text import special_tokens as st
+from dsv41_jax.text.chat import encode_chat_pieces, IMAGE_PART_TYPES, pieces_to_ids
+from dsv41_jax.text.pieces import image_parts
+from dsv41_jax.vision.merge import IMAGE_END, make_image_encoder, span_rows
+from dsv41_jax.vision.processor import expand_prompt, ImageError
+from dsv41_jax.vision.sources import ImageLimits, load_images
 
 DEFAULT_MAX_IMAGE_TOKENS = 16384
 
@@ -71,8 +75,6 @@ class ImagePrompter:
     def __init__(self, engine, opts: ImageOptions):
         from flax import nnx
 
-        from dsv41_jax.vision.merge import make_image_encoder
-
         self.engine, self.opts, self.cfg = engine, opts, engine.cfg
         model = nnx.merge(engine.graphdef, engine.params)
         if getattr(model, "vision", None) is None:
@@ -86,8 +88,6 @@ class ImagePrompter:
     def build(self, tokenizer, messages, *, with_spans: bool = True, **chat) -> ImagePrompt:
         """ids and spans; raises ImageError (bad image, a limit) or ValueError (bad messages).
         `with_spans=False` (for /tokenize) stops after the prompt's ids: no tower, spans None."""
-        from dsv41_jax.vision.merge import span_rows
-
         tokens, token_types, inputs = image_prompt(tokenizer, messages, self.cfg, self.opts, **chat)
         digest = hashlib.sha256()
         lengths = _span_lengths(token_types, inputs)
@@ -108,8 +108,6 @@ class ImagePrompter:
 
 def _span_lengths(token_types, inputs) -> list[int]:
     """Each image's span length: from its start to its IMAGE_END (inclusive)."""
-    from dsv41_jax.vision.merge import IMAGE_END
-
     types = np.asarray(token_types)
     ends = np.flatnonzero(types == IMAGE_END)
     return [int(ends[ends >= img.start][0]) - img.start + 1 for img in inputs]
@@ -119,11 +117,6 @@ def image_prompt(tokenizer, messages, cfg, opts: ImageOptions, **chat):
     """A chat with image parts -> (ids with each image's span, token types, image inputs): the chat
     encoder, the image sources under `opts`' limits and the processor; no weights needed.
     Raises ImageError (bad image, a limit) or ValueError (bad messages)."""
-    from dsv41_jax.text.chat import encode_chat_pieces, pieces_to_ids
-    from dsv41_jax.text.pieces import image_parts
-    from dsv41_jax.vision.processor import ImageError, expand_prompt
-    from dsv41_jax.vision.sources import load_images
-
     _no_typed_placeholder(messages)
     pieces = encode_chat_pieces(messages, images=True, **chat)
     parts, ids = image_parts(pieces), pieces_to_ids(tokenizer, pieces)
@@ -139,9 +132,6 @@ def image_prompt(tokenizer, messages, cfg, opts: ImageOptions, **chat):
 def _no_typed_placeholder(messages) -> None:
     """In a request with images, a typed image placeholder is refused (text-only requests keep it as text):
     the client most likely meant an image part, and a silent rewrite would shift which image goes where."""
-    from dsv41_jax.text import special_tokens as st
-    from dsv41_jax.vision.processor import ImageError
-
     for i, m in enumerate(messages):
         content = m.get("content") if isinstance(m, dict) else None
         texts = [content] if isinstance(content, str) else [

@@ -3,6 +3,7 @@ several in one process)."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from dsv41_jax.serving.speculation import summary
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -43,8 +44,6 @@ class Metrics:
     def watch_speculation(self, engine) -> None:
         """Gauges read from a speculating engine's `spec_stats` at each scrape (`speculation.summary`):
         cumulative since the server started (the warm-up's are reset)."""
-        from dsv41_jax.serving.speculation import summary
-
         r = self.registry
         for key, name, doc in (
                 ("drafted", "dsv41_spec_drafted_tokens", "tokens the drafter proposed (K per speculating slot-step)"),

@@ -11,7 +11,8 @@ import threading
 import time
 
 from dsv41_jax.serving.engine import Engine, EngineSettings
-from dsv41_jax.serving.http.app import ServerConfig, build_app
+from dsv41_jax.serving.generate import banned_ids as banned, engram_tables
+from dsv41_jax.serving.http.app import build_app, ServerConfig
 from dsv41_jax.serving.http.metrics import Metrics
 from dsv41_jax.serving.http.worker import EngineWorker
 from sharding.serving import engine_strategies
@@ -53,8 +54,6 @@ class ServeOptions:
 
 def banned_ids(cfg, tokenizer) -> list[int]:
     """`serving.generate.banned_ids`: what the server never samples (`dsv41 generate` bans the same)."""
-    from dsv41_jax.serving.generate import banned_ids as banned
-
     return banned(cfg, tokenizer)
 
 
@@ -62,8 +61,6 @@ def make_engine(model, tokenizer, opts: ServeOptions) -> Engine:
     """The engine `build` serves with (every process serving across processes builds the same one).
     Its `max_seq_len` is the server's max model length (`EngineSettings.for_model`: the options' or the
     config's); the smallest capacity bucket is at most that."""
-    from dsv41_jax.serving.generate import engram_tables
-
     cfg = model.cfg
     settings = opts.engine.for_model(cfg)
     settings = dataclasses.replace(settings, min_capacity=min(settings.min_capacity, settings.max_seq_len),
@@ -79,7 +76,7 @@ def build(model, tokenizer, opts: ServeOptions):
     max_len = engine.max_seq_len
     processes = None
     if opts.lockstep is not None:  # process 0 of several: publish every engine call (serving/lockstep.py)
-        from dsv41_jax.serving.lockstep import LeaderEngine
+        from dsv41_jax.serving.lockstep import LeaderEngine  # deferred: serving across processes only
 
         channel, watchdog = opts.lockstep
         engine = LeaderEngine(engine, channel, watchdog)
@@ -89,12 +86,12 @@ def build(model, tokenizer, opts: ServeOptions):
         metrics.watch_speculation(engine)
     conversations = None
     if opts.cache_dir is not None:
-        from dsv41_jax.serving.http.conversations import ConversationStore
+        from dsv41_jax.serving.http.conversations import ConversationStore  # deferred: with a cache dir only
 
         conversations = ConversationStore(opts.cache_dir, opts.cache_bytes, engine, metrics)
     warm = None
     if opts.warm:
-        from dsv41_jax.serving import warmup
+        from dsv41_jax.serving import warmup  # deferred: when warming only
 
         replay = conversations is not None
 
@@ -105,6 +102,7 @@ def build(model, tokenizer, opts: ServeOptions):
     has_vision = bool(getattr(cfg, "vision_enabled", False))
     images = None
     if has_vision:
+        # deferred: the image path (PIL, the tower's encoder) loads for a model with a vision tower only
         from dsv41_jax.serving.http.images import ImageOptions, ImagePrompter
 
         images = ImagePrompter(engine, opts.images or ImageOptions())
