@@ -35,6 +35,7 @@ def register(subparsers) -> None:
 
 
 def _plan_figures(cfg, args) -> dict:
+    # deferred: `dsv41 --help` builds this parser without loading jax or the model
     from sharding.plan import build_plan
 
     p = build_plan(cfg, args.mesh, batch=args.batch, context=args.context, preset=args.preset)
@@ -43,6 +44,7 @@ def _plan_figures(cfg, args) -> dict:
 
 
 def _compile(args) -> dict:
+    # deferred: `dsv41 --help` builds this parser without loading jax or the model
     from dsv41_jax.config import ModelConfig
     from pallas_kernels.common import tpu_compile
     from sharding.tpu_step import compile_decode, subset_config
@@ -66,6 +68,7 @@ def _compile(args) -> dict:
 
 
 def _format(r: dict) -> str:
+    # deferred: `dsv41 --help` builds this parser without loading jax or the model
     from sharding.mesh import format_mesh_spec
 
     def g(b):
@@ -98,6 +101,7 @@ def _format(r: dict) -> str:
 
 
 def run(args) -> int:
+    # deferred: `dsv41 --help` builds this parser without loading jax or the model
     from dsv41_jax.config import ConfigError
 
     try:

@@ -33,6 +33,7 @@ def register(subparsers) -> None:
 
 
 def _mesh_devices(spec: str) -> int:
+    # deferred: `dsv41 --help` builds this parser without loading jax or the model
     from sharding.mesh import parse_mesh_spec
 
     sizes = parse_mesh_spec(spec)
@@ -64,6 +65,7 @@ def _request_fake_devices(n: int) -> bool:
 
 def _compile(args, in_process: bool) -> dict:
     if in_process:
+        # deferred: `dsv41 --help` builds this parser without loading jax or the model
         from dsv41_jax.config import ModelConfig
         from sharding.layer_compile import compile_one_layer
 
@@ -83,6 +85,7 @@ def _compile(args, in_process: bool) -> dict:
 
 def serve_command(plan: dict, args) -> str:
     """The `dsv41 serve` command line for the planned mesh, preset, batch and context."""
+    # deferred: `dsv41 --help` builds this parser without loading jax or the model
     from sharding.mesh import format_mesh_spec
 
     cmd = (f"dsv41 serve --checkpoint DIR --mesh {format_mesh_spec(plan['mesh'])} --preset {args.preset} "
@@ -98,6 +101,7 @@ def run(args) -> int:
     try:
         n = _mesh_devices(args.mesh)
         in_process = args.no_compile or _request_fake_devices(n)
+        # deferred: `dsv41 --help` builds this parser without loading jax or the model
         from sharding.plan import build_plan, format_plan, max_batch
 
         cfg = ModelConfig.load(args.config)

@@ -27,8 +27,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from dsv41_jax.numerics import quant
 from dsv41_jax.layers.engram import Engram
+from dsv41_jax.model.param_names import flat_params
+from dsv41_jax.model.transformer import engram_table_rows
+from dsv41_jax.numerics import quant
 from sharding.compat import on_host, shard_map
 from sharding.rules import get_rules, path_tuple
 
@@ -145,8 +147,6 @@ class HostEngramTables:
     @classmethod
     def from_params(cls, params, cfg, **kwargs) -> "HostEngramTables":
         """Copy the tables out of a params state (e.g. a loaded checkpoint) into host memory."""
-        from dsv41_jax.model.param_names import flat_params
-
         flat = flat_params(params)
         tables = {l: (np.asarray(flat[("layers", l, "engram", "embed")].get_value()),
                       np.asarray(flat[("layers", l, "engram", "embed_scale")].get_value()))
@@ -222,8 +222,6 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def unpadded_tables(params, cfg):
     """The params with Engram tables cut back to their stored rows (`pad_tables` undone), so a
     model's fingerprint is the same whether its tables are padded, on a mesh or in host memory."""
-    from dsv41_jax.model.transformer import engram_table_rows
-
     rows = dict(zip(cfg.engram_layer_ids, engram_table_rows(cfg)))
 
     def cut(jax_path, leaf):

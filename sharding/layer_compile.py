@@ -17,10 +17,12 @@ import jax
 import jax.numpy as jnp
 
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.model.transformer import engram_table_rows, init_cache, Transformer
 from dsv41_jax.runtime import Runtime
 from sharding.mesh import format_mesh_spec, make_mesh
 from sharding.plan import mesh_sizes, plan_context, table_shards
 from sharding.rules import batch_sharding, cache_shardings, param_shardings
+from sharding.step import make_sharded_step
 
 COLLECTIVES = ("all-to-all", "all-reduce", "all-gather", "reduce-scatter", "collective-permute")
 
@@ -39,9 +41,6 @@ def compile_one_layer(cfg: ModelConfig, mesh_spec, *, batch: int, context: int, 
                       tokens: int = 1, runtime: Runtime = Runtime()) -> dict:
     """Lower and compile one step (`tokens` new tokens per sequence) of a 1-layer model; a report dict."""
     from flax import nnx
-
-    from dsv41_jax.model.transformer import Transformer, engram_table_rows, init_cache
-    from sharding.step import make_sharded_step
 
     sizes = mesh_sizes(mesh_spec)
     n = 1

@@ -15,6 +15,7 @@ import math
 
 from jax.sharding import Mesh, NamedSharding
 
+from dsv41_jax.checkpoint.hf_loader import load_checkpoint
 from sharding.engram_shard import is_table, padded_rows
 from sharding.mesh import mesh_shape
 from sharding.rules import get_rules, param_logical_axes, resolve
@@ -55,7 +56,5 @@ def load_sharded(folder, mesh: Mesh, preset="inference", **kwargs):
     kwargs go to `load_checkpoint` (progress, config_overrides, check_values, ...). The model's
     Engram tables come back padded to equal row shards (zero rows, never addressed).
     """
-    from dsv41_jax.checkpoint.hf_loader import load_checkpoint
-
     return load_checkpoint(folder, shardings=preset_sharding(mesh, preset),
                            padded_shape=padded_table_shape(mesh, preset), **kwargs)

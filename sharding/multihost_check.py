@@ -23,6 +23,7 @@ def main(argv=None) -> int:
     p.add_argument("--mesh", default="data=-1,expert=2", help="mesh over all processes' devices")
     a = p.parse_args(argv)
 
+    # deferred: the distributed runtime is joined before anything else touches jax
     from sharding.mesh import init_distributed
 
     init_distributed(a.coordinator, a.num_processes, a.process_id)
@@ -33,6 +34,7 @@ def main(argv=None) -> int:
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec as P
 
+    # deferred: the distributed runtime is joined before anything else touches jax
     from dsv41_jax.config import ModelConfig
     from dsv41_jax.layers.moe import MoE
     from sharding.mesh import make_mesh, mesh_shape

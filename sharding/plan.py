@@ -21,6 +21,9 @@ from sharding.devices import HBM_GIB
 from sharding.mesh import MeshSpecError, format_mesh_spec, parse_mesh_spec
 from sharding.rules import (ENGRAM_TABLE, ROUTED, VISION, cache_logical_axes, get_rules, param_bucket,
                             param_logical_axes, resolve, shard_shape)
+from dsv41_jax.model.info import abstract_model
+from dsv41_jax.model.param_names import flat_params
+from dsv41_jax.model.transformer import engram_table_rows, init_cache
 
 GiB = 2 ** 30
 # kept free for the runtime, XLA scratch buffers and fragmentation
@@ -53,16 +56,11 @@ def _nbytes(shape, dtype) -> int:
 @functools.lru_cache(maxsize=4)
 def _abstract_params(cfg: ModelConfig):
     """(path, shape, dtype) of every parameter of `info.abstract_model(cfg)`."""
-    from dsv41_jax.model.info import abstract_model
-    from dsv41_jax.model.param_names import flat_params
-
     return tuple((path, tuple(v.shape), np.dtype(v.dtype)) for path, v in flat_params(abstract_model(cfg)).items())
 
 
 def weight_bytes(cfg: ModelConfig, sizes: Mapping[str, int], preset) -> dict:
     """Global and per-device parameter bytes by bucket, and the leaves the rules left replicated."""
-    from dsv41_jax.model.transformer import engram_table_rows
-
     rules = get_rules(preset)
     n = table_shards(sizes, preset)
     rows = tuple(-(-r // n) * n for r in engram_table_rows(cfg))
@@ -82,8 +80,6 @@ def weight_bytes(cfg: ModelConfig, sizes: Mapping[str, int], preset) -> dict:
 
 
 def cache_bytes(cfg: ModelConfig, sizes: Mapping[str, int], preset, batch: int) -> dict:
-    from dsv41_jax.model.transformer import init_cache
-
     rules = get_rules(preset)
     abstract = jax.eval_shape(lambda: init_cache(cfg, batch))
     total = here = 0

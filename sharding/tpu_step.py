@@ -22,11 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.model.transformer import engram_table_rows, init_cache, Transformer
 from dsv41_jax.runtime import Runtime
 from pallas_kernels.common import tpu_compile
 from sharding.layer_compile import COLLECTIVES
 from sharding.mesh import make_mesh
 from sharding.plan import mesh_sizes, plan_context, table_shards
+from sharding.rules import batch_sharding, cache_shardings, param_shardings
+from sharding.step import make_sharded_step
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
                 "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
@@ -83,9 +86,6 @@ def abstract_step_args(cfg: ModelConfig, mesh, preset, *, batch: int, tokens: in
     """(abstract model, [params, tokens, cache(, engram ids)]) as sharded ShapeDtypeStructs."""
     from flax import nnx
 
-    from dsv41_jax.model.transformer import Transformer, engram_table_rows, init_cache
-    from sharding.rules import batch_sharding, cache_shardings, param_shardings
-
     shards = table_shards(dict(zip(mesh.axis_names, mesh.devices.shape)), preset)
     rows = tuple(-(-r // shards) * shards for r in engram_table_rows(cfg)) if cfg.engram_layer_ids else None
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=0, engram_rows=rows))
@@ -108,8 +108,6 @@ def abstract_step_args(cfg: ModelConfig, mesh, preset, *, batch: int, tokens: in
 def compile_decode(cfg: ModelConfig, topology: str, mesh_spec, *, batch: int, context: int, preset="inference",
                    impl: str = "xla") -> dict:
     """Compile one decode step for the slice; a JSON-ready report (ok False with the compiler's reason)."""
-    from sharding.step import make_sharded_step
-
     topo = tpu_compile.topology(topology)
     sizes = mesh_sizes(mesh_spec)
     n = int(np.prod(list(sizes.values())))

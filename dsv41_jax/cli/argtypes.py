@@ -38,6 +38,7 @@ def non_negative_float(text: str) -> float:
 
 def effort_table(text: str):
     """--effort-table: a name in chat.EFFORT_TABLES or name=N pairs (chat.parse_effort_table)."""
+    # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
     from dsv41_jax.text.chat import parse_effort_table
 
     try:

@@ -33,6 +33,7 @@ def _groups(names) -> list[str]:
 
 
 def _cmd_convert(args) -> int:
+    # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
     from dsv41_jax.checkpoint import CheckpointError, checkpoint_format, load
     from dsv41_jax.checkpoint.atomic import check_destination
     from dsv41_jax.checkpoint.hf_writer import copied_entries, save_hf_checkpoint

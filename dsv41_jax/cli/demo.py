@@ -65,6 +65,7 @@ def stdlib_corpus(max_bytes: int = 2_000_000) -> list[pathlib.Path]:
 
 def cache_figures(cfg: ModelConfig, context: int) -> dict:
     """Per-sequence cache bytes at `context` tokens and the CED split's prefill saving."""
+    # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
     from dsv41_jax.model.info import model_info
 
     info = model_info(cfg)
@@ -109,6 +110,7 @@ def train_drafter(cfg: ModelConfig, master: dict, data, *, steps: int, seed: int
     """Train the DSpark drafter (mtp.*) of a trained backbone on the same rows (`dsv41 train --dspark`);
     returns {"master": the masters with the trained drafter, "steps", "first_tau", "last_tau"}.
     time_budget bounds the steps after the first 10 (which include compiling the step)."""
+    # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
     from dsv41_jax.train.dspark import DSparkLoss
     from dsv41_jax.train.loop import format_metrics, prepare, train
 
@@ -137,6 +139,7 @@ def train_drafter(cfg: ModelConfig, master: dict, data, *, steps: int, seed: int
 def _sample_speculative(model, tok, engram, *, seed: int, tokens: int, print_fn) -> tuple[str, float]:
     """Sample `tokens` after "def " from the exported model on a one-slot engine that speculates with
     its DSpark drafter; print the text and the acceptance. Returns (text, mean acceptance length)."""
+    # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
     from dsv41_jax.serving.engine import Engine
     from dsv41_jax.serving.generate import generate
     from dsv41_jax.serving.sampling import SamplingParams
@@ -162,6 +165,7 @@ def run_demo(out_dir=None, *, steps: int = 50, batch_size: int = 8, seq_len: int
     `time_budget` bounds the training steps after the first 10 (which include compiling the
     step): on a slow or busy machine the run stops early; the loss has long fallen by then.
     """
+    # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
     from dsv41_jax.train.checkpoint import Checkpointer
     from dsv41_jax.train.export import export_checkpoint, load_exported
     from dsv41_jax.train.loop import format_metrics, prepare, train

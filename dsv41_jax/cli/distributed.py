@@ -94,6 +94,7 @@ def join(args, prog: str) -> int | None:
     except DistributedFlagError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 2
+    # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
     from sharding.mesh import init_distributed
 
     if explicit is not None:

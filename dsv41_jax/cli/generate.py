@@ -24,6 +24,7 @@ def parse_effort(text: str | None):
 
 def _effort(args) -> int:
     """The budget --effort means under --effort-table (checked before any weights are read)."""
+    # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
     from dsv41_jax.text.chat import resolve_effort
 
     try:
@@ -71,6 +72,7 @@ def _messages(args) -> tuple[list, list | None]:
 
 def _image_options():
     """`dsv41 generate` reads the files its user names: any local path; the server's other limits."""
+    # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
     from dsv41_jax.serving.http.images import ImageOptions
     from dsv41_jax.vision.sources import ImageLimits
 
@@ -79,6 +81,7 @@ def _image_options():
 
 def _prompt_ids(args, tokenizer, cfg=None) -> list[int]:
     """The chat-encoded prompt. With images (cfg needed): each image's span expanded, as it is prefilled."""
+    # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
     from dsv41_jax.serving.http.images import has_images, image_prompt
     from dsv41_jax.text.chat import encode_chat_ids
 
@@ -93,6 +96,7 @@ def _prompt_ids(args, tokenizer, cfg=None) -> list[int]:
 
 
 def _run(args) -> int:
+    # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
     from dsv41_jax.text.tokenizer import load_tokenizer
 
     folder = pathlib.Path(args.checkpoint)
@@ -101,6 +105,7 @@ def _run(args) -> int:
     if not (folder / "tokenizer.json").is_file():
         raise InputError(f"--checkpoint {folder}: no tokenizer.json; copy the tokenizer.json that ships with the weights into it")
     tokenizer = load_tokenizer(folder)
+    # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
     from dsv41_jax.checkpoint import checkpoint_format
     from dsv41_jax.checkpoint.hf_loader import read_config
     from dsv41_jax.runtime import Runtime
@@ -154,6 +159,7 @@ def _run(args) -> int:
     spans = _spans(args, gen, tokenizer, prompt) if images else None
     result = gen.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, on_token=show, spans=spans)
     if K:
+        # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
         from dsv41_jax.serving.speculation import summary
 
         spec = summary(gen.engine.spec_stats)
@@ -173,6 +179,7 @@ def _run(args) -> int:
 
 def _spans(args, gen, tokenizer, prompt):
     """The prompt's image spans: the vision tower and aligner over each image, on the loaded weights."""
+    # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
     from dsv41_jax.serving.http.images import ImagePrompter
 
     messages, tools = _messages(args)

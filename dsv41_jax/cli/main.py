@@ -8,6 +8,7 @@ import warnings
 
 
 def _cmd_info(args) -> int:
+    # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
     from dsv41_jax.config import ConfigError, ModelConfig
 
     try:
@@ -15,6 +16,7 @@ def _cmd_info(args) -> int:
     except ConfigError as e:
         print(f"dsv41 info: {e}", file=sys.stderr)
         return 2
+    # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
     from dsv41_jax.model.info import format_info, model_info
 
     info = model_info(cfg)
@@ -52,6 +54,7 @@ def _cmd_golden_check(args) -> int:
     if not root.is_dir():
         print(f"dsv41 golden-check: {root} is not a folder", file=sys.stderr)
         return 2
+    # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
     from dsv41_jax.golden import data as golden_data
 
     found = [gc.name for gc in golden_data.discover(root)]
@@ -62,6 +65,7 @@ def _cmd_golden_check(args) -> int:
         print(f"dsv41 golden-check: found {what} in {root} (it holds {found or 'none'}); a golden folder holds "
               "config folders with cases.json and config.json, and/or quant_vectors.safetensors", file=sys.stderr)
         return 2
+    # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
     from dsv41_jax.golden.check import format_table, run_all
 
     decisions = {} if args.dump_decisions else None

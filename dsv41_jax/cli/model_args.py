@@ -19,6 +19,7 @@ def mesh_of(args):
 
     import jax
 
+    # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
     from sharding.mesh import MeshSpecError, make_mesh, parse_mesh_spec
     from sharding.rules import ShardingRuleError, get_rules
 
@@ -49,13 +50,16 @@ def load_on(folder, mesh, preset: str, engram: str = "hbm", **kwargs):
     `preset`, each device reading only its slices (`sharding.load`). engram "host": the Engram
     tables go to host memory instead (`engram_shard.host_table_sharding`), unpadded, for an engine
     with `engram_host=True`; the devices never hold them."""
+    # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
     from dsv41_jax.checkpoint import checkpoint_format, load
     from dsv41_jax.checkpoint.placement import first_device
 
     if mesh is not None:
+        # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
         from sharding.load import load_sharded, preset_sharding
     where = first_device if mesh is None else preset_sharding(mesh, preset)
     if engram == "host":
+        # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
         from sharding.engram_shard import is_table, host_table_sharding
 
         def where(path, shape, dtype, device=where):  # noqa: F811 (the tables' placement over the other one)

@@ -57,6 +57,7 @@ def load_server(args, lockstep=None, follower: bool = False):
     """(app, worker, options) for the parsed arguments; raises InputError on bad input.
     lockstep: process 0's (Channel, Watchdog) across processes. follower: a process other than 0
     across processes: (None, engine, options), the engine warmed up (when the server warms)."""
+    # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
     from dsv41_jax.checkpoint import checkpoint_format
     from dsv41_jax.runtime import Runtime
     from dsv41_jax.serving import warmup
@@ -105,6 +106,7 @@ def load_server(args, lockstep=None, follower: bool = False):
                         warm=not args.no_warm, mesh=mesh, preset=args.preset, engram_host=args.engram == "host",
                         images=image_options(args), effort_table=args.effort_table, lockstep=lockstep)
     if follower:
+        # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
         from dsv41_jax.serving.http.server import make_engine
 
         engine = make_engine(model, tokenizer, opts)
@@ -178,6 +180,7 @@ def stop_while_warming(worker, name: str) -> Callable[[int, object], None]:
     def handler(sig, frame):
         if worker.ready.is_set():
             return
+        # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
         from dsv41_jax.serving import warmup
 
         st = worker.warm_state
@@ -240,6 +243,7 @@ def _serve_across(args) -> int:
     follow. Every exit is os._exit: jax.distributed.shutdown's barrier would wait for a dead process."""
     import jax
 
+    # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
     from dsv41_jax.serving.lockstep import Channel, Watchdog, follow
 
     me, n = jax.process_index(), jax.process_count()
@@ -346,6 +350,7 @@ def register(subparsers) -> None:
     s.add_argument("--compile-cache", metavar="DIR|off", default=None,
                    help="persistent compilation cache folder, so a restart loads programs instead of compiling "
                         "(default: $DSV41_COMPILE_CACHE, $JAX_COMPILATION_CACHE_DIR or ~/.cache/dsv41-jax/xla; 'off' disables it)")
+    # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
     from dsv41_jax.serving.http.images import add_image_args
 
     add_image_args(s)

@@ -39,6 +39,7 @@ def acceptance(args) -> str:
 
 def check_flags(args) -> None:
     """The flags alone, before the checkpoint is opened."""
+    # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
     from dsv41_jax.cli.model_args import InputError
 
     if args.num_draft_tokens is not None and args.speculative is None:
@@ -49,6 +50,7 @@ def check_flags(args) -> None:
 
 def check_checkpoint(args, folder: pathlib.Path) -> None:
     """An HF folder that ships no drafter is refused by its tensor names, before weights are read."""
+    # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
     from dsv41_jax.checkpoint import checkpoint_format
     from dsv41_jax.checkpoint.hf_loader import read_config, weight_map
     from dsv41_jax.checkpoint.weights import has_dspark_tensors
@@ -69,6 +71,7 @@ def check_checkpoint(args, folder: pathlib.Path) -> None:
 
 
 def _too_many(k: int, block: int):
+    # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
     from dsv41_jax.cli.model_args import InputError
 
     raise InputError(f"--num-draft-tokens {k}: this drafter proposes at most dspark_block_size={block} tokens per "
@@ -77,6 +80,7 @@ def _too_many(k: int, block: int):
 
 def draft_tokens(args, model) -> int:
     """K for `Engine(speculative=K)` (0 without --speculative), checked against the loaded drafter."""
+    # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
     from dsv41_jax.model import dspark
 
     if args.speculative is None:

@@ -86,12 +86,14 @@ def register(subparsers) -> None:
 
 def _train_config(args, cfg, seq_len: int):
     """The TrainConfig the flags ask for (the DSpark loss only where the config has a drafter)."""
+    # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
     from dsv41_jax.train.optim import OptimConfig
     from dsv41_jax.train.step import TrainConfig
 
     warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
     dspark = None
     if args.dspark:
+        # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
         from dsv41_jax.train.dspark import DSparkLoss
 
         if not cfg.has_dspark:
@@ -114,6 +116,7 @@ def _train_config(args, cfg, seq_len: int):
 def _cmd_train(args) -> int:
     if (rc := distributed.join(args, "dsv41 train")) is not None:  # first: before any other JAX call
         return rc
+    # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
     from dsv41_jax.train.ckpt_dir import check_directory
 
     try:  # before the heavy imports and any work: a bad --ckpt-dir costs a second, not a run
@@ -122,6 +125,7 @@ def _cmd_train(args) -> int:
     except ValueError as e:
         print(f"dsv41 train: {e}", file=sys.stderr)
         return 2
+    # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
     from dsv41_jax.checkpoint.atomic import check_destination
     from dsv41_jax.config import ConfigError, ModelConfig
     from dsv41_jax.train import data as D
@@ -186,6 +190,7 @@ def _cmd_demo(args) -> int:
     report = sys.stderr if args.json else sys.stdout
     print("dsv41 demo: starting (loading JAX; the whole demo takes about 4 minutes on 2 CPU cores)", file=report,
           flush=True)
+    # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
     from dsv41_jax.cli.demo import run_demo
 
     kw = {k: v for k, v in (("steps", args.steps), ("time_budget", args.time_budget)) if v is not None}

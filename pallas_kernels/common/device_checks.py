@@ -23,6 +23,7 @@ def _close(out, ref, rtol, what):
 
 
 def check_sparse_attention(platform: str, B=4, S=2, H=64, D=512, W=128, G=4096, K=512, interpret: bool = False) -> None:
+    # deferred: each check loads only the kernel it runs
     from pallas_kernels import sparse_sink_attention
 
     rng = np.random.default_rng(0)
@@ -40,6 +41,7 @@ def check_sparse_attention(platform: str, B=4, S=2, H=64, D=512, W=128, G=4096, 
 
 
 def check_indexer(platform: str, B=2, S=3, Hi=32, Di=128, G=3000, interpret: bool = False) -> None:
+    # deferred: each check loads only the kernel it runs
     from pallas_kernels import indexer_scores
 
     rng = np.random.default_rng(1)
@@ -54,6 +56,7 @@ def check_indexer(platform: str, B=2, S=3, Hi=32, Di=128, G=3000, interpret: boo
 
 
 def check_grouped_gemm(platform: str, E=16, N=2304, K=5120, M=200, interpret: bool = False) -> None:
+    # deferred: each check loads only the kernel it runs
     from pallas_kernels import grouped_fp4_gemm
 
     rng = np.random.default_rng(2)
@@ -68,6 +71,7 @@ def check_grouped_gemm(platform: str, E=16, N=2304, K=5120, M=200, interpret: bo
 
 
 def check_fp8_gemm(platform: str, M=64, N=4096, K=1280, interpret: bool = False) -> None:
+    # deferred: each check loads only the kernel it runs
     from pallas_kernels import fp8_block_gemm
 
     rng = np.random.default_rng(3)

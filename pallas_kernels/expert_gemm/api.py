@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dsv41_jax.numerics.activations import swiglu
 from pallas_kernels.common.backend import resolve
 from pallas_kernels.expert_gemm import layout
 from pallas_kernels.expert_gemm.reference import fp8_block_gemm_reference, grouped_fp4_gemm_reference
@@ -68,8 +69,10 @@ def grouped_fp4_gemm(
     if choice.kind == "xla":
         return grouped_fp4_gemm_reference(x_sorted, group_sizes, w_packed, w_scale)
     if choice.kind == "tpu":
+        # deferred: each backend's kernel module loads for that backend only
         from pallas_kernels.expert_gemm.tpu import grouped_fp4_gemm_tpu as kernel
     else:
+        # deferred: each backend's kernel module loads for that backend only
         from pallas_kernels.expert_gemm.gpu import grouped_fp4_gemm_gpu as kernel
     return kernel(x_sorted, group_sizes, w_packed, w_scale, interpret=choice.interpret)
 
@@ -106,8 +109,10 @@ def fp8_block_gemm(
     if choice.kind == "xla":
         return fp8_block_gemm_reference(x, w_e4m3, w_scale)
     if choice.kind == "tpu":
+        # deferred: each backend's kernel module loads for that backend only
         from pallas_kernels.expert_gemm.tpu import fp8_block_gemm_tpu as kernel
     else:
+        # deferred: each backend's kernel module loads for that backend only
         from pallas_kernels.expert_gemm.gpu import fp8_block_gemm_gpu as kernel
     return kernel(x, w_e4m3, w_scale, interpret=choice.interpret)
 
@@ -119,8 +124,6 @@ def expert_gemm_moe(experts, rows, expert_ids, weights, *, impl="pallas", interp
     give each row's expert and routing weight. Same math as `Experts.grouped`: sort rows by
     expert, W1 and W3, clamped SwiGLU times the weight, W2, unsort.
     """
-    from dsv41_jax.numerics.activations import swiglu
-
     if experts.kind != "fp4":
         raise ValueError(f"expert_gemm_moe: needs MXFP4 experts, got kind {experts.kind!r}")
     E = experts.w1.shape[0]  # the stored bytes or their word views (`kernel_params`): E leads both

@@ -74,8 +74,10 @@ def indexer_scores(
         raise ValueError("indexer_scores(mode='exact') with a kernel needs platform='tpu' (the default on CPU) and "
                          f"interpret=True, got platform={choice.kind!r}, interpret={choice.interpret}")
     if choice.kind == "tpu":
+        # deferred: each backend's kernel module loads for that backend only
         from pallas_kernels.indexer.tpu import indexer_scores_tpu as kernel
     else:
+        # deferred: each backend's kernel module loads for that backend only
         from pallas_kernels.indexer.gpu import indexer_scores_gpu as kernel
     extra = {"exact": True} if exact else {}
     return kernel(q_packed, q_scale, keys, weights, compress_len, pool_mask, bf16_rounding=bf16_rounding,

@@ -16,16 +16,20 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax.numerics import kv_layout
+from dsv41_jax.numerics import kv_layout, quant
+from dsv41_jax.numerics.sparse_attention import sparse_attention
 from pallas_kernels.common.backend import resolve
 from pallas_kernels.sparse_attention.reference import sparse_sink_attention_reference
 
 
 def _kernel_for(kind: str):
+    # deferred: each backend's kernel module loads for that backend only (the GPU one imports Triton's lowering)
     if kind == "tpu":
+        # deferred: each backend's kernel module loads for that backend only
         from pallas_kernels.sparse_attention.tpu import sparse_sink_attention_tpu
 
         return sparse_sink_attention_tpu
+    # deferred: each backend's kernel module loads for that backend only
     from pallas_kernels.sparse_attention.gpu import sparse_sink_attention_gpu
 
     return sparse_sink_attention_gpu
@@ -197,9 +201,6 @@ def sparse_sink_attention_values(
 
 def _values_in_reference(q, window_raw, compressed_raw, window_idx, compressed_idx, sink, scale):
     """Training's XLA math: attention over the fake-quantized rows (straight-through), window slots first."""
-    from dsv41_jax.numerics import quant
-    from dsv41_jax.numerics.sparse_attention import sparse_attention
-
     rows, idx = quant.fake_fp8_act(window_raw, 32), window_idx
     if compressed_raw is not None:
         n = rows.shape[1]

@@ -256,18 +256,13 @@ def unexplained_deferred_imports(texts: dict[str, str] | None = None) -> dict[st
     return {k: sorted(v) for k, v in out.items()}
 
 
-# An import inside a function is for breaking a cycle or deferring a heavy optional import, with a
-# comment saying which. dsv41_jax holds none without one outside the CLI; the counts here are what is
-# left to sort (the CLI defers jax and the model so that `dsv41 --help` answers at once; sharding's and
-# the kernels' command-line and device-check modules do the same), and may only fall.
-UNEXPLAINED_CEILING = {"dsv41_jax.cli": 71, "pallas_kernels": 21, "sharding": 28}
-
-
 def test_imports_inside_functions_say_why():
+    """An import inside a function breaks a cycle or defers a heavy optional import (the CLI loads
+    nothing of the model before a command runs; a backend's kernel module loads for that backend),
+    with a comment saying which, on the line or heading its group of imports."""
     found = unexplained_deferred_imports()
-    over = {k: v for k, v in found.items() if len(v) > UNEXPLAINED_CEILING.get(k, 0)}
-    assert not over, ("imports inside functions without a comment saying why (a cycle they break or a heavy "
-                      f"optional import they defer); import at the top of the module instead: {over}")
+    assert not found, ("imports inside functions without a comment saying why (a cycle they break or a heavy "
+                       f"optional import they defer); import at the top of the module instead: {found}")
 
 
 def test_the_deferred_import_check_reads_comments():
