@@ -112,7 +112,7 @@ def load_server(args, lockstep=None, follower: bool = False):
         engine = make_engine(model, tokenizer, opts)
         if opts.warm:  # the same programs in the same order as process 0's warm-up: their collectives pair up
             try:
-                warmup.warm(engine, replay=opts.cache_dir is not None)
+                warmup.warm(engine, replay=opts.cache_dir is not None, echo=True)
             except Exception:  # noqa: BLE001 - as process 0's worker does: go on cold (its reset follows)
                 import traceback
 

@@ -15,9 +15,12 @@ Where arrays live and where the Engram tables are read are strategies the engine
 (`serving.placement`): one device or a mesh (`sharding.serving.MeshPlacement`), tables in device
 memory or in host memory (`sharding.serving.HostTables`).
 
-Compiled shapes: prefill pieces of `prefill_chunk` tokens plus power-of-two remainders (so any
-prompt length reuses at most log2(prefill_chunk) + 1 piece shapes), one Graph B shape, one decode
-shape per cache capacity bucket (`buckets`).
+Compiled shapes: prefill pieces of a fixed set (`steps.piece_set`: `prefill_chunk`, a quarter of it,
+... down to a 64th: 4 shapes for 512), the last piece of a prompt padded (`steps.pieces`), one
+Graph B shape, one replay shape (the window, padded), one decode shape per cache capacity bucket
+(`buckets`). Exact numerics pads nothing (a call's length is part of its numerics, `steps.piece_set`):
+`prefill_chunk` pieces, then the remainder's powers of two, and a replay of each length below the
+window.
 """
 from __future__ import annotations
 
@@ -118,6 +121,7 @@ class Engine:
         self.slots, self.K, self.spec_acceptance = s.slots, s.speculative, s.spec_acceptance
         self.max_seq_len = s.max_seq_len
         self.min_capacity, self.prefill_chunk, self.exact = s.min_capacity, s.prefill_chunk, s.exact_prefill
+        self.padded = s.runtime.mode != "exact"  # prefill pieces padded to a few shapes (`steps.pieces`)
         self.tail = cfg.window_size + s.tail_slack
         self.placement, self.tables = placement or OneDevice(), tables or DeviceTables()
         self.decode_plan = decode_plan(s.runtime)  # the decode step's plan, compiled into it

@@ -1,7 +1,7 @@
 """The engine's prefill driver: one request alone on a one-row cache, through the compiled steps.
 
 A prompt no longer than the tail (or any prompt with `exact_prefill`) runs the exact prefill in
-`prefill_chunk` pieces (then power-of-two remainders); a longer one runs Graph A (`encode`) over
+pieces of a few fixed shapes (`steps.pieces`, the last one padded in fast numerics); a longer one runs Graph A (`encode`) over
 its pieces and Graph B (`finish`) once over the tail (docs/ARCHITECTURE.md "Split prefill"). A
 stored conversation first replays its last window (`resume`). The engine (`engine.py`) schedules;
 this module only calls its steps, on the engine's placement and Engram tables.
@@ -43,39 +43,49 @@ def prefill_request(engine, req: Request) -> tuple:
 
 
 def resume(engine, req: Request):
-    """(logits, one-row cache, stored tokens) of a stored conversation, its last window replayed."""
+    """(logits, one-row cache, stored tokens) of a stored conversation, its last window replayed
+    (padded to the window in fast numerics: one replay shape)."""
     cache, stored = prefix_cache.load_prefix(req.resume_from, engine.cfg, capacity=engine.capacity,
                                              fingerprint=engine.fingerprint)
     cache = engine.placed(cache)
     tokens = [int(t) for t in stored]
     n = min(engine.cfg.window_size, len(tokens))
-    params, ids = engine.step_inputs(engine.engram_ids(tokens[:-n], tokens[-n:]))
-    logits, cache = engine.steps.replay(params, jnp.asarray([tokens[-n:]], jnp.int32), cache, ids,
-                                        span_rows(req.history_spans, len(tokens) - n, len(tokens)))
+    W = engine.cfg.window_size if engine.padded else n
+    window = tokens[-n:] + [0] * (W - n)
+    params, ids = engine.step_inputs(engine.engram_ids(tokens[:-n], window))
+    logits, cache = engine.steps.replay(params, jnp.asarray([window], jnp.int32), cache, ids,
+                                        span_rows(req.history_spans, len(tokens) - n, len(tokens), W),
+                                        jnp.asarray([n], jnp.int32))
     return logits, cache, tokens
+
+
+def piece_inputs(engine, history: list[int], new: list[int]):
+    """Each piece of `new` (after `history`) as a step takes it: (first token's index in new, its
+    shape, token ids [1, shape] padded with 0, params, Engram ids, valid [1])."""
+    done = 0
+    for size in pieces(len(new), engine.prefill_chunk, engine.padded):
+        chunk = new[done:done + size]
+        padded = chunk + [0] * (size - len(chunk))
+        params, ids = engine.step_inputs(engine.engram_ids(history + new[:done], padded))
+        yield done, size, jnp.asarray([padded], jnp.int32), params, ids, jnp.asarray([len(chunk)], jnp.int32)
+        done += size
 
 
 def prefill_exact(engine, tokens: list[int], new: list[int], spans, cache: dict, rings):
     """Every layer over the new tokens `new` after `tokens`, piece by piece: (logits, cache, rings)."""
-    logits, done = None, 0
-    for size in pieces(len(new), engine.prefill_chunk):
-        chunk = new[done:done + size]
-        params, ids = engine.step_inputs(engine.engram_ids(tokens + new[:done], chunk))
-        logits, cache, rings = engine.steps.prefill(params, jnp.asarray([chunk], jnp.int32), cache, rings, ids,
-                                                    span_rows(spans, done, done + size))
-        done += size
+    logits = None
+    for done, size, chunk, params, ids, valid in piece_inputs(engine, tokens, new):
+        logits, cache, rings = engine.steps.prefill(params, chunk, cache, rings, ids,
+                                                    span_rows(spans, done, done + size, size), valid)
     return logits, cache, rings
 
 
 def prefill_split(engine, tokens: list[int], new: list[int], spans, cache: dict, rings):
     """Graph A over the new tokens piece by piece, then Graph B over the tail: (logits, cache, rings)."""
-    buffers, done = prefill_buffers(engine), 0
-    for size in pieces(len(new), engine.prefill_chunk):
-        chunk = new[done:done + size]
-        params, ids = engine.step_inputs(engine.engram_ids(tokens + new[:done], chunk))
-        cache, buffers = engine.steps.encode(params, jnp.asarray([chunk], jnp.int32), cache, buffers, ids,
-                                             span_rows(spans, done, done + size))
-        done += size
+    buffers = prefill_buffers(engine)
+    for done, size, chunk, params, ids, valid in piece_inputs(engine, tokens, new):
+        cache, buffers = engine.steps.encode(params, chunk, cache, buffers, ids,
+                                             span_rows(spans, done, done + size, size), valid)
     floor = jnp.full((1,), len(tokens) + len(new) - engine.tail, jnp.int32)
     tail_spans = span_rows(spans, len(new) - engine.tail, len(new))
     params, ids = engine.step_inputs(engine.engram_ids(tokens + new[:-engine.tail], new[-engine.tail:]))

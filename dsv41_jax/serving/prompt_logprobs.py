@@ -4,8 +4,8 @@ ask for them (lm-eval's loglikelihood tasks: `echo: true`, `logprobs`, `max_toke
 Token i's logprob is log_softmax of the logits at position i - 1, evaluated at token i; the first
 token has none. Every layer runs over every prompt token (exact prefill, model.forward's math): the
 CED split computes no logits before the prompt's last window. The prompt goes through in the
-engine's prefill pieces (`prefill_chunk` chunks plus power-of-two remainders), on a cache of its
-own (the batch's slots are untouched), so one program per piece size serves every length; the
+engine's prefill pieces (`steps.pieces`: a few fixed shapes, the last one padded), on a cache of its
+own (the batch's slots are untouched), so one program per piece shape serves every length; the
 log-softmax, the target gather and the top entries are computed on the device, so only
 [n] + [n, TOP] numbers per piece come back. Raw logits: unlike sampled tokens, no id is banned
 (a prompt may hold the sentinels a reply never may).
@@ -21,7 +21,8 @@ import numpy as np
 from flax import nnx
 
 from dsv41_jax.runtime import COMPILER_OPTIONS
-from dsv41_jax.serving.engine import Engine, pieces
+from dsv41_jax.serving.engine import Engine
+from dsv41_jax.serving.prefill import piece_inputs
 from dsv41_jax.serving.split_prefill import exact_prefill
 
 TOP = 20  # the most top_logprobs a request may ask for (OpenAI's bound)
@@ -39,8 +40,9 @@ def _program(engine: Engine):
         fix = engine.placement.constrain
 
         @functools.partial(jax.jit, donate_argnums=(2,), compiler_options=COMPILER_OPTIONS)
-        def fn(params, tokens, cache, ids, targets):
-            logits, cache, _ = exact_prefill(nnx.merge(gd, params), tokens, cache, runtime=rt, engram_ids=ids)
+        def fn(params, tokens, cache, ids, targets, valid):
+            logits, cache, _ = exact_prefill(nnx.merge(gd, params), tokens, cache, runtime=rt, engram_ids=ids,
+                                             valid=valid)
             lp = jax.nn.log_softmax(fix(logits[0]).astype(jnp.float32), -1)  # [n, V]
             target = jnp.take_along_axis(lp, jnp.maximum(targets, 0)[:, None], -1)[:, 0]
             top_lp, top_ids = jax.lax.top_k(lp, min(TOP, lp.shape[-1]))
@@ -59,18 +61,14 @@ def prompt_logprobs(engine: Engine, prompt: list[int]) -> tuple[list[float | Non
     cache = engine.empty(1)
     lps: list[float | None] = [None]
     tops: list[list[tuple[int, float]]] = [[]]
-    done = 0
-    for size in pieces(len(prompt), engine.prefill_chunk):
-        chunk = prompt[done:done + size]
-        targets = prompt[done + 1:done + size + 1]
-        targets = targets + [-1] * (size - len(targets))  # the prompt's last position predicts no prompt token
-        params, ids = engine.step_inputs(engine.engram_ids(prompt[:done], chunk))
-        target, top_lp, top_ids, cache = step(params, jnp.asarray([chunk], jnp.int32), cache, ids,
-                                              jnp.asarray(targets, jnp.int32))
+    for done, size, chunk, params, ids, valid in piece_inputs(engine, [], prompt):
+        # the prompt's last position predicts no prompt token, nor do the padding's
+        targets = prompt[done + 1:done + int(valid[0]) + 1]
+        targets = targets + [-1] * (size - len(targets))
+        target, top_lp, top_ids, cache = step(params, chunk, cache, ids, jnp.asarray(targets, jnp.int32), valid)
         target, top_lp, top_ids = np.asarray(target), np.asarray(top_lp), np.asarray(top_ids)
         for j, t in enumerate(targets):
             if t >= 0:
                 lps.append(float(target[j]))
                 tops.append([(int(i), float(v)) for i, v in zip(top_ids[j], top_lp[j])])
-        done += size
     return lps, tops

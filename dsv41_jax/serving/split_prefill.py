@@ -14,6 +14,12 @@
 Each is a short driver of the one layer body (`dsv41_jax.model.block`): a Plan, a Span, the cache
 behind a QuantStore. All functions take and return the cache; nothing is mutated. `make_*` wrap
 them in `jax.jit` with the model's compiler options.
+
+Padded pieces (`valid`): the engine runs prompts in a few fixed piece shapes (`serving.steps.pieces`),
+the last one padded at its end. Attention is causal and a compressed group is visible only once
+complete, so no real position reads a padding one; the padding's cache writes are dropped by running
+the piece with pending writes and committing the first `valid` positions (`commit`: what a piece of
+only those tokens writes). The real positions' results are those of an unpadded piece.
 """
 from __future__ import annotations
 
@@ -73,14 +79,29 @@ def _layers(model, h, pre, cache: dict, span: body.Span, plan: body.Plan, layers
 def project_ced(model, h: jax.Array, pre: jax.Array, span: body.Span, cache: dict, plan: body.Plan) -> dict:
     """Graph A's last step (docs/REFERENCE.md §5): the first decoder layer's attention input from the encoder
     output (after that layer's Engram, if it has one, shut at image-span positions), and its global
-    writes only. Its compressed KV and index keys come out exact."""
+    writes only. Its compressed KV and index keys come out exact. With a "pending" plan: the cache as
+    it came, and the writes in the returned dict's "pending" (`_project_ced`)."""
+    return _project_ced(model, h, pre, span, _store(model.cfg, cache, span, plan), plan).cache
+
+
+def _store(cfg, cache: dict, span: body.Span, plan: body.Plan) -> body.QuantStore:
+    if plan.writes == "pending":
+        return body.QuantStore.pending_for(cfg, cache, span.start)
+    return body.QuantStore(cfg, cache)
+
+
+def _project_ced(model, h, pre, span: body.Span, store: body.QuantStore, plan: body.Plan) -> body.QuantStore:
     cfg = model.cfg
     block = model.layers[cfg.decoder_start]
-    store = body.QuantStore(cfg, cache)
     with body.fp8_linears(plan):  # the layer's FP8 linears as run_layers runs them (kernel_params' word views)
         h, _ = body.engram_site(cfg, block, h, span, plan)
         body.write_source(block, body.attn_input(block, h, pre, plan), span, store, plan)
-    return store.cache
+    return store
+
+
+def _writes(valid) -> str:
+    """The plan's writes for a piece: pending (then `commit` of the first `valid`) when padded."""
+    return "all" if valid is None else "pending"
 
 
 def _taps(aux: dict, h: jax.Array) -> jax.Array:
@@ -94,21 +115,28 @@ def _split_taps(model, taps: bool):
 
 
 def encoder_pass(model, tokens: jax.Array, cache: dict, *, runtime: Runtime = Runtime(), engram_ids=None,
-                 spans=None, taps: bool = False):
+                 spans=None, taps: bool = False, valid=None):
     """Graph A over one chunk continuing from cache["length"]: returns (h, pre, cache), the encoder
     output [B,T,hc,d] / pre-mix [B,T,hc] and the cache with its length advanced by T.
     spans: optional (rows [B,T,dim], token_types [B,T]) image spans, as `model.forward` takes them.
     taps: also return the DSpark taps of the target layers among the encoder's, [B, T, n_enc * d]
-    (n_enc may be 0), as a fourth value: `decoder_pass(taps=True)` gives the others."""
+    (n_enc may be 0), as a fourth value: `decoder_pass(taps=True)` gives the others.
+    valid [B]: the chunk's first `valid` tokens are real, the rest padding (module doc): the cache
+    advances by `valid`; h and pre hold every position (the padding's are garbage)."""
     cfg = model.cfg
     start = cache["length"]
-    plan = body.Plan.resolve(runtime)
+    plan = body.Plan.resolve(runtime, writes=_writes(valid))
     span = body.Span.at(start, tokens.shape[1], engram_ids=engram_ids, vl=_vl(spans))
     h, pre = body.embed(model, tokens, spans)
-    h, pre, cache, aux = _layers(model, h, pre, cache, span, plan, range(cfg.decoder_start),
-                                 probe=_split_taps(model, taps))
-    cache = project_ced(model, h, pre, span, cache, plan)
-    cache["length"] = start + tokens.shape[1]
+    h, pre, out, aux = _layers(model, h, pre, cache, span, plan, range(cfg.decoder_start),
+                               probe=_split_taps(model, taps))
+    if valid is None:
+        cache = project_ced(model, h, pre, span, out, plan)
+        cache["length"] = start + tokens.shape[1]
+    else:
+        ced = _project_ced(model, h, pre, span, _store(cfg, cache, span, plan), plan).pending
+        pending = {**aux["pending"], "sources": {**aux["pending"]["sources"], **ced["sources"]}}
+        cache = commit(cfg, cache, pending, valid)
     return (h, pre, cache, _taps(aux, h)) if taps else (h, pre, cache)
 
 
@@ -167,35 +195,49 @@ def split_prefill(model, tokens: jax.Array, cache: dict, *, tail: int | None = N
 
 
 def exact_prefill(model, tokens: jax.Array, cache: dict, *, runtime: Runtime = Runtime(), engram_ids=None,
-                  collect_topk: bool = False, spans=None, taps: bool = False):
+                  collect_topk: bool = False, spans=None, taps: bool = False, valid=None):
     """Every layer over every token (model.forward's math): (logits [B,T,V], cache, aux).
     spans: optional image spans (rows, token_types), as `model.forward` takes them. taps: DSpark's
-    taps in aux["main_hidden"] (as `decode_step`)."""
+    taps in aux["main_hidden"] (as `decode_step`). valid [B]: only the first `valid` tokens are
+    real (module doc): the cache advances by `valid`, the padding's logits are garbage."""
     cfg = model.cfg
     start = cache["length"]
-    plan = body.Plan.resolve(runtime)
+    plan = body.Plan.resolve(runtime, writes=_writes(valid))
     span = body.Span.at(start, tokens.shape[1], engram_ids=engram_ids, vl=_vl(spans))
     h, pre = body.embed(model, tokens, spans)
-    h, pre, cache, aux = _layers(model, h, pre, cache, span, plan, range(cfg.n_layers), collect_topk,
-                                 TapProbe(cfg.dspark_target_layer_ids) if taps else NO_PROBE)
-    cache["length"] = start + tokens.shape[1]
-    return body.head(model, h, pre, plan.runtime.mode)[0], cache, aux
+    h, pre, out, aux = _layers(model, h, pre, cache, span, plan, range(cfg.n_layers), collect_topk,
+                               TapProbe(cfg.dspark_target_layer_ids) if taps else NO_PROBE)
+    if valid is None:
+        out["length"] = start + tokens.shape[1]
+    else:
+        out = commit(cfg, cache, aux.pop("pending"), valid)
+    return body.head(model, h, pre, plan.runtime.mode)[0], out, aux
 
 
 def replay_window(model, tokens: jax.Array, cache: dict, *, runtime: Runtime = Runtime(), engram_ids=None,
-                  spans=None):
+                  spans=None, valid=None):
     """Encoder replay (docs/REFERENCE.md §5 "Prefix-cache hit"): rerun the last T cached tokens (positions
     length-T ..) through every layer, window truncated to them, global caches read-only.
     spans: the image spans of those T positions (rows, token_types), as when they were prefilled.
+    valid [B]: only the first `valid` of the T tokens are real, the last `valid` cached ones (T at most
+    the window): the padding after them writes no ring slot.
     Returns (logits [B,T,V], cache) with the window rings rebuilt and the length unchanged."""
     cfg = model.cfg
-    T = tokens.shape[1]
-    start = cache["length"] - T  # callers check that the cache holds T positions (host side)
+    T, W = tokens.shape[1], cfg.window_size
+    n = jnp.full((tokens.shape[0],), T, jnp.int32) if valid is None else valid
+    start = cache["length"] - n  # callers check that the cache holds n positions (host side)
     plan = body.Plan.resolve(runtime, writes="window")
     span = body.Span.at(start, T, engram_ids=engram_ids, floor=start, vl=_vl(spans))
     h, pre = body.embed(model, tokens, spans)
-    h, pre, cache, _ = _layers(model, h, pre, cache, span, plan, range(cfg.n_layers))
-    return body.head(model, h, pre, plan.runtime.mode)[0], cache
+    h, pre, out, _ = _layers(model, h, pre, cache, span, plan, range(cfg.n_layers))
+    if valid is not None:
+        if T > W:
+            raise ValueError(f"a padded replay covers at most the window ({W}), got {T} tokens")
+        j = (jnp.arange(W)[None] - start[:, None]) % W  # the piece index that wrote each ring slot
+        padding = (j >= valid[:, None]) & (j < T)
+        out["window"] = [jax.tree.map(lambda new, old: jnp.where(padding[:, :, None], old, new), ring, before)
+                         for ring, before in zip(out["window"], cache["window"])]
+    return body.head(model, h, pre, plan.runtime.mode)[0], out
 
 
 def decode_plan(runtime: Runtime = Runtime(), packed: bool = True) -> body.Plan:

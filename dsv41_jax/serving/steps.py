@@ -42,24 +42,52 @@ from dsv41_jax.serving import speculation
 from dsv41_jax.serving.split_prefill import commit, decode_step, decoder_pass, encoder_pass, exact_prefill, replay_window
 
 
-def pieces(n: int, chunk: int) -> list[int]:
-    """Chunk sizes covering n tokens: whole chunks, then the remainder's powers of two."""
-    out = [chunk] * (n // chunk)
-    r = n % chunk
-    bit = 1 << max(r.bit_length() - 1, 0)
-    while r:
-        if r & bit:
-            out.append(bit)
-            r -= bit
-        bit >>= 1
+PIECE_RATIO = 4  # each piece shape is the next larger one / 4
+SMALLEST_PIECE = 64  # the smallest piece shape is chunk / 64 (at least 1 token)
+
+
+def piece_set(chunk: int, padded: bool = True) -> list[int]:
+    """The prefill piece shapes of an engine, largest first. padded (fast numerics): chunk, chunk/4,
+    chunk/16, ... down to max(1, chunk/64) (512: 512, 128, 32, 8), the last piece of a prompt padded.
+    Unpadded (exact numerics): chunk and every power of two below it, as the binary digits of the
+    remainder need them: exact mode mirrors the oracle's torch loops, whose scalar tail (the last
+    T mod 8 tokens of a call) is part of its numerics, so a padded call would change the bits of a
+    real token (`layers/mhc.py`)."""
+    if not padded:
+        return [chunk] + [1 << b for b in reversed(range(max(chunk - 1, 0).bit_length())) if 1 << b < chunk]
+    sizes = [chunk]
+    while sizes[-1] // PIECE_RATIO >= max(1, chunk // SMALLEST_PIECE):
+        sizes.append(sizes[-1] // PIECE_RATIO)
+    return sizes
+
+
+def pieces(n: int, chunk: int, padded: bool = True) -> list[int]:
+    """Piece shapes covering n tokens (`piece_set`): whole chunks, then each smaller shape as often as
+    it fits. padded: the rest goes into one more piece of a shape (padded at its end, `split_prefill`
+    "Padded pieces") as soon as that wastes fewer tokens than the next smaller shape holds, else of
+    the smallest shape; only the last piece is padded (docs/PERFORMANCE.md "Prefill piece shapes":
+    the padding on a prompt-length mix). Unpadded: the remainder's binary digits."""
+    out, r = [], n
+    sizes = piece_set(chunk, padded)
+    for i, size in enumerate(sizes):
+        out += [size] * (r // size)
+        r %= size
+        smaller = sizes[i + 1] if i + 1 < len(sizes) else 0
+        if padded and r and (size - r < smaller or not smaller):
+            return out + [size]
     return out
 
 
-def span_rows(spans, lo: int, hi: int):
-    """Rows lo..hi of a prompt's image spans as a batch of one, or None (no spans, or none in range)."""
+def span_rows(spans, lo: int, hi: int, size: int | None = None):
+    """Rows lo..hi of a prompt's image spans as a batch of one, padded with no-span rows to `size`
+    positions (a padded piece), or None (no spans, or none in range)."""
     if spans is None or not np.any(np.asarray(spans[1])[lo:hi] >= 0):
         return None
-    return jnp.asarray(np.asarray(spans[0])[None, lo:hi]), jnp.asarray(np.asarray(spans[1])[None, lo:hi], jnp.int32)
+    rows, types = np.asarray(spans[0])[lo:hi], np.asarray(spans[1])[lo:hi]
+    pad = (size or len(types)) - len(types)
+    rows = np.concatenate([rows, np.zeros((pad, *rows.shape[1:]), rows.dtype)])
+    types = np.concatenate([types, np.full(pad, -1, types.dtype)])
+    return jnp.asarray(rows[None]), jnp.asarray(types[None], jnp.int32)
 
 
 @dataclass
@@ -79,13 +107,19 @@ class Drafting:
 class Steps:
     """The compiled steps of one engine (see the module doc). `rings` is None without a drafter."""
 
-    prefill: Callable  # (params, tokens, cache, rings, ids, spans) -> (logits [1, V], cache, rings)
-    encode: Callable  # (params, tokens, cache, buffers, ids, spans) -> (cache, buffers)
+    # a piece's `valid` [B]: its first `valid` tokens are real, the rest padding (`pieces`)
+    prefill: Callable  # (params, tokens, cache, rings, ids, spans, valid) -> (logits [1, V], cache, rings)
+    encode: Callable  # (params, tokens, cache, buffers, ids, spans, valid) -> (cache, buffers)
     finish: Callable  # (params, buffers, cache, rings, floor, ids, vl) -> (logits [1, V], cache, rings)
-    replay: Callable  # (params, tokens, cache, ids, spans) -> (logits [1, V], cache)
+    replay: Callable  # (params, tokens, cache, ids, spans, valid) -> (logits [1, V], cache)
     decode: Callable  # (params, tokens [B, 1], cache, rings, active, ids) -> (logits [B, V], cache, rings)
     insert: Callable  # (table, row, slot) -> table with row written at slot
     drafting: Drafting | None
+
+
+def _last(logits, valid):
+    """Each row's logits at its last real position: [B, T, V] -> [B, V]."""
+    return jnp.take_along_axis(logits, (valid - 1)[:, None, None], 1)[:, 0]
 
 
 def _write_rings(model, rings, taps, start, n, mode: str):
@@ -100,26 +134,27 @@ def build_steps(graphdef, runtime, plan, tail: int, constrain, k: int) -> Steps:
     `constrain` the placement's in-step layout, `k` the drafts per step (0: no drafter)."""
     gd, rt, mode = graphdef, runtime, runtime.mode
     jit = functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
-    keep = lambda buf, new: jnp.concatenate([buf, new], 1)[:, -tail:]
+
+    def keep(buf, new, valid):  # the newest `tail` real positions: the buffer's, then the piece's first `valid`
+        return jax.lax.dynamic_slice_in_dim(jnp.concatenate([buf, new], 1), valid[0], tail, 1)
 
     @functools.partial(jit, donate_argnums=(2, 3))
-    def prefill(params, tokens, cache, rings, ids, spans):
+    def prefill(params, tokens, cache, rings, ids, spans, valid):
         model = nnx.merge(gd, params)
         start = cache["length"]
         logits, cache, aux = exact_prefill(model, tokens, cache, runtime=rt, engram_ids=ids, spans=spans,
-                                           taps=rings is not None)
-        n = jnp.full(start.shape, tokens.shape[1], jnp.int32)
-        rings = _write_rings(model, rings, aux.get("main_hidden"), start, n, mode)
-        return constrain(logits[:, -1]), constrain(cache), rings
+                                           taps=rings is not None, valid=valid)
+        rings = _write_rings(model, rings, aux.get("main_hidden"), start, valid, mode)
+        return constrain(_last(logits, valid)), constrain(cache), rings
 
     @functools.partial(jit, donate_argnums=(2, 3))
-    def encode(params, tokens, cache, buffers, ids, spans):
+    def encode(params, tokens, cache, buffers, ids, spans, valid):
         """Graph A's piece; with a drafter the buffers also keep the tail's taps of the encoder's
-        target layers."""
+        target layers. One row (the engine prefills alone): `valid` [1]."""
         out = encoder_pass(nnx.merge(gd, params), tokens, cache, runtime=rt, engram_ids=ids, spans=spans,
-                           taps="taps" in buffers)
+                           taps="taps" in buffers, valid=valid)
         new = {"h": out[0], "pre": out[1], **({"taps": out[3]} if "taps" in buffers else {})}
-        return constrain(out[2]), jax.tree.map(keep, buffers, new)
+        return constrain(out[2]), jax.tree.map(lambda b, n: keep(b, n, valid), buffers, new)
 
     @functools.partial(jit, donate_argnums=(2, 3))
     def finish(params, buffers, cache, rings, floor, ids, vl):
@@ -135,9 +170,10 @@ def build_steps(graphdef, runtime, plan, tail: int, constrain, k: int) -> Steps:
         return constrain(logits[:, -1]), constrain(cache), rings
 
     @functools.partial(jit, donate_argnums=(2,))
-    def replay(params, tokens, cache, ids, spans):
-        logits, cache = replay_window(nnx.merge(gd, params), tokens, cache, runtime=rt, engram_ids=ids, spans=spans)
-        return constrain(logits[:, -1]), constrain(cache)
+    def replay(params, tokens, cache, ids, spans, valid):
+        logits, cache = replay_window(nnx.merge(gd, params), tokens, cache, runtime=rt, engram_ids=ids, spans=spans,
+                                      valid=valid)
+        return constrain(_last(logits, valid)), constrain(cache)
 
     @functools.partial(jit, donate_argnums=(2, 3))
     def decode(params, tokens, cache, rings, active, ids):

@@ -8,11 +8,15 @@ capacity the server keeps (the bucket that holds `max_seq_len`; a request withou
 reserves that much, so a server reaches that bucket at its first request anyway), so that after
 it no request compiles, whatever its length:
 
-- prefill pieces: `engine.pieces` cuts a prompt into `prefill_chunk` chunks plus the binary digits
-  of the remainder; `program_list` finds which piece sizes the reachable prompt lengths need, for
+- prefill pieces: `steps.pieces` cuts a prompt into a few fixed shapes (`steps.piece_set`, the
+  last piece padded); `program_list` finds which of them the reachable prompt lengths need, for
   the exact path (prompts inside the tail, or every prompt with `exact_prefill`) and for Graph A;
 - Graph B (one shape), the replay of a stored conversation's last window (when conversation
-  caches are on; a conversation shorter than a window replays a shorter piece, compiled on use);
+  caches are on; one shape: a shorter conversation's window is padded);
+- `echo` prompt scoring (`prompt_logprobs`, when asked: the server), in the same piece shapes;
+- image spans (a model with a vision tower): the prefill and replay programs again with span
+  operands (a piece with image positions passes them; the vision tower itself is one program per
+  image grid, compiled on an image's first use);
 - one request through the engine's own admit/decode path: the batch-1 and batch-`slots` sampler,
   the slot insert, the decode step, the logprob path;
 - on a speculating engine (`Engine(speculative=K)`): the prefill programs above are the ones that
@@ -21,9 +25,7 @@ it no request compiles, whatever its length:
   targets, rejection sampling, commit); the engine's `spec_stats` are zeroed afterwards.
 
 With a persistent compilation cache (`compile_cache`) a second start loads the programs instead
-of compiling them. Image spans add operands to the prefill programs, and the vision tower is its
-own program per image grid: neither is warmed (a grid depends on the image), so a checkpoint's first
-image request compiles them.
+of compiling them.
 """
 from __future__ import annotations
 
@@ -40,47 +42,58 @@ import jax.numpy as jnp
 from dsv41_jax.serving.engine import Engine, Request
 from dsv41_jax.serving.prefill import prefill_buffers, row_state
 from dsv41_jax.serving.sampling import SamplingParams
+from dsv41_jax.serving.steps import piece_set, pieces
 
 
-def piece_sizes(lo: int, hi: int, chunk: int) -> list[int]:
-    """Every piece size `pieces(n, chunk)` uses for some prompt length n in [lo, hi] (empty if lo > hi)."""
+def piece_sizes(lo: int, hi: int, chunk: int, padded: bool = True) -> list[int]:
+    """Every piece shape `pieces(n, chunk, padded)` uses for some prompt length n in [lo, hi] (empty
+    if lo > hi)."""
     if lo > hi:
         return []
     sizes = {chunk} if hi >= chunk else set()
-    if hi - lo + 1 >= chunk:  # every remainder 0..chunk-1 occurs
-        rems = range(chunk)
-    else:
-        rems = {n % chunk for n in range(lo, hi + 1)}
-    bits = 0
+    # the shapes below chunk depend on n % chunk only; every remainder occurs over chunk lengths
+    rems = range(chunk) if hi - lo + 1 >= chunk else {n % chunk for n in range(lo, hi + 1)}
     for r in rems:
-        bits |= r
-    p = 1
-    while p < chunk:
-        if bits & p:
-            sizes.add(p)
-        p <<= 1
+        sizes.update(pieces(r, chunk, padded))
+        if len(sizes) == len(piece_set(chunk, padded)):
+            break
     return sorted(sizes)
 
 
-def program_list(engine: Engine, *, replay: bool = False) -> list[tuple[str, int]]:
+def program_list(engine: Engine, *, replay: bool = False, echo: bool = False) -> list[tuple[str, int]]:
     """(kind, tokens) of every program `warm` compiles: ("exact", n) and ("graph_a", n) prefill
-    pieces, ("graph_b", tail), ("replay", window) when asked, ("decode", slots) for the rest."""
+    pieces, ("graph_b", tail), ("replay", window) when asked, ("echo", n) scoring pieces when asked,
+    the same prefill and replay kinds with "+spans" on a model with a vision tower, and
+    ("decode", slots) for the rest."""
     longest = engine.max_seq_len - 1  # a prompt leaves room for at least one generated token
+    sizes = lambda lo, hi: piece_sizes(lo, hi, engine.prefill_chunk, engine.padded)  # noqa: E731
     if engine.exact:
         exact_hi, split = longest, []
     else:
         exact_hi = min(engine.tail, longest)
-        split = piece_sizes(engine.tail + 1, longest, engine.prefill_chunk)
-    out = [("exact", n) for n in piece_sizes(1, exact_hi, engine.prefill_chunk)]
-    out += [("graph_a", n) for n in split]
+        split = sizes(engine.tail + 1, longest)
+    prefill = [("exact", n) for n in sizes(1, exact_hi)]
+    prefill += [("graph_a", n) for n in split]
     if split:
-        out.append(("graph_b", engine.tail))
+        prefill.append(("graph_b", engine.tail))
     if replay:
-        out.append(("replay", engine.cfg.window_size))
+        prefill.append(("replay", engine.cfg.window_size))
+    out = list(prefill)
+    if getattr(engine.cfg, "vision_enabled", False):
+        out += [(f"{kind}+spans", n) for kind, n in prefill]
+    if echo:
+        out += [("echo", n) for n in sizes(1, longest)]
     if engine.K:
         out.append(("speculate", engine.slots))
     out.append(("decode", engine.slots))
     return out
+
+
+def _spans(engine: Engine, n: int, on: bool):
+    """Span operands of n positions, all outside a span (a piece of an image prompt passes them), or None."""
+    if not on:
+        return None
+    return jnp.zeros((1, n, engine.cfg.dim), jnp.bfloat16), jnp.full((1, n), -1, jnp.int32)
 
 
 def _run(engine: Engine, kind: str, n: int):
@@ -88,16 +101,21 @@ def _run(engine: Engine, kind: str, n: int):
     # (Engine.placed), uncommitted token/id/floor arrays, and None where it passes None
     tokens = jnp.asarray([[0] * n], jnp.int32)
     params, ids = engine.step_inputs(engine.engram_ids([], [0] * n))  # host Engram: compact tables
-    steps = engine.steps
+    steps, valid = engine.steps, jnp.asarray([n], jnp.int32)
+    kind, spans = kind.removesuffix("+spans"), _spans(engine, n, kind.endswith("+spans"))
     if kind == "exact":
-        out = steps.prefill(params, tokens, engine.empty(1), row_state(engine), ids, None)
+        out = steps.prefill(params, tokens, engine.empty(1), row_state(engine), ids, spans, valid)
     elif kind == "graph_a":
-        out = steps.encode(params, tokens, engine.empty(1), prefill_buffers(engine), ids, None)
+        out = steps.encode(params, tokens, engine.empty(1), prefill_buffers(engine), ids, spans, valid)
     elif kind == "graph_b":
         out = steps.finish(params, prefill_buffers(engine), engine.empty(1), row_state(engine),
-                           jnp.full((1,), 0, jnp.int32), ids, None)
+                           jnp.full((1,), 0, jnp.int32), ids, None if spans is None else spans[1] >= 0)
     elif kind == "replay":
-        out = steps.replay(params, tokens, engine.empty(1), ids, None)
+        out = steps.replay(params, tokens, engine.empty(1), ids, spans, valid)
+    elif kind == "echo":
+        from dsv41_jax.serving.prompt_logprobs import prompt_logprobs
+
+        out = prompt_logprobs(engine, [0] * n)
     elif kind == "speculate":  # K + 3 tokens: speculating steps, then the plain step near max_tokens;
         # greedy (greedy drafts), then at T = 1 (sampled drafts and rejection sampling)
         for t in (0.0, 1.0):
@@ -113,7 +131,7 @@ def _run(engine: Engine, kind: str, n: int):
     jax.block_until_ready(out)
 
 
-def warm(engine: Engine, *, replay: bool = False,
+def warm(engine: Engine, *, replay: bool = False, echo: bool = False,
          progress: Callable[[int, int, str, float], None] | None = None) -> dict:
     """Compile (or load from the persistent cache) every program of `program_list`, growing the
     engine's caches to the bucket that holds `max_seq_len` first. The engine must be idle; it is
@@ -123,7 +141,7 @@ def warm(engine: Engine, *, replay: bool = False,
         raise RuntimeError("warm() needs an idle engine (call it before serving requests)")
     t0 = time.perf_counter()
     engine.grow(engine.max_seq_len)
-    todo = program_list(engine, replay=replay)
+    todo = program_list(engine, replay=replay, echo=echo)
     if progress is not None:
         progress(0, len(todo), "start", 0.0)
     for i, (kind, n) in enumerate(todo, 1):

@@ -409,11 +409,11 @@ def test_conversation_cache_chat_mode_extends_prompt_and_completion(server, clie
     assert r1.usage.prompt_tokens_details.cached_tokens == 0 and r1.choices[0].message.content == "Sunny."
     m2 = q1 + [{"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "and tomorrow"}]
     engine, prefilled = server.worker.engine, []
-    full, replay = engine.steps.prefill, engine.steps.replay  # count the tokens each prefill program is given
+    full, replay = engine.steps.prefill, engine.steps.replay  # count the real tokens each prefill program is given
 
     def counting(fn):
         def run(params, tokens, *rest):
-            prefilled.append(int(tokens.shape[1]))
+            prefilled.append(int(rest[-1][0]))  # `valid`: a padded piece's real tokens
             return fn(params, tokens, *rest)
         return run
 

@@ -17,6 +17,7 @@ from dsv41_jax.config import ModelConfig
 from dsv41_jax.serving.engine import Engine, EngineSettings, Request, pieces
 from dsv41_jax.serving.http.server import BackgroundServer, ServeOptions, build
 from dsv41_jax.serving.sampling import SamplingParams
+from dsv41_jax.serving.steps import piece_set
 from dsv41_jax.serving.warmup import piece_sizes, program_list, warm
 from dsv41_jax.text.tokenizer import load_tokenizer
 from dsv41_jax.train.data import ByteTokenizer
@@ -67,16 +68,31 @@ def tiny_app(folder, max_len: int, seed: int = 1, **opts):
                                                                        exact_prefill=True), **opts))
 
 
+@pytest.mark.parametrize("padded", [True, False])
 @pytest.mark.parametrize("chunk", [1, 3, 8, 16, 100, 512])
-def test_piece_sizes_are_those_of_every_reachable_length(chunk):
+def test_piece_sizes_are_those_of_every_reachable_length(chunk, padded):
     for lo, hi in [(1, 1), (1, 7), (5, 63), (129, 8191), (300, 310), (9, 8)]:
-        want = sorted({s for n in range(lo, hi + 1) for s in pieces(n, chunk)})
-        assert piece_sizes(lo, hi, chunk) == want, (lo, hi)
+        want = sorted({s for n in range(lo, hi + 1) for s in pieces(n, chunk, padded)})
+        assert piece_sizes(lo, hi, chunk, padded) == want, (lo, hi)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 8, 16, 100, 512])
+def test_pieces_cover_a_prompt_with_only_the_last_padded(chunk):
+    """Padded: the shapes of `piece_set`, at most one of them (the last) with padding, by less than the
+    next smaller shape (or less than the smallest); unpadded: exactly n tokens in the old shapes."""
+    shapes = set(piece_set(chunk))
+    assert len(shapes) <= 4
+    for n in range(1, 3 * chunk + 70):
+        got = pieces(n, chunk)
+        assert set(got) <= shapes and 0 <= sum(got) - n < max(got[-1] // 4, min(shapes)), (n, got)
+        assert sum(got[:-1]) < n, (n, got)  # only the last piece holds padding
+        exact = pieces(n, chunk, padded=False)
+        assert sum(exact) == n and all(s == chunk or s & (s - 1) == 0 for s in exact), (n, exact)
 
 
 def test_warm_server_reports_ready_after_compiling_and_then_no_request_compiles(tmp_path):
     app, worker = tiny_app(tmp_path, 64, warm=True)
-    assert [k for k, _ in program_list(worker.engine)] == ["exact"] * 5 + ["decode"]  # pieces 1, 2, 4, 8, 16
+    assert [k for k, _ in program_list(worker.engine)] == ["exact"] * 3 + ["decode"]  # pieces 1, 4, 16
     gate = threading.Event()
     real_warm = worker.warm
 
@@ -103,7 +119,7 @@ def test_warm_server_reports_ready_after_compiling_and_then_no_request_compiles(
             r = http.get("/ready")
             assert r.status_code == 200, r.text
             body = r.json()
-            assert body["status"] == "ready" and body["done"] == body["total"] == 6 and body["error"] is None
+            assert body["status"] == "ready" and body["done"] == body["total"] == 3 + 3 + 1 and body["error"] is None
             assert worker.engine.capacity >= 64
             with count_compiles() as seen:
                 for prompt in ["a", "hello", "x" * 17, "y" * 40, "z" * 61]:

@@ -165,6 +165,38 @@ def test_commit_of_pending_writes_equals_a_chunk_of_the_accepted_tokens(micro):
         assert [int(v) for v in cache["length"]] == [P + 2, P + T + 5]
 
 
+@pytest.mark.slow
+def test_padded_pieces_equal_unpadded_ones(micro):
+    """The engine's padded prefill pieces (fast numerics): a piece of 11 real tokens padded to 16,
+    after 5 cached ones (a ratio-2 group left half full, the W = 8 ring wrapping), leaves the cache an
+    unpadded piece of those 11 leaves and gives the same logits and encoder output at every real
+    position, bit for bit (exact prefill and Graph A); a replay of 5 tokens padded to the window
+    rebuilds the rings an unpadded replay rebuilds."""
+    cfg, params, gd = micro["cfg"], micro["params"], micro["graphdef"]
+    toks, start, n, P, W = micro["tokens"][:1], 5, 11, 16, cfg.window_size
+    m = lambda p: nnx.merge(gd, p)  # noqa: E731
+    exact = jax.jit(lambda p, t, c, v=None: sp.exact_prefill(m(p), t, c, valid=v)[:2])
+    encode = jax.jit(lambda p, t, c, v=None: sp.encoder_pass(m(p), t, c, valid=v))
+    replay = jax.jit(lambda p, t, c, v=None: sp.replay_window(m(p), t, c, valid=v))
+    _, cache = exact(params, toks[:, :start], buckets.empty_cache(cfg, 1, cfg.max_seq_len))
+    real = toks[:, start:start + n]
+    padded = jnp.concatenate([real, jnp.zeros((1, P - n), jnp.int32)], 1)
+    valid = jnp.asarray([n], jnp.int32)
+    logits, got = exact(params, padded, cache, valid)
+    want_logits, want = exact(params, real, cache)
+    assert same(logits[:, :n], want_logits) and same(got, want)
+    assert not same(got, cache)  # the piece wrote something (a test that can fail)
+    h, pre, got = encode(params, padded, cache, valid)
+    want_h, want_pre, want = encode(params, real, cache)
+    assert same((h[:, :n], pre[:, :n], got), (want_h, want_pre, want))
+    k = 5
+    _, rebuilt = replay(params, jnp.concatenate([toks[:, :k], jnp.zeros((1, W - k), jnp.int32)], 1),
+                        sp.drop_window(exact(params, toks[:, :k], cache_k := buckets.empty_cache(cfg, 1, cfg.max_seq_len))[1]),
+                        jnp.asarray([k], jnp.int32))
+    _, want = replay(params, toks[:, :k], sp.drop_window(exact(params, toks[:, :k], cache_k)[1]))
+    assert same(rebuilt, want)
+
+
 def test_fast_index_keys_bitwise():
     """The table decode of packed index keys equals kv_layout's nibble arithmetic for every
     (byte, E8M0 scale) pair, NaN scale included."""
@@ -649,9 +681,10 @@ def test_engine_steps_on_the_kernels_equal_xla_in_exact_mode(micro):
         for impl in ("xla", "pallas"):
             eng = Engine(micro["model"], slots=2, exact_prefill=True, runtime=Runtime(mode="exact", impl=impl))
             assert eng.decode_plan.kernel_mode == ("exact" if impl == "pallas" else None)
+            whole = lambda n: jnp.full((2,), n, jnp.int32)  # noqa: E731 - every token real (no padding)
             logits, cache, _ = eng.steps.prefill(eng.params, tokens, buckets.empty_cache(cfg, 2, cfg.max_seq_len),
-                                                 None, None, None)
-            r_logits, cache = eng.steps.replay(eng.params, tokens[:, -W:], sp.drop_window(cache), None, None)
+                                                 None, None, None, whole(N))
+            r_logits, cache = eng.steps.replay(eng.params, tokens[:, -W:], sp.drop_window(cache), None, None, whole(W))
             steps, nxt = [logits, r_logits], tokens[:, :1]
             for _ in range(2):
                 logits, cache, _ = eng.steps.decode(eng.params, nxt, cache, None, jnp.ones(2, bool), None)

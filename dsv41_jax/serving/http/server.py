@@ -96,7 +96,7 @@ def build(model, tokenizer, opts: ServeOptions):
         replay = conversations is not None
 
         def warm(engine, progress):  # across processes every process warms its own engine, unpublished
-            return warmup.warm(getattr(engine, "local", engine), replay=replay, progress=progress)
+            return warmup.warm(getattr(engine, "local", engine), replay=replay, echo=True, progress=progress)
     worker = EngineWorker(engine, metrics, max_queue=opts.max_queue, warm=warm)
     metrics.watch_compiles(worker)
     has_vision = bool(getattr(cfg, "vision_enabled", False))
