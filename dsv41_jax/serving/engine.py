@@ -340,13 +340,12 @@ class Engine:
         sampled one), with its DSpark rings when it has them. The next turn's prompt should start
         with that token."""
         st = self.table[slot]
-        row = jax.tree.map(lambda a: a[slot:slot + 1], self.cache)
         tokens = st.tokens[:st.in_cache]
         key = st.request.match_key
         key = None if key is None else list(key[:len(tokens)]) + list(tokens[len(key):])  # generated: text
-        rings = jax.tree.map(lambda a: a[slot:slot + 1], self.rings) if st.rings else None
-        return prefix_cache.save_prefix(path, self.cfg, row, tokens, fingerprint=self.fingerprint, match_key=key,
-                                        rings=rings)
+        # the batch's cache and rings with the slot as `row`: no per-slot slicing program
+        return prefix_cache.save_prefix(path, self.cfg, self.cache, tokens, fingerprint=self.fingerprint,
+                                        row=slot, match_key=key, rings=self.rings if st.rings else None)
 
     def step(self) -> list[Result]:
         """Admit what fits, run one decode step over the active slots, evict finished. Returns

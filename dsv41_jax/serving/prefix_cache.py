@@ -22,6 +22,7 @@ truncated, corrupt, or written for another config or model is refused with the r
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import pathlib
@@ -143,6 +144,50 @@ def _host(a) -> np.ndarray:
     return np.asarray(jax.device_get(a))
 
 
+# Rows of a cache array cross between device and host in blocks of this many, at a start the device
+# takes as data: one small program per array shape whatever a conversation's length (slicing to each
+# length on the device compiled new programs at every new length, after a server's warm-up).
+_BLOCK = 1024
+
+
+@functools.partial(jax.jit, static_argnums=(3,))
+def _get_block(a, row, start, size: int):
+    return jax.lax.dynamic_slice_in_dim(jax.lax.dynamic_index_in_dim(a, row, 0, keepdims=False), start, size, 0)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _put_block(a, block, start):
+    return jax.lax.dynamic_update_slice_in_dim(a, block[None].astype(a.dtype), start, 1)
+
+
+def _starts(g: int, total: int) -> tuple[int, list[int]]:
+    """(block size, starts) of the blocks covering rows 0..g of an axis of `total` rows; the last
+    block starts early rather than run past the end."""
+    size = min(_BLOCK, total)
+    return size, [min(k, total - size) for k in range(0, g, size)]
+
+
+def _rows(a, row: int, g: int) -> np.ndarray:
+    """a[row, :g] on the host, copied in `_BLOCK` blocks."""
+    size, starts = _starts(g, a.shape[1])
+    out = np.zeros((g, *a.shape[2:]), a.dtype)
+    for s in starts:
+        block = _host(_get_block(a, jnp.int32(row), jnp.int32(s), size))
+        out[s:min(s + size, g)] = block[:min(size, g - s)]
+    return out
+
+
+def _set_rows(a, data: np.ndarray):
+    """a (one row, empty after data's rows) with a[0, :len(data)] = data, copied in `_BLOCK` blocks."""
+    g = len(data)
+    size, starts = _starts(g, a.shape[1])
+    padded = np.zeros((max([s + size for s in starts], default=0), *data.shape[1:]), data.dtype)
+    padded[:g] = data
+    for s in starts:
+        a = _put_block(a, jnp.asarray(padded[s:s + size]), jnp.int32(s))
+    return a
+
+
 def _global_arrays(cfg: ModelConfig, cache: dict, row: int, n: int) -> dict[str, np.ndarray]:
     """The persistent parts of one cache row, cut to the n cached positions."""
     out = {}
@@ -153,10 +198,10 @@ def _global_arrays(cfg: ModelConfig, cache: dict, row: int, n: int) -> dict[str,
             if container is None:
                 continue
             for name, a in zip(container._fields, container):
-                out[f"{part}.{key}.{name}"] = _host(a[row, :g])
+                out[f"{part}.{key}.{name}"] = _rows(a, row, g)
         if key in cache["compressor"]:
             for name, a in cache["compressor"][key].items():
-                out[f"compressor.{key}.{name}"] = _host(a[row])
+                out[f"compressor.{key}.{name}"] = _host(a)[row]
     return out
 
 
@@ -173,7 +218,7 @@ def save_prefix(path, cfg: ModelConfig, cache: dict, tokens, *, fingerprint: str
     fingerprint = _checked_fingerprint(fingerprint, "save_prefix")
     path = pathlib.Path(path)
     tokens = np.asarray(tokens, np.int32).reshape(-1)
-    n = int(_host(cache["length"][row]))
+    n = int(_host(cache["length"])[row])
     if n != tokens.size:
         raise PrefixCacheError(f"the cache row holds {n} positions but {tokens.size} token ids were given; "
                                "pass exactly the tokens that went through the model")
@@ -193,7 +238,7 @@ def save_prefix(path, cfg: ModelConfig, cache: dict, tokens, *, fingerprint: str
         offset += len(data)
     header = {"format": "dsv41-prefix-cache", "version": VERSION, "config": config_fields(cfg),
               "model_fingerprint": fingerprint, "n_tokens": n,
-              "published": int(_host(cache["published"][row])), "payload_bytes": offset, "arrays": entries}
+              "published": int(_host(cache["published"])[row]), "payload_bytes": offset, "arrays": entries}
     hb = json.dumps(header, sort_keys=True).encode()
     if path.is_dir():
         raise PrefixCacheError(f"prefix cache path {path} is a folder; give a file path (e.g. {path / 'prefix.dsv41'})")
@@ -285,7 +330,7 @@ def _arrays(path, header: dict, payload: bytes, prefix: str = "") -> dict[str, n
 
 
 def _ring_arrays(rings: dict, row: int) -> dict[str, np.ndarray]:
-    return {f"dspark.ring{i}.{name}": _host(a[row])
+    return {f"dspark.ring{i}.{name}": _host(a)[row]
             for i, ring in enumerate(rings["rings"]) for name, a in zip(ring._fields, ring)}
 
 
@@ -346,7 +391,7 @@ def load_prefix(path, cfg: ModelConfig, *, fingerprint: str, capacity: int | Non
     for part in ("compressed", "index_keys"):
         for key, container in cache[part].items():
             g = n // cfg.compress_ratios[int(key[5:])]
-            cache[part][key] = type(container)(*(a.at[0, :g].set(jnp.asarray(arrays[f"{part}.{key}.{f}"]))
+            cache[part][key] = type(container)(*(_set_rows(a, arrays[f"{part}.{key}.{f}"])
                                                  for f, a in zip(container._fields, container)))
     for key, state in cache["compressor"].items():
         cache["compressor"][key] = {k: jnp.asarray(arrays[f"compressor.{key}.{k}"])[None] for k in state}

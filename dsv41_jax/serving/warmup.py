@@ -96,6 +96,21 @@ def _spans(engine: Engine, n: int, on: bool):
     return jnp.zeros((1, n, engine.cfg.dim), jnp.bfloat16), jnp.full((1, n), -1, jnp.int32)
 
 
+def _conversation(engine: Engine, n: int):
+    """What a server with conversation caches runs on a stored conversation of n tokens: the engine's
+    save of a finished request, a resume (the file read into a cache, the replay), and the
+    conversation store's save of a one-row cache (`http.conversations`)."""
+    import tempfile
+
+    from dsv41_jax.serving import prefix_cache
+
+    with tempfile.TemporaryDirectory(prefix="dsv41-warmup-") as folder:
+        first, second = (str(pathlib.Path(folder) / name) for name in ("first.dsv41", "second.dsv41"))
+        engine.run([Request([0] * n, SamplingParams(max_tokens=1), request_id="dsv41-warmup-save", save_to=first)])
+        _, row, tokens, _ = engine.prefill(Request([0], resume_from=first))
+        prefix_cache.save_prefix(second, engine.cfg, row, tokens, fingerprint=engine.fingerprint)
+
+
 def _run(engine: Engine, kind: str, n: int):
     # the arguments exactly as Engine.prefill passes them: same shapes and dtypes, placed buffers
     # (Engine.placed), uncommitted token/id/floor arrays, and None where it passes None
@@ -110,8 +125,11 @@ def _run(engine: Engine, kind: str, n: int):
     elif kind == "graph_b":
         out = steps.finish(params, prefill_buffers(engine), engine.empty(1), row_state(engine),
                            jnp.full((1,), 0, jnp.int32), ids, None if spans is None else spans[1] >= 0)
-    elif kind == "replay":
+    elif kind == "replay" and spans is not None:
         out = steps.replay(params, tokens, engine.empty(1), ids, spans, valid)
+    elif kind == "replay":  # a conversation's round trip: stored by the engine, resumed, stored again
+        _conversation(engine, n)
+        return
     elif kind == "echo":
         from dsv41_jax.serving.prompt_logprobs import prompt_logprobs
 

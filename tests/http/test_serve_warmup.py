@@ -91,7 +91,10 @@ def test_pieces_cover_a_prompt_with_only_the_last_padded(chunk):
 
 
 def test_warm_server_reports_ready_after_compiling_and_then_no_request_compiles(tmp_path):
-    app, worker = tiny_app(tmp_path, 64, warm=True)
+    """After /ready, every request kind at several lengths (completions, chat, echo scoring, a
+    conversation resumed from its cache file) runs without a compile: counted here with JAX's events
+    and by the server itself (/metrics dsv41_compiles_after_ready_total)."""
+    app, worker = tiny_app(tmp_path, 64, warm=True, cache_dir=str(tmp_path / "conversations"))
     assert [k for k, _ in program_list(worker.engine)] == ["exact"] * 3 + ["decode"]  # pieces 1, 4, 16
     gate = threading.Event()
     real_warm = worker.warm
@@ -119,17 +122,29 @@ def test_warm_server_reports_ready_after_compiling_and_then_no_request_compiles(
             r = http.get("/ready")
             assert r.status_code == 200, r.text
             body = r.json()
-            assert body["status"] == "ready" and body["done"] == body["total"] == 3 + 3 + 1 and body["error"] is None
+            # 3 prefill pieces, the replay, 3 echo pieces, the decode path
+            assert body["status"] == "ready" and body["done"] == body["total"] == 8 and body["error"] is None
             assert worker.engine.capacity >= 64
             with count_compiles() as seen:
                 for prompt in ["a", "hello", "x" * 17, "y" * 40, "z" * 61]:
                     r = http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2,
                                                           "temperature": 1.0, "logprobs": 2})
                     assert r.status_code == 200, r.text
+                for prompt in ["ab", "q" * 13, "w" * 33, "e" * 62]:
+                    r = http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 0,
+                                                          "echo": True, "logprobs": 1})
+                    assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["tokens"]) > 1, r.text
                 r = http.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 3,
                                                             "messages": [{"role": "user", "content": "hey"}]})
                 assert r.status_code == 200, r.text
+                for n in (5, 20):  # conversations shorter and longer than the window (8) resume
+                    first = [(3 * i + n) % 200 + 1 for i in range(n)]
+                    for prompt in (first, first + [9, 8, 7]):
+                        r = http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1})
+                        assert r.status_code == 200, r.text
+                    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == n, r.text
             assert seen == [], f"{len(seen)} programs compiled after /ready"
+            assert "dsv41_compiles_after_ready_total 0.0" in http.get("/metrics").text
     finally:
         srv.close()
 
