@@ -32,15 +32,19 @@ from __future__ import annotations
 import collections
 import os
 import pathlib
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 
+import filelock
 import jax
 import jax.numpy as jnp
 
+from dsv41_jax.serving import prefix_cache
 from dsv41_jax.serving.engine import Engine, Request
 from dsv41_jax.serving.prefill import prefill_buffers, row_state
+from dsv41_jax.serving.prompt_logprobs import prompt_logprobs
 from dsv41_jax.serving.sampling import SamplingParams
 from dsv41_jax.serving.steps import piece_set, pieces
 
@@ -100,10 +104,6 @@ def _conversation(engine: Engine, n: int):
     """What a server with conversation caches runs on a stored conversation of n tokens: the engine's
     save of a finished request, a resume (the file read into a cache, the replay), and the
     conversation store's save of a one-row cache (`http.conversations`)."""
-    import tempfile
-
-    from dsv41_jax.serving import prefix_cache
-
     with tempfile.TemporaryDirectory(prefix="dsv41-warmup-") as folder:
         first, second = (str(pathlib.Path(folder) / name) for name in ("first.dsv41", "second.dsv41"))
         engine.run([Request([0] * n, SamplingParams(max_tokens=1), request_id="dsv41-warmup-save", save_to=first)])
@@ -131,8 +131,6 @@ def _run(engine: Engine, kind: str, n: int):
         _conversation(engine, n)
         return
     elif kind == "echo":
-        from dsv41_jax.serving.prompt_logprobs import prompt_logprobs
-
         out = prompt_logprobs(engine, [0] * n)
     elif kind == "speculate":  # K + 3 tokens: speculating steps, then the plain step near max_tokens;
         # greedy (greedy drafts), then at T = 1 (sampled drafts and rejection sampling)
@@ -215,8 +213,6 @@ def quiesce_cache(timeout: float = 60.0) -> bool:
     folder = jax.config.jax_compilation_cache_dir
     if not folder:
         return True
-    import filelock
-
     lock = filelock.FileLock(str(pathlib.Path(folder) / _LOCK_NAME))
     try:
         lock.acquire(timeout=timeout)
