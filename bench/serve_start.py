@@ -7,8 +7,11 @@ folder (`--compile-cache`): the first start compiles every program (cold), the s
 (cached). For each start it records the seconds from launching the process to `/health` (alive)
 and to `/ready` (warm), then sends, with the real `openai` client, a short chat request, a request
 with `tools` (the tool prompt is over 1K tokens on the demo's byte tokenizer) and a thinking-mode
-request, one at a time, and records each one's latency (`max_tokens` 16). Prints a table; `--json`
-also writes the figures. `dsv41 demo --out OUT` makes the checkpoint.
+request, one at a time, and records each one's latency (`max_tokens` 16). Then, with conversation
+caches on (`--prefix-cache-dir`), a 1,500-token prompt (stored), the same prompt plus 40 tokens
+(resumed from the stored file: load and replay, then the 40) and another prompt of the same
+1,540 tokens from scratch, one output token each. Prints a table; `--json` also writes the
+figures. `dsv41 demo --out OUT` makes the checkpoint.
 """
 from __future__ import annotations
 
@@ -50,6 +53,23 @@ def _wait(url: str, path: str, proc, deadline: float) -> float:
     raise TimeoutError(f"{url}{path} not 200 in time")
 
 
+def _resume_vs_scratch(url: str, model: str, timeout: float) -> dict:
+    """Seconds of a conversation-cache resume and of the same-length prompt from scratch."""
+    import httpx
+
+    ids = lambda seed, n: [(seed + 7 * i) % 240 + 10 for i in range(n)]  # noqa: E731 - byte-level ids
+    stored, more = ids(1, 1500), ids(5, 40)
+    out = {}
+    for name, prompt in [("store", stored), ("resume", stored + more), ("scratch", ids(3, 1500) + more)]:
+        t = time.monotonic()
+        r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 1,
+                                                      "temperature": 0}, timeout=timeout)
+        r.raise_for_status()
+        out[name] = {"seconds": time.monotonic() - t,
+                     "cached_tokens": (r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
+    return out
+
+
 def one_start(checkpoint: str, cache: str, timeout: float) -> dict:
     from openai import OpenAI
 
@@ -58,7 +78,8 @@ def one_start(checkpoint: str, cache: str, timeout: float) -> dict:
     log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe would stall the server
     t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "dsv41_jax.cli.main", "serve", "--checkpoint", checkpoint,
-                             "--port", str(port), "--compile-cache", cache, "--max-batch", "2"],
+                             "--port", str(port), "--compile-cache", cache, "--max-batch", "2",
+                             "--prefix-cache-dir", tempfile.mkdtemp(prefix="dsv41-conversations-")],
                             stdout=log, stderr=log, text=True, env=dict(os.environ))
     try:
         alive = _wait(url, "/health", proc, t0 + timeout) - t0
@@ -72,6 +93,7 @@ def one_start(checkpoint: str, cache: str, timeout: float) -> dict:
                                                messages=[{"role": "user", "content": "What is the weather in Paris?"}],
                                                **extra)
             first[name] = {"seconds": time.monotonic() - t, "prompt_tokens": r.usage.prompt_tokens}
+        conversation = _resume_vs_scratch(url, model, timeout)
     finally:
         proc.terminate()
         try:
@@ -82,7 +104,8 @@ def one_start(checkpoint: str, cache: str, timeout: float) -> dict:
         log.seek(0)
         lines = [ln for ln in log.read().splitlines() if "dsv41 serve: warm-up" in ln]
         log.close()
-    return {"alive_s": alive, "ready_s": ready, "first_requests": first, "programs": len(lines)}
+    return {"alive_s": alive, "ready_s": ready, "first_requests": first, "programs": len(lines),
+            "conversation": conversation}
 
 
 def main(argv=None) -> int:
@@ -97,13 +120,14 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="dsv41-compile-cache-") as cache:
         runs = {"cold": one_start(args.checkpoint, cache, args.timeout),
                 "cached": one_start(args.checkpoint, cache, args.timeout)}
-    print("| start | alive | ready | chat | tools | thinking |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| start | alive | ready (programs) | chat | tools | thinking | resume 1,540 (cached) | scratch 1,540 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in runs.items():
-        f = r["first_requests"]
-        print(f"| {name} | {r['alive_s']:.1f} s | {r['ready_s']:.1f} s | {f['chat']['seconds']:.2f} s | "
+        f, c = r["first_requests"], r["conversation"]
+        print(f"| {name} | {r['alive_s']:.1f} s | {r['ready_s']:.1f} s ({r['programs']}) | {f['chat']['seconds']:.2f} s | "
               f"{f['tools']['seconds']:.2f} s ({f['tools']['prompt_tokens']} prompt tokens) | "
-              f"{f['thinking']['seconds']:.2f} s |")
+              f"{f['thinking']['seconds']:.2f} s | {c['resume']['seconds']:.2f} s ({c['resume']['cached_tokens']}) | "
+              f"{c['scratch']['seconds']:.2f} s |")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(runs, indent=1))
     return 0
