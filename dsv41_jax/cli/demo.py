@@ -11,6 +11,7 @@ import pathlib
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -27,6 +28,44 @@ SERVE_CONTEXT = 8192
 
 def _say(line: str) -> None:
     print(line, flush=True)  # flushed: progress must show when the output is a pipe or a CI log
+
+
+HEARTBEAT_S = 15.0  # the demo never stays silent longer: a line says what it is still doing
+
+
+class Heartbeat:
+    """`print_fn` that also, from a thread, prints what the demo is still doing (its last line) once
+    nothing was printed for `every` seconds: compiles, the export and the sampling print nothing
+    for a minute or more on a busy 2-core machine. A context manager: the thread runs inside it."""
+
+    def __init__(self, print_fn, every: float = HEARTBEAT_S):
+        self.print_fn, self.every = print_fn, every
+        self.lock, self.stop = threading.Lock(), threading.Event()
+        self.last = self.since = time.monotonic()
+        self.phase = "starting"
+        self.thread = threading.Thread(target=self._beat, name="dsv41-demo-heartbeat", daemon=True)
+
+    def __call__(self, line: str) -> None:
+        with self.lock:
+            self.last = self.since = time.monotonic()
+            self.phase = (line.strip().splitlines() or [""])[-1][:80]
+            self.print_fn(line)
+
+    def _beat(self):
+        while not self.stop.wait(1.0):
+            with self.lock:
+                now = time.monotonic()
+                if now - self.last >= self.every:
+                    self.print_fn(f"  ... still working, {now - self.since:.0f} s after: {self.phase}")
+                    self.last = now
+
+    def __enter__(self) -> "Heartbeat":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
 
 
 def demo_config(tokenizer: D.ByteTokenizer, seq_len: int = 128) -> ModelConfig:
@@ -157,14 +196,20 @@ def _sample_speculative(model, tok, engram, *, seed: int, tokens: int, print_fn)
     return text, acceptance
 
 
-def run_demo(out_dir=None, *, steps: int = 50, batch_size: int = 8, seq_len: int = 128, time_budget: float = 90.0,
-             seed: int = 0, progress: bool = True, print_fn=_say, sample_tokens: int = 64,
-             serve_context: int = SERVE_CONTEXT, drafter_steps: int = 40, drafter_budget: float = 15.0) -> dict:
-    """The whole demo; returns a summary (losses, paths, sample text, figures, seconds).
+def run_demo(out_dir=None, *, progress: bool = True, print_fn=_say, **options) -> dict:
+    """The whole demo (`_demo`, its `options`); returns a summary (losses, paths, sample text,
+    figures, seconds). With `progress`, never silent for more than `HEARTBEAT_S` seconds (`Heartbeat`)."""
+    if not progress:
+        return _demo(out_dir, progress=False, print_fn=print_fn, **options)
+    with Heartbeat(print_fn) as beat:
+        return _demo(out_dir, progress=True, print_fn=beat, **options)
 
-    `time_budget` bounds the training steps after the first 10 (which include compiling the
-    step): on a slow or busy machine the run stops early; the loss has long fallen by then.
-    """
+
+def _demo(out_dir=None, *, steps: int = 50, batch_size: int = 8, seq_len: int = 128, time_budget: float = 90.0,
+          seed: int = 0, progress: bool = True, print_fn=_say, sample_tokens: int = 64,
+          serve_context: int = SERVE_CONTEXT, drafter_steps: int = 40, drafter_budget: float = 15.0) -> dict:
+    """`run_demo`'s steps. `time_budget` bounds the training steps after the first 10 (which include
+    compiling the step): on a slow or busy machine the run stops early; the loss has long fallen by then."""
     # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
     from dsv41_jax.train.checkpoint import Checkpointer
     from dsv41_jax.train.export import export_checkpoint, load_exported
