@@ -15,12 +15,29 @@ import sys
 from sharding.devices import HBM_GIB
 
 
+DEFAULT_CONTEXT = 65536  # the plan's context when --context is not given and the config allows this much
+
+
+def _context(cfg, asked: int | None) -> int:
+    """--context, or the config's max_seq_len capped at DEFAULT_CONTEXT: the serve command then passes
+    no more than the checkpoint's own limit as --max-model-len (a checkpoint exported for 8192 tokens
+    is not planned at 65536). An explicit --context is taken as asked (`dsv41 serve --max-model-len`
+    overrides the config's too)."""
+    if asked is None:
+        return min(DEFAULT_CONTEXT, cfg.max_seq_len)
+    if asked < 1:
+        raise ValueError(f"--context must be a positive number of tokens, got {asked}")
+    return asked
+
+
 def register(subparsers) -> None:
     s = subparsers.add_parser("plan", help="per-device memory of a config on a mesh (and a one-layer AOT compile)")
     s.add_argument("--config", default="v41-flash", help="preset name (v41-flash, tiny) or path to a config.json")
     s.add_argument("--mesh", required=True, help="mesh spec, e.g. data=1,expert=16,tensor=4")
     s.add_argument("--batch", type=int, default=1, help="sequences served at once (whole mesh)")
-    s.add_argument("--context", type=int, default=65536, help="tokens per sequence the caches hold")
+    s.add_argument("--context", type=int, default=None,
+                   help=f"tokens per sequence the caches hold (default: the config's max_seq_len, at most "
+                        f"{DEFAULT_CONTEXT})")
     s.add_argument("--device", choices=sorted(HBM_GIB), help="check the plan against this chip's HBM")
     s.add_argument("--preset", default="inference", help="sharding preset (inference, inference-indexer-replicated, training)")
     s.add_argument("--prefill-chunk", type=int, default=512, help="prefill chunk for the activation estimate")
@@ -105,6 +122,7 @@ def run(args) -> int:
         from sharding.plan import build_plan, format_plan, max_batch
 
         cfg = ModelConfig.load(args.config)
+        args.context = _context(cfg, args.context)
         plan = build_plan(cfg, args.mesh, batch=args.batch, context=args.context, preset=args.preset,
                           device=args.device, chunk=args.prefill_chunk, engram=args.engram)
     except (ValueError, ConfigError) as e:  # MeshSpecError, ShardingRuleError and ConfigError are ValueErrors

@@ -80,6 +80,17 @@ class Tokenizer:
         return {i: t.content for i, t in self.backend_tokenizer.get_added_tokens_decoder().items()}
 
 
+def byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, which the `tokenizers` ByteLevel steps use: a byte-level
+    vocabulary entry is the bytes it stands for, each written as one of these characters."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    table = {b: chr(b) for b in printable}
+    extra = (b for b in range(256) if b not in table)
+    table.update({b: chr(256 + n) for n, b in enumerate(extra)})
+    return table
+
+
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 

@@ -23,7 +23,7 @@ from dsv41_jax.engram.hashing import EngramLayout, hash_ids
 from dsv41_jax.engram.tokens import build_token_map
 from dsv41_jax.text import pieces as P, special_tokens as st
 from dsv41_jax.text.chat import encode_chat_ids
-from dsv41_jax.text.tokenizer import check_encodable, load_tokenizer as load
+from dsv41_jax.text.tokenizer import byte_alphabet, check_encodable, load_tokenizer as load
 
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".c", ".h", ".json", ".toml", ".cfg"}
 
@@ -108,7 +108,7 @@ class ByteTokenizer:
         from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
         vocab = dict(self._special_ids)
-        vocab.update({ch: self.n_special + b for b, ch in _byte_alphabet().items()})
+        vocab.update({ch: self.n_special + b for b, ch in byte_alphabet().items()})
         tok = Tokenizer(models.BPE(vocab, []))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         tok.decoder = decoders.ByteLevel()
@@ -130,16 +130,6 @@ class ByteTokenizer:
         for b in range(256):
             texts.append(chr(b) if 32 <= b < 127 or b in (9, 10, 13) else f"<0x{b:02X}>")
         return texts
-
-
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's byte -> printable character table, which the `tokenizers` ByteLevel steps use."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
-                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
-    table = {b: chr(b) for b in printable}
-    extra = (b for b in range(256) if b not in table)
-    table.update({b: chr(256 + n) for n, b in enumerate(extra)})
-    return table
 
 
 def load_tokenizer(path: str | None):

@@ -74,3 +74,60 @@ def test_a_body_over_the_limit_is_a_413_that_urllib_reads(server):
     assert e.value.code == 413
     error = json.loads(e.value.read())["error"]
     assert error["code"] == 413 and "--max-request-bytes" in error["message"] and str(len(body)) in error["message"]
+
+
+def test_completion_logprobs_have_text_offsets_and_show_byte_tokens(server, client):
+    """A completion with echo and logprobs: `text_offset` says where each token starts in the returned text
+    (the BOS the server added takes no characters), and a token that is part of a multi-byte character shows
+    as OpenAI's "bytes:\\x.." rather than a replacement character; chat entries carry the bytes too."""
+    tok = server.tokenizer
+    r = client.completions.create(model="tiny", prompt="x中", max_tokens=5, temperature=0, echo=True, logprobs=2,
+                                  extra_body={"dsv41_test": {"forced_tokens": tok.encode("a中b")}})
+    c = r.choices[0]
+    assert c.text == "x中a中b"
+    # independent oracle: each token is one byte of the UTF-8 text (the byte tokenizer has no merges), after the
+    # BOS the server added; a token starts at the character its first byte belongs to
+    raws = [b""] + [bytes([b]) for b in "x中a中b".encode()]
+    full, offsets = b"", []
+    for raw in raws:
+        offsets.append(len(full.decode("utf-8", errors="ignore")))
+        full += raw
+    assert full.decode("utf-8") == c.text
+    assert c.logprobs.text_offset == offsets
+    assert c.logprobs.tokens[2:5] == ["bytes:\\xe4", "bytes:\\xb8", "bytes:\\xad"]
+    assert all("\ufffd" not in t for t in c.logprobs.tokens)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=1,
+                                          extra_body={"dsv41_test": {"forced_tokens": tok.encode("中")}})
+    entries = chat.choices[0].logprobs.content
+    assert [e.token for e in entries] == ["bytes:\\xe4", "bytes:\\xb8", "bytes:\\xad"]
+    assert b"".join(bytes(e.bytes) for e in entries).decode("utf-8") == "中"
+
+
+def test_a_completion_prompt_over_the_length_names_prompt(server):
+    import httpx
+
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": [65] * MAX_LEN, "max_tokens": 1},
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=300)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert f"maximum model length is {MAX_LEN}" in r.json()["error"]["message"]
+
+
+def test_refusals_name_flags_that_exist(capsys):
+    """The image refusal names no flag `dsv41 serve` lacks (there is no --language-model-only there)."""
+    import re
+
+    from dsv41_jax.cli.main import main
+    from dsv41_jax.serving.http import protocol as P
+
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]
+    messages = []
+    for vision in (True, False):
+        with pytest.raises(P.APIError) as e:
+            P.check_images(msgs, has_vision=vision)
+        messages.append(e.value.message)
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    flags = set(re.findall(r"--[a-z][a-z-]+", capsys.readouterr().out))
+    for message in messages:
+        assert set(re.findall(r"--[a-z][a-z-]+", message)) <= flags, message

@@ -377,6 +377,21 @@ def test_plan_cli_with_compile(capsys):
     assert "positive" in capsys.readouterr().err
 
 
+def test_plan_context_defaults_to_the_checkpoint_limit(tmp_path, capsys):
+    """Without --context the plan (and the serve command it prints) stays within the config's max_seq_len: a
+    checkpoint exported for 8192 tokens is not told to serve --max-model-len 65536."""
+    from dsv41_jax.cli.main import main
+    from dsv41_jax.config import ModelConfig
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(ModelConfig.tiny(max_seq_len=8192).to_hf_dict()))
+    assert main(["plan", "--config", str(path), "--mesh", "data=1", "--no-compile", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["context"] == 8192 and "--max-model-len 8192 " in out["serve_command"]
+    assert main(["plan", "--config", str(path), "--mesh", "data=1", "--no-compile", "--json", "--context", "64"]) == 0
+    assert json.loads(capsys.readouterr().out)["context"] == 64
+
+
 def test_one_layer_config_is_valid_for_the_release():
     from sharding.layer_compile import one_layer_config
 

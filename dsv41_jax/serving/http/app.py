@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse
 
 from dsv41_jax.serving.http import protocol as P
+from dsv41_jax.serving.http import schema as S
 from dsv41_jax.serving.http.routes import chat, completions, status, tokens
 from dsv41_jax.serving.http.runs import ClientGone
 from dsv41_jax.serving.http.state import ServerConfig, ServingState, serving_state
@@ -84,4 +85,11 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
     app.add_exception_handler(Exception, _internal)
     for routes in (status, chat, tokens, completions):  # this order is /openapi.json's
         app.include_router(routes.router)
+    openapi = app.openapi
+
+    def served_openapi():  # the generic document, with this server's model name in the request schemas
+        if app.openapi_schema is None:
+            app.openapi_schema = S.with_model_name(openapi(), cfg.model_name)
+        return app.openapi_schema
+    app.openapi = served_openapi
     return app

@@ -98,7 +98,7 @@ async def read_body(request: HTTPRequest, limit: int) -> dict:
 
 def check_model(cfg: ServerConfig, body: dict) -> None:
     model = body.get("model")
-    if model is not None and model != cfg.model_name:
+    if model not in (None, "", cfg.model_name):  # empty or null: the served model (as vLLM takes them)
         raise P.APIError(400, f"unknown model {model!r}; this server serves {cfg.model_name!r} (GET /v1/models)",
                          param="model")
 
@@ -161,13 +161,14 @@ def check_ids(state: ServingState, param: str, ids) -> list[int]:
     return [int(t) for t in ids]
 
 
-def token_budget(cfg: ServerConfig, prompt: list[int], sp: P.Sampling) -> int:
+def token_budget(cfg: ServerConfig, prompt: list[int], sp: P.Sampling, param: str) -> int:
     """The tokens a reply may take: max_tokens, or the rest of the context; a 400 when the prompt
-    or prompt + max_tokens is over the maximum model length."""
+    (the field `param`: chat's messages, completions' prompt) or prompt + max_tokens is over the
+    maximum model length."""
     n = len(prompt)
     if n >= cfg.max_model_len:
         raise P.APIError(400, f"the prompt has {n} tokens but the maximum model length is {cfg.max_model_len}",
-                         param="messages")
+                         param=param)
     if sp.max_tokens is None:
         return cfg.max_model_len - n
     if n + sp.max_tokens > cfg.max_model_len:

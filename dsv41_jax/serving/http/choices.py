@@ -7,14 +7,15 @@ import uuid
 import numpy as np
 
 from dsv41_jax.serving.http import protocol as P
+from dsv41_jax.serving.http.token_text import TokenText
 from dsv41_jax.text.reply import ReplyParser
 
 
-def logprob_entry(tokenizer, tok: int, lp, top: int) -> dict:
-    """A chat logprobs entry of token `tok` from its log-probabilities `lp` [V], with `top` alternatives."""
+def logprob_entry(token_text: TokenText, tok: int, lp, top: int) -> dict:
+    """A chat logprobs entry of token `tok` from its log-probabilities `lp` [V], with `top` alternatives;
+    a token that is part of a multi-byte character shows as `bytes:\\x..` (`token_text.TokenText`)."""
     def item(i):
-        text = tokenizer.decode([i])
-        return {"token": text, "logprob": float(lp[i]), "bytes": list(text.encode("utf-8"))}
+        return {"token": token_text.shown(i), "logprob": float(lp[i]), "bytes": list(token_text.raw(i))}
 
     entry = item(tok)
     if top:
@@ -104,19 +105,23 @@ class ChatChoice:
 
 
 class TextChoice:
-    """One completions choice: the text as it comes, with logprobs in the legacy block shape."""
+    """One completions choice: the text as it comes, with logprobs in the legacy block shape
+    (`text_offset`: where each token starts in the choice's text, echoed prompt included)."""
 
     def __init__(self, index: int, run, sp: P.Sampling, echo: tuple[str, dict | None] | None = None):
         self.index, self.run, self.sp, self.sent = index, run, sp, 0
         # echo: the prompt's text and logprobs block, sent once, before the first piece
         self.echo_text, self.echo_lp = echo if echo is not None else (None, None)
+        self.base = len(self.echo_text) if self.echo_text is not None else 0  # where the generated text starts
 
     def _lp(self):
         if not self.sp.logprobs:
             return None
-        entries, self.sent = self.run.logprobs[self.sent:], len(self.run.logprobs)
+        start, self.sent = self.sent, len(self.run.logprobs)
+        entries = self.run.logprobs[start:self.sent]
         block = {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-                 "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries]}
+                 "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+                 "text_offset": [self.base + o for o in self.run.offsets[start:self.sent]]}
         if self.echo_lp is not None:  # the prompt's entries first
             block, self.echo_lp = {k: self.echo_lp[k] + block[k] for k in block}, None
         return block

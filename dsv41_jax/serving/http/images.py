@@ -78,7 +78,8 @@ class ImagePrompter:
         self.engine, self.opts, self.cfg = engine, opts, engine.cfg
         model = nnx.merge(engine.graphdef, engine.params)
         if getattr(model, "vision", None) is None:
-            raise ValueError("this checkpoint has no vision tower (or was loaded with --language-model-only)")
+            raise ValueError("this model was built without its vision tower (a language-model-only load); "
+                             "images need the checkpoint's vision weights")
         # span_rows reads the config and the three learned delimiter vectors; keep only those
         self.delims = types.SimpleNamespace(cfg=self.cfg, image_start=model.image_start, image_end=model.image_end,
                                             image_newline=model.image_newline)

@@ -294,8 +294,8 @@ def check_images(messages, has_vision: bool):
                 if isinstance(part, Mapping) and part.get("type") in IMAGE_PART_TYPES:
                     why = ("this server was started without image support although the checkpoint has a vision "
                            "tower; send text only" if has_vision else
-                           "images are not supported: this checkpoint has no vision tower (or was loaded with "
-                           "--language-model-only)")
+                           "images are not supported: this checkpoint has no vision tower (its config has no "
+                           "vision section); send text only, or serve a checkpoint with a vision tower")
                     raise bad(f"messages[{i}].content", why)
 
 

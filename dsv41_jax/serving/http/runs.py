@@ -16,6 +16,7 @@ from dsv41_jax.serving.http.checks import token_budget
 from dsv41_jax.serving.http.choices import logprob_entry
 from dsv41_jax.serving.http.prompts import Prompt
 from dsv41_jax.serving.http.state import ServingState
+from dsv41_jax.serving.http.token_text import Offsets
 from dsv41_jax.serving.http.worker import Job, QueueFull
 from dsv41_jax.serving.sampling import SamplingParams
 
@@ -53,6 +54,8 @@ class Run:
     job: Job
     tokens: list = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)
+    offsets: list = dataclasses.field(default_factory=list)  # each logprobs entry's character offset in the text
+    chars: Offsets = dataclasses.field(default_factory=Offsets)
     cached: int = 0
     finish: str | None = None
     first: tuple | None = None  # the first event, read before a stream's 200 is sent
@@ -89,7 +92,7 @@ def make_runs(state: ServingState, body: dict, prompt: Prompt, sp: P.Sampling, m
               constraints: list | None = None) -> list[Run]:
     """One engine request per choice (`n`), checked, not yet submitted (`submit_runs`)."""
     ids = prompt.ids
-    max_tokens = token_budget(state.cfg, ids, sp)
+    max_tokens = token_budget(state.cfg, ids, sp, "messages" if mode is not None else "prompt")
     _check_capacity(state, sp)
     forced, fail = _test_hooks(state, body)
     vocab = state.vocab_size
@@ -163,7 +166,8 @@ def cancel_runs(state: ServingState, runs: list[Run], reason: str) -> None:
 def _on_token(state: ServingState, run: Run, sp: P.Sampling, tok: int, lp) -> None:
     run.tokens.append(tok)
     if sp.logprobs and lp is not None and tok not in state.end_ids:
-        run.logprobs.append(logprob_entry(state.tokenizer, tok, lp, sp.top_logprobs))
+        run.logprobs.append(logprob_entry(state.token_text, tok, lp, sp.top_logprobs))
+        run.offsets.append(run.chars.take(b"" if tok in state.skip_ids else state.token_text.raw(tok)))
 
 
 async def text_pieces(state: ServingState, run: Run, sp: P.Sampling):

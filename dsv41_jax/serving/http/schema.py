@@ -100,7 +100,7 @@ COMPLETION_REQUEST = {"type": "object", "required": ["prompt"], "additionalPrope
 }}
 TOKENIZE_REQUEST = {"type": "object", "additionalProperties": False, "properties": {
     "model": {"type": "string"},
-    "prompt": {"anyOf": [{"type": "string", "minLength": 1},
+    "prompt": {"anyOf": [{"type": "string", "description": "empty: no ids (BOS alone with add_special_tokens)"},
                          {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1}},
                          {"type": "array", "minItems": 1, "items": _INT32}]},
     "messages": CHAT_REQUEST["properties"]["messages"],
@@ -134,6 +134,42 @@ COMPLETION_RESPONSE = {"type": "object", "required": ["id", "object", "choices",
         "type": "object", "required": ["index", "text", "finish_reason"], "properties": {
             "index": {"type": "integer"}, "text": {"type": "string"},
             "finish_reason": {"enum": ["stop", "length"]}}}}}}
+
+
+MODEL_CARD = {"type": "object", "required": ["id", "object", "created", "owned_by"], "properties": {
+    "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
+    "owned_by": {"type": "string"}, "max_model_len": {"type": "integer"}}}
+MODEL_LIST = {"type": "object", "required": ["object", "data"], "properties": {
+    "object": {"const": "list"}, "data": {"type": "array", "items": MODEL_CARD}}}
+HEALTH = {"type": "object", "required": ["status", "ready"], "properties": {
+    "status": {"type": "string"}, "ready": {"type": "boolean"}, "processes": {"type": "array"}}}
+READINESS = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
+
+
+def get_route(response: dict, errors: dict | None = None) -> dict:
+    """`openapi_extra` for a GET route: its 200 JSON body and the error codes it can answer
+    (`errors`: status -> (description, schema))."""
+    return {"responses": {"200": {"description": "OK", "content": {"application/json": {"schema": response}}},
+                          **{str(c): {"description": d, "content": {"application/json": {"schema": sch}}}
+                             for c, (d, sch) in (errors or {}).items()}}}
+
+
+KEY_ERROR = {401: ("missing or wrong key (--api-key)", ERROR)}
+METRICS_ROUTE = {"responses": {"200": {"description": "Prometheus text exposition format 0.0.4",
+                                       "content": {"text/plain": {"schema": {"type": "string"}}}}}}
+
+
+def with_model_name(spec: dict, name: str) -> dict:
+    """The OpenAPI document of one server: every request body's `model` is the served name, or empty or
+    null (the default model, as vLLM takes it); `checks.check_model` refuses any other."""
+    for ops in spec.get("paths", {}).values():
+        for op in ops.values():
+            body = op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema", {})
+            if "model" in body.get("properties", {}):
+                body["properties"]["model"] = {"enum": [name, "", None],
+                                               "description": "the served model (GET /v1/models); empty or null: "
+                                                              "the same"}
+    return spec
 
 
 def route(request: dict, response: dict) -> dict:

@@ -9,6 +9,7 @@ import threading
 from fastapi import Request as HTTPRequest
 
 from dsv41_jax.serving.constraints import Grammars
+from dsv41_jax.serving.http.token_text import TokenText
 from dsv41_jax.serving.http.worker import EngineWorker
 from dsv41_jax.text import special_tokens as st
 
@@ -67,6 +68,7 @@ class ServingState:
     skip_ids: tuple[int, ...]
     max_token_bytes: int
     extra_fields: frozenset  # request fields accepted besides OpenAI's: `dsv41_test` with test hooks
+    token_text: TokenText  # how logprobs show tokens
     _grammars: Grammars | None = None
     _grammars_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
@@ -74,7 +76,7 @@ class ServingState:
     def create(cls, worker: EngineWorker, tokenizer, cfg: ServerConfig) -> "ServingState":
         end_ids, skip_ids = reply_control_ids(tokenizer)
         extra = frozenset({"dsv41_test"}) if cfg.test_hooks else frozenset()
-        return cls(worker, tokenizer, cfg, end_ids, skip_ids, max_token_bytes(tokenizer), extra)
+        return cls(worker, tokenizer, cfg, end_ids, skip_ids, max_token_bytes(tokenizer), extra, TokenText(tokenizer))
 
     @property
     def metrics(self):

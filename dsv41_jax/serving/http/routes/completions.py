@@ -20,6 +20,7 @@ from dsv41_jax.serving.http.prompts import Prompt, build_prompt, prompt_batch, p
 from dsv41_jax.serving.http.runs import make_runs, submit_runs
 from dsv41_jax.serving.http.state import ServingState
 from dsv41_jax.serving.http.streaming import DONE, event_stream, respond, sse
+from dsv41_jax.serving.http.token_text import Offsets
 from dsv41_jax.serving.prompt_logprobs import prompt_logprobs
 
 router = APIRouter()
@@ -76,7 +77,7 @@ async def _prompt_choices(state: ServingState, body: dict, prompt: Prompt, sp: P
     if sp.max_tokens is None:  # OpenAI's default for completions, within what the context has left
         sp = dataclasses.replace(sp, max_tokens=max(min(DEFAULT_MAX_TOKENS, cfg.max_model_len - len(prompt.ids)), 1))
     constraints = spec and await asyncio.to_thread(build_constraints, state, spec, None, len(sp.seeds))
-    token_budget(cfg, prompt.ids, sp)  # its 400 before any compute
+    token_budget(cfg, prompt.ids, sp, "prompt")  # its 400 before any compute
     prefix = await _echo(state, prompt.ids, sp, text) if text is not None else None
     runs = make_runs(state, body, prompt, sp, None, constraints)
     return runs, [TextChoice(first + i, run, sp, prefix) for i, run in enumerate(runs)]
@@ -89,10 +90,18 @@ async def _echo(state: ServingState, ids: list[int], sp: P.Sampling, text: str) 
     if not sp.logprobs:
         return text, None
     lps, tops = await state.worker.call(lambda engine: prompt_logprobs(engine, list(ids)))
-    piece = lambda i: state.tokenizer.decode([i])  # noqa: E731
-    k = sp.top_logprobs
-    return text, {"tokens": [piece(t) for t in ids], "token_logprobs": lps,
-                  "top_logprobs": [None] + [{piece(i): v for i, v in top[:k]} for top in tops[1:]]}
+    shown, k = state.token_text.shown, sp.top_logprobs
+    return text, {"tokens": [shown(t) for t in ids], "token_logprobs": lps,
+                  "top_logprobs": [None] + [{shown(i): v for i, v in top[:k]} for top in tops[1:]],
+                  "text_offset": _echo_offsets(state, ids, text)}
+
+
+def _echo_offsets(state: ServingState, ids: list[int], text: str) -> list[int]:
+    """Where each prompt token starts in the echoed text; the BOS the server put before a text prompt is
+    not in that text and takes no characters."""
+    chars, raw = Offsets(), state.token_text.raw
+    added_bos = ids[:1] == [state.tokenizer.bos_id] and not text.startswith(raw(ids[0]).decode("utf-8"))
+    return [chars.take(b"" if added_bos and i == 0 else raw(t)) for i, t in enumerate(ids)]
 
 
 async def _echo_only(state: ServingState, request: HTTPRequest, prompts: list[Prompt], sp: P.Sampling,

@@ -6,13 +6,14 @@ from fastapi import APIRouter, Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from dsv41_jax.serving.http import protocol as P
+from dsv41_jax.serving.http import schema as S
 from dsv41_jax.serving.http.checks import authorize
 from dsv41_jax.serving.http.state import ServerConfig, serving_state
 
 router = APIRouter()
 
 
-@router.get("/health")
+@router.get("/health", openapi_extra=S.get_route(S.HEALTH, {503: ("the engine thread (or a process) stopped", S.HEALTH)}))
 async def health(request: HTTPRequest):
     """Liveness: 200 while the engine thread runs, warming included (readiness is /ready)."""
     state = serving_state(request)
@@ -27,7 +28,7 @@ async def health(request: HTTPRequest):
     return JSONResponse(body, status_code=200 if alive else 503)
 
 
-@router.get("/ready")
+@router.get("/ready", openapi_extra=S.get_route(S.READINESS, {503: ("warming up, or the warm-up failed", S.READINESS)}))
 async def ready(request: HTTPRequest):
     """Readiness: 200 once every program is compiled (dsv41 serve warms before serving), else 503
     with the progress ({"status": "warming", "done": 3, "total": 25, "current": "graph_a 64"}).
@@ -36,7 +37,7 @@ async def ready(request: HTTPRequest):
     return JSONResponse(progress, status_code=200 if progress["status"] == "ready" else 503)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse, openapi_extra=S.METRICS_ROUTE)
 async def metrics_text(request: HTTPRequest):
     return PlainTextResponse(serving_state(request).metrics.text(), media_type="text/plain; version=0.0.4")
 
@@ -46,7 +47,7 @@ def _model_card(cfg: ServerConfig) -> dict:
             "max_model_len": cfg.max_model_len}
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", openapi_extra=S.get_route(S.MODEL_LIST, S.KEY_ERROR))
 async def models(request: HTTPRequest):
     cfg = serving_state(request).cfg
     authorize(cfg, request)
@@ -54,7 +55,8 @@ async def models(request: HTTPRequest):
 
 
 # `:path`: a model id may hold slashes (`org/name`), as Hugging Face ids do
-@router.get("/v1/models/{model_id:path}")
+@router.get("/v1/models/{model_id:path}",
+            openapi_extra=S.get_route(S.MODEL_CARD, {**S.KEY_ERROR, 404: ("another model id", S.ERROR)}))
 async def model(request: HTTPRequest, model_id: str):
     """The served model's card (OpenAI's `models.retrieve`); another id is a 404."""
     cfg = serving_state(request).cfg

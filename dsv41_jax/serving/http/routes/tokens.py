@@ -24,6 +24,9 @@ async def tokenize(request: HTTPRequest):
     if "messages" in body:
         mode = P.chat_mode(body, state.cfg.effort_table)
         prompt = await build_prompt(state, body["messages"], mode, run_tower=False)
+    elif body["prompt"] == "":  # a harness's empty context (vLLM answers it too); completions refuse it
+        return {"count": int(add_special), "max_model_len": state.cfg.max_model_len,
+                "tokens": [state.tokenizer.bos_id] if add_special else []}
     else:
         prompt = await build_prompt(state, body["prompt"], add_special=add_special,
                                     split_special=get_bool(body, "split_special_tokens", False))
