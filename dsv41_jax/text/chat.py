@@ -72,7 +72,9 @@ def effort_line(budget: int) -> str:
 
 
 def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    """3, or a JSON client's 3.0 (JSON has one number type), never true or 3.5."""
+    return (isinstance(value, numbers.Integral) and not isinstance(value, bool)) or (
+        isinstance(value, float) and value.is_integer())
 
 
 def _checked_table(effort_table) -> Mapping[str, int]:
@@ -200,6 +202,10 @@ def _block(msg: Mapping, where: str, images: bool, tool_call_id: str | None = No
 
 
 def _tool_call(call, where: str) -> tuple[str | None, str, dict]:
+    if isinstance(call, Mapping) and call.get("type") not in (None, "function"):
+        raise ValueError(f"{where}: a tool call's type is 'function' (or left out), got {call['type']!r:.80}")
+    if isinstance(call, Mapping) and call.get("id") is not None and not isinstance(call["id"], str):
+        raise ValueError(f"{where}: a tool call's id is a string, got {call['id']!r:.80}")
     function = call.get("function") if isinstance(call, Mapping) else None
     if not isinstance(function, Mapping) or not isinstance(function.get("name"), str) or not function["name"]:
         raise ValueError(f"{where}: each tool call needs {{'function': {{'name': str, 'arguments': ...}}}}, got {call!r}")
@@ -257,7 +263,7 @@ def _hosted(msg: Mapping, where: str) -> dict:
     Format:..." with the value as JSON), and any message's tools keep earlier reasoning (as request
     tools do). Other roles carry neither (the reference ignores them there)."""
     try:
-        functions = _functions(msg.get("tools") or None)
+        functions = tool_functions(msg.get("tools") or None)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     rf = msg.get("response_format")
@@ -289,6 +295,14 @@ def _validated(messages, images: bool = False) -> list[_Turn]:
             raise ValueError(f"{where}: unknown role {role!r}; accepted roles are {ROLES}")
         task, wo_eos = _task(msg, where), _wo_eos(msg, where)
         _mask(msg, where)
+        for key in ("name", "tool_call_id", "reasoning_content", "reasoning"):  # text where the role reads it
+            if msg.get(key) is not None and not isinstance(msg[key], str):
+                raise ValueError(f"{where}: {key} must be a string, got {type(msg[key]).__name__}")
+        if msg.get("tool_calls") is not None and not isinstance(msg["tool_calls"], list):
+            raise ValueError(f"{where}: tool_calls must be a list, got {type(msg['tool_calls']).__name__}")
+        if role != "assistant":  # carried and never rendered, as in the reference; still a well-formed list
+            for call in msg.get("tool_calls") or ():
+                _tool_call(call, where)
         if role == "latest_reminder":
             turns.append(_Turn(role, content=_required_text(msg, where), task=task))
         elif role == "system":
@@ -340,7 +354,8 @@ def _sort_tool_results(turns: list[_Turn]) -> list[_Turn]:
     return out
 
 
-def _functions(tools) -> tuple[Mapping, ...]:
+def tool_functions(tools) -> tuple[Mapping, ...]:
+    """The `function` objects of an OpenAI tools list, each checked for its shape (ValueError names the entry)."""
     if tools is None:
         return ()
     if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
@@ -351,6 +366,10 @@ def _functions(tools) -> tuple[Mapping, ...]:
         function = tool.get("function") if ok else None
         if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
             raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': str, ...}}}}, got {tool!r}")
+        for key, kind, what in (("description", str, "a string"), ("parameters", Mapping, "a JSON schema object"),
+                                ("strict", bool, "true or false")):
+            if function.get(key) is not None and not isinstance(function[key], kind):
+                raise ValueError(f"tools[{i}].function.{key} must be {what}, got {function[key]!r:.80}")
         functions.append(function)
     return tuple(functions)
 
@@ -463,7 +482,7 @@ def encode_chat_pieces(
     if not isinstance(thinking, bool):
         raise ValueError(f"thinking must be True or False, got {thinking!r}")
     budget = resolve_effort(effort, effort_table)
-    functions = _functions(tools)
+    functions = tool_functions(tools)
     turns = _sort_tool_results(_merge_user_turns(_validated(messages, images)))
     turns = _attach_tools(turns, functions)
     keep = any(t.functions for t in turns) or not drop_thinking  # reference: any message's tools

@@ -19,6 +19,7 @@ import traceback
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 from dsv41_jax.serving.http import protocol as P
 from dsv41_jax.serving.http import schema as S
@@ -69,6 +70,16 @@ async def _api_error(request: HTTPRequest, e: P.APIError):
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
+async def _http_error(request: HTTPRequest, e: HTTPException):
+    """The router's own answers (an unknown path 404, a wrong method 405) in OpenAI's error shape too,
+    so a client reads every error the same way."""
+    serving_state(request).metrics.requests.labels(request.url.path, str(e.status_code)).inc()
+    what = {404: f"no endpoint {request.url.path!r}: GET /openapi.json lists them",
+            405: f"{request.method} is not allowed on {request.url.path!r}"}.get(e.status_code, str(e.detail))
+    err = P.APIError(e.status_code, what)
+    return JSONResponse(err.body(), status_code=e.status_code, headers=getattr(e, "headers", None))
+
+
 async def _internal(request: HTTPRequest, e: Exception):
     traceback.print_exc()
     serving_state(request).metrics.requests.labels(request.url.path, "500").inc()
@@ -82,14 +93,19 @@ def build_app(worker: EngineWorker, tokenizer, cfg: ServerConfig) -> FastAPI:
     app.add_middleware(TrimAfterLargeBodies)
     app.add_exception_handler(P.APIError, _api_error)
     app.add_exception_handler(ClientGone, _client_gone)
+    app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _internal)
     for routes in (status, chat, tokens, completions):  # this order is /openapi.json's
         app.include_router(routes.router)
     openapi = app.openapi
 
-    def served_openapi():  # the generic document, with this server's model name in the request schemas
+    def served_openapi():  # the generic document, with this server's model name and vocabulary in the request schemas
         if app.openapi_schema is None:
-            app.openapi_schema = S.with_model_name(openapi(), cfg.model_name)
+            state = app.state.serving
+            app.openapi_schema = S.for_server(openapi(), cfg.model_name, vocab_size=state.vocab_size,
+                                              slots=state.worker.engine.slots, max_model_len=cfg.max_model_len,
+                                              vision=cfg.images is not None,
+                                              markers=frozenset(tokenizer.added_tokens().values()))
         return app.openapi_schema
     app.openapi = served_openapi
     return app

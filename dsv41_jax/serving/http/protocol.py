@@ -17,7 +17,7 @@ import secrets
 from collections.abc import Mapping
 
 from dsv41_jax.serving.sampling import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY
-from dsv41_jax.text.chat import DEFAULT_EFFORT_TABLE, IMAGE_PART_TYPES, resolve_effort
+from dsv41_jax.text.chat import DEFAULT_EFFORT_TABLE, IMAGE_PART_TYPES, resolve_effort, tool_functions
 
 
 class APIError(Exception):
@@ -27,7 +27,7 @@ class APIError(Exception):
                  headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.headers = status, message, param, headers or {}
-        self.kind = kind or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+        self.kind = kind or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
                              429: "rate_limit_error"}.get(status, "internal_error")
 
     def body(self) -> dict:
@@ -39,7 +39,9 @@ def bad(param: str, message: str) -> APIError:
 
 
 def is_int(v) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+    """An integer as JSON Schema counts them (and pydantic's lax mode, which vLLM's server uses): 3 and a
+    client's 3.0, never true/false or 3.5."""
+    return (isinstance(v, numbers.Integral) and not isinstance(v, bool)) or (isinstance(v, float) and v.is_integer())
 
 
 def _is_num(v) -> bool:
@@ -53,6 +55,11 @@ def _get(body: Mapping, key: str, check, expect: str, default=None):
     if not check(v):
         raise bad(key, f"expected {expect}, got {type(v).__name__} {v!r:.80}")
     return v
+
+
+def _get_int(body: Mapping, key: str, default=None) -> int | None:
+    v = _get(body, key, is_int, "an integer", default)
+    return v if v is None else int(v)
 
 
 @dataclasses.dataclass
@@ -108,7 +115,7 @@ def check_fields(body: Mapping, *, chat: bool, extra: frozenset = frozenset()) -
                               "docs/SERVING.md \"Request fields\"")
     for key, (default, why) in _NOT_YET.items():
         v = body.get(key)
-        if v is None or v == default:
+        if v is None or (v == default and not isinstance(v, bool)):  # true == 1 in Python, not in JSON
             continue
         raise bad(key, f"{why} (got {v!r:.80})")
 
@@ -133,9 +140,9 @@ def check_detokenize_fields(body: Mapping) -> None:
 
 
 def sampling_fields(body: Mapping, *, chat: bool) -> Sampling:
-    max_tokens = _get(body, "max_tokens", is_int, "an integer")
+    max_tokens = _get_int(body, "max_tokens")
     if chat:
-        alt = _get(body, "max_completion_tokens", is_int, "an integer")
+        alt = _get_int(body, "max_completion_tokens")
         max_tokens = alt if alt is not None else max_tokens
     if max_tokens is not None and not (0 if not chat else 1) <= max_tokens <= INT32_MAX:
         raise bad("max_tokens", f"must be in [{0 if not chat else 1}, {INT32_MAX}], got {max_tokens}")
@@ -148,14 +155,14 @@ def sampling_fields(body: Mapping, *, chat: bool) -> Sampling:
     top_p = float(_get(body, "top_p", _is_num, "a number", 1.0))
     if not 0 < top_p <= 1:
         raise bad("top_p", f"must be in (0, 1], got {top_p}")
-    top_k = _get(body, "top_k", is_int, "an integer", 0)
+    top_k = _get_int(body, "top_k", 0)
     if not -1 <= top_k <= INT32_MAX:  # the engine's per-slot arrays are int32
         raise bad("top_k", f"must be in [-1, {INT32_MAX}] (0 or -1 = off; a value >= the vocabulary is off too), "
                            f"got {top_k}")
-    n = _get(body, "n", is_int, "an integer", 1)
+    n = _get_int(body, "n", 1)
     if not 1 <= n <= MAX_N:
         raise bad("n", f"must be in [1, {MAX_N}], got {n}")
-    seed = _get(body, "seed", is_int, "an integer")
+    seed = _get_int(body, "seed")
     if seed is None:  # fresh draws: without a seed, two samples must not be the same sample
         seeds = tuple(secrets.randbits(32) for _ in range(n))
     elif not 0 <= seed < 2**32:
@@ -178,13 +185,13 @@ def sampling_fields(body: Mapping, *, chat: bool) -> Sampling:
         raise bad("stream_options.include_usage", f"expected true or false, got {include_usage!r}")
     if chat:
         logprobs = _get(body, "logprobs", lambda v: isinstance(v, bool), "true or false", False)
-        top = _get(body, "top_logprobs", is_int, "an integer", 0)
+        top = _get_int(body, "top_logprobs", 0)
         if not 0 <= top <= 20:
             raise bad("top_logprobs", f"must be in 0-20, got {top}")
         if top and not logprobs:
             raise bad("top_logprobs", "needs logprobs=true")
     else:  # completions: logprobs is the number of top alternatives
-        top = _get(body, "logprobs", is_int, "an integer", None)
+        top = _get_int(body, "logprobs", None)
         logprobs = top is not None
         top = top or 0
         if not 0 <= top <= 20:
@@ -251,19 +258,24 @@ def chat_mode(body: Mapping, effort_table: Mapping[str, int] | None = None) -> C
     except ValueError:
         raise bad("reasoning_effort", f"expected one of {sorted(names)}, 'none' or an integer 1-100, got {effort!r:.80}") from None
     kwargs = _get(body, "chat_template_kwargs", lambda v: isinstance(v, Mapping), "an object", {})
+    for name in ("thinking", "enable_thinking"):  # DeepSeek's name and the one Qwen-style clients send
+        if kwargs.get(name) is not None and not isinstance(kwargs[name], bool):
+            raise bad(f"chat_template_kwargs.{name}", f"expected true or false, got {kwargs[name]!r:.80}")
     thinking = kwargs.get("thinking", kwargs.get("enable_thinking"))
-    if thinking is not None and not isinstance(thinking, bool):
-        raise bad("chat_template_kwargs.thinking", f"expected true or false, got {thinking!r:.80}")
     if thinking is None:
         thinking = effort is not None and effort != "none"
     tools = _get(body, "tools", lambda v: isinstance(v, list), "a list of tools")
+    try:
+        functions = tool_functions(tools)
+    except ValueError as e:
+        raise bad("tools", str(e)) from None
     choice = body.get("tool_choice")
     choice = "auto" if choice is None else choice
     if isinstance(choice, Mapping):
         name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), Mapping) else None
         if not isinstance(name, str):
             raise bad("tool_choice", f"a named choice is {{'type': 'function', 'function': {{'name': ...}}}}, got {choice!r:.80}")
-        named = [t for t in tools or [] if isinstance(t, Mapping) and (t.get("function") or {}).get("name") == name]
+        named = [t for t, f in zip(tools or [], functions) if f["name"] == name]
         if not named:
             raise bad("tool_choice", f"names the function {name!r}, which is not in tools")
         tools = named

@@ -19,17 +19,18 @@ async def tokenize(request: HTTPRequest):
     would prefill for that completions prompt or chat request."""
     state, body = await read_request(request, lambda body, state: P.check_tokenize_fields(body))
     add_special = get_bool(body, "add_special_tokens", True)
+    split_special = get_bool(body, "split_special_tokens", False)  # checked for chat too, where it has no effect
     if ("prompt" in body) == ("messages" in body):
         raise P.bad("prompt", "send exactly one of 'prompt' (completions) and 'messages' (chat)")
+    mode = P.chat_mode(body, state.cfg.effort_table)  # the chat fields are checked with a prompt too (unused there)
     if "messages" in body:
-        mode = P.chat_mode(body, state.cfg.effort_table)
         prompt = await build_prompt(state, body["messages"], mode, run_tower=False)
     elif body["prompt"] == "":  # a harness's empty context (vLLM answers it too); completions refuse it
         return {"count": int(add_special), "max_model_len": state.cfg.max_model_len,
                 "tokens": [state.tokenizer.bos_id] if add_special else []}
     else:
         prompt = await build_prompt(state, body["prompt"], add_special=add_special,
-                                    split_special=get_bool(body, "split_special_tokens", False))
+                                    split_special=split_special)
     ids = prompt.ids
     return {"count": len(ids), "max_model_len": state.cfg.max_model_len, "tokens": ids}
 
