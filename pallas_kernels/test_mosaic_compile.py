@@ -23,7 +23,7 @@ DECLARED_FLOPS = {
     "sparse_sink_attention": 4 * 2 * 64 * (128 + 512) * 512,  # B*S rows x H x keys x D, scores and values
     "indexer_scores": 2 * 1 * 1024 * (2 * 32 * 128 + 2 * 32),  # B x S queries x G keys
     "grouped_fp4_gemm": None,  # a work-list bound that depends on the routing: checked below as > 0
-    "fp8_block_gemm": 2 * 16 * 512 * 1280,  # rows padded to 16
+    "fp8_block_gemm": 2 * 16 * 1024 * 4096,  # rows padded to 16
 }
 
 
@@ -52,6 +52,24 @@ def test_every_kernel_compiles_for_v5e_v6e_v5p():
         assert r["mosaic_calls"] == [f"{kernel}_tpu"], (kernel, target, r["mosaic_calls"])
         declared = DECLARED_FLOPS[kernel]
         assert r["flops"] >= (declared or 1), (kernel, target, r["flops"], declared)
+
+
+def test_kernels_per_device_on_a_mesh_compile_as_mosaic_calls_of_their_shard():
+    """What a sharded step runs (`partition.per_device`): each kernel inside a shard_map on a 2x2 v6e mesh, batch
+    4 over "data", the 64 attention heads over "tensor": one Mosaic call per program, computing a device's share."""
+    results = _child("--mesh", "v6e:2x2")
+    refused = [r["refused"] for r in results if "refused" in r]
+    assert not refused, "\n".join(refused)
+    got = {r["kernel"]: r for r in results}
+    from pallas_kernels.common.mosaic_check import MESH_KERNELS
+
+    assert set(got) == set(MESH_KERNELS)
+    for name, r in got.items():
+        assert r["mosaic_calls"] == [f"{name}_tpu"], r
+    # B=4 over data=2: 2 rows per device; the attention's 64 heads over tensor=2: 32 (its output planes [B, 8, H, D/8])
+    assert got["sparse_sink_attention"]["kernel_results"] == ["bf16[2,8,32,64]"]
+    assert got["indexer_scores"]["kernel_results"] == ["f32[2,1,1024]"]  # [B/2, S, G]: the heads summed in the kernel
+    assert got["fp8_block_gemm"]["kernel_results"] == ["f32[16,1024]"]  # 8 rows over data=2, padded to 16
 
 
 @pytest.mark.slow  # ~100 s on 2 cores: the compiler works through the 32768-slot gather before it refuses

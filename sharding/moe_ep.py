@@ -48,10 +48,12 @@ def _check_split(n_experts: int, mesh: Mesh, expert_axis: str, dispatch: str) ->
 
 
 def expert_parallel_apply(moe: MoE, x: jax.Array, scores: jax.Array, experts: jax.Array, mesh: Mesh, *,
-                          mode: str = "fast", expert_axis: str = "expert", dispatch: str = "auto"):
+                          mode: str = "fast", expert_axis: str = "expert", dispatch: str = "auto",
+                          impl: str = "xla", interpret: bool = False):
     """`MoE.apply` with the routed experts split over `expert_axis`: the same slots (weights, ascending
     expert order), the same fp32 sum and shared expert; only the expert math runs in `routed_outputs`.
-    x [B,T,d], scores [B,T,E] (route's), experts [B,T,k] (the decided ones) -> (y [B,T,d], info)."""
+    x [B,T,d], scores [B,T,E] (route's), experts [B,T,k] (the decided ones) -> (y [B,T,d], info).
+    impl, interpret: resolved, as `MoE.apply` takes them (impl "pallas": the FP4 expert kernel per device)."""
     _check_split(moe.experts.w1.shape[0], mesh, expert_axis, dispatch)
     B, T, d = x.shape
     k = experts.shape[-1]
@@ -60,7 +62,8 @@ def expert_parallel_apply(moe: MoE, x: jax.Array, scores: jax.Array, experts: ja
     # (expert-axis size x its rows x min(k, local experts)) never holds more than the B*T*k rows here
     per_row = mode == "exact" or B * T * k <= moe.grouped_threshold
     out = routed_outputs(moe.experts, x.reshape(B * T, d), e_sorted, w_sorted, mesh, mode=mode,
-                         expert_axis=expert_axis, dispatch=dispatch, per_row=per_row)
+                         expert_axis=expert_axis, dispatch=dispatch, per_row=per_row,
+                         kernel=_kernel_choice(moe.experts, mode, impl, interpret))
     return moe.combine(x, out, scores, experts, weights, mode)
 
 
@@ -74,12 +77,21 @@ def expert_parallel_moe(moe: MoE, x: jax.Array, mesh: Mesh, *, mode: str = "fast
     return expert_parallel_apply(moe, x, scores, experts, mesh, mode=mode, expert_axis=expert_axis, dispatch=dispatch)
 
 
+def _kernel_choice(experts_module, mode, impl, interpret):
+    """interpret (bool) when the devices run the FP4 expert kernel (`MoE.apply`'s choice), else None."""
+    return bool(interpret) if mode != "exact" and impl == "pallas" and experts_module.kind == "fp4" else None
+
+
 def routed_outputs(experts_module, rows: jax.Array, expert_ids: jax.Array, weights: jax.Array, mesh: Mesh, *,
-                   mode: str = "fast", expert_axis: str = "expert", dispatch: str = "auto", per_row: bool = True):
+                   mode: str = "fast", expert_axis: str = "expert", dispatch: str = "auto", per_row: bool = True,
+                   kernel: bool | None = None):
     """Weighted outputs of each row's experts: rows [N, d], expert_ids/weights [N, k] -> [N, k, d].
 
     An expert id < 0 marks an empty slot (output 0). per_row: each device runs `Experts.per_row`
-    (else `Experts.grouped`) on the rows it receives.
+    (else `Experts.grouped`) on the rows it receives. kernel: not None, each device runs the FP4
+    expert kernel (`expert_gemm_moe`; kernel = its interpret flag) on its own experts' stacks (the
+    stored bytes or the word views `kernel_params` made: E leads both, so each device holds its
+    experts' views only).
     """
     _check_split(experts_module.w1.shape[0], mesh, expert_axis, dispatch)
     N, d = rows.shape
@@ -95,7 +107,8 @@ def routed_outputs(experts_module, rows: jax.Array, expert_ids: jax.Array, weigh
         weights = jnp.pad(weights, ((0, pad), (0, 0)))
     graphdef, state = nnx.split(experts_module)
     ep = expert_axis if n_ep > 1 else None
-    body = functools.partial(_device_step, graphdef, ep=ep, n_ep=n_ep, mode=mode, dispatch=dispatch, per_row=per_row)
+    body = functools.partial(_device_step, graphdef, ep=ep, n_ep=n_ep, mode=mode, dispatch=dispatch,
+                             per_row=per_row if kernel is None else ("kernel-interpret" if kernel else "kernel"))
     token_spec = P(axes)
     step = shard_map(body, mesh=mesh, in_specs=(token_spec, token_spec, token_spec, P(ep)), out_specs=token_spec)
     out = step(rows, expert_ids.astype(jnp.int32), weights.astype(jnp.float32), state)
@@ -103,9 +116,17 @@ def routed_outputs(experts_module, rows: jax.Array, expert_ids: jax.Array, weigh
 
 
 def _local_experts(local, x, ids, w, mode, per_row):
-    """The experts' own math on this device's slice; ids < 0 are padding (output 0)."""
+    """The experts' own math on this device's slice; ids < 0 are padding (output 0).
+    per_row: True `Experts.per_row`, False `Experts.grouped`, "kernel" / "kernel-interpret" the FP4
+    expert kernel (`expert_gemm_moe`, compiled / interpreted), in the rows' dtype as `MoE.apply` has it."""
     valid = ids >= 0
-    if per_row:
+    if isinstance(per_row, str):
+        from pallas_kernels import expert_gemm_moe  # noqa: WPS433 (optional dependency on the kernels)
+
+        # ids == n_local sort last and are left out of the group sizes: the kernel gives them zeros
+        out = expert_gemm_moe(local, x, jnp.where(valid, ids, local.w1.shape[0]), jnp.where(valid, w, 0.0),
+                              interpret=per_row == "kernel-interpret")
+    elif per_row:
         out = local.per_row(x, jnp.maximum(ids, 0), jnp.where(valid, w, 0.0), mode)
     else:
         # ids == n_local are left out of the group sizes, so ragged_dot gives them zeros
@@ -217,9 +238,8 @@ class ExpertParallelMoE(MoE):
         self.mesh, self.expert_axis, self.dispatch = mesh, expert_axis, dispatch
 
     def apply(self, x, scores, experts, mode, impl="xla", interpret=False):
-        del impl, interpret  # the Pallas expert kernel is single-device; EP runs the experts' XLA math per device
         return expert_parallel_apply(self, x, scores, experts, self.mesh, mode=mode, expert_axis=self.expert_axis,
-                                     dispatch=self.dispatch)
+                                     dispatch=self.dispatch, impl=impl, interpret=interpret)
 
 
 def with_expert_parallel(model, mesh: Mesh, *, expert_axis: str = "expert", dispatch: str = "auto"):

@@ -20,6 +20,7 @@ import math
 from collections.abc import Mapping
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 Rules = Mapping[str, tuple[str, ...]]
@@ -281,7 +282,13 @@ def param_specs(model_or_state, mesh: Mesh | Mapping[str, int], preset: str | Ru
 
     def one(jax_path, leaf):
         path = path_tuple(jax_path)
-        r = resolve(param_logical_axes(path, len(leaf.shape)), tuple(leaf.shape), rules, sizes)
+        axes = param_logical_axes(path)
+        if len(leaf.shape) == len(axes) + 1 and leaf.dtype == jnp.int32:
+            # the FP8 kernel's word view of a dense weight, [2, N, Kp/8] (model.kernel_weights): a plane
+            # axis in front, N and K's words laid out as the weight's N and K
+            axes = (None,) + axes
+        axes = param_logical_axes(path, len(leaf.shape)) if len(axes) != len(leaf.shape) else axes
+        r = resolve(axes, tuple(leaf.shape), rules, sizes)
         if report is not None and r.dropped:
             report[".".join(map(str, path))] = r.dropped
         return r.spec

@@ -6,20 +6,25 @@ libtpu; a refusal (Mosaic's VMEM, tiling or layout checks, or XLA:TPU around the
 `KernelRefused` naming the kernel, the dims and the target.
 
 `python -m pallas_kernels.common.mosaic_check [TARGET ...]` compiles every kernel for each target
-in this process and prints one JSON line per kernel as it finishes. The tests run it as a child
+in this process and prints one JSON line per kernel as it finishes; `--mesh TOPOLOGY ...` compiles
+the kernels a sharded step calls per device (`partition.per_device`, inside a `shard_map`) on a
+mesh of the topology's chips. The tests run it as a child
 process: a compiler that aborts (libtpu stops the process on a failed internal check) then costs
 the child, and the last line says which kernel was compiling.
 """
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from pallas_kernels.common import tpu_compile
+from pallas_kernels.common import partition, tpu_compile
 
 sds = jax.ShapeDtypeStruct
 
@@ -67,7 +72,8 @@ def _grouped_fp4_gemm(M=48, E=8, N=256, K=512):
                 sds((E, N, K // 32), jnp.uint8))
 
 
-def _fp8_block_gemm(M=8, N=512, K=1280):
+# N=1024, K=4096: the scale grid [32, 128] whose bare u8 -> s32 convert XLA:TPU for v5p aborts on (the kernel pads it)
+def _fp8_block_gemm(M=8, N=1024, K=4096):
     # deferred: each check loads only the kernel it compiles
     from pallas_kernels import fp8_block_gemm
 
@@ -100,14 +106,55 @@ def compile_kernel(name: str, target: str, **dims) -> dict:
             "flops": float(cost.get("flops", 0.0)), "bytes_accessed": float(cost.get("bytes accessed", 0.0))}
 
 
+# the kernels a model step calls on a mesh through `partition.per_device` (the grouped FP4 GEMM runs per
+# device inside the expert-parallel MoE's own shard_map)
+MESH_KERNELS = ("sparse_sink_attention", "indexer_scores", "fp8_block_gemm")
+
+
+def compile_kernel_on_mesh(name: str, target: str = "v6e:2x2", **dims) -> dict:
+    """One kernel as a sharded step runs it: per device (`partition.per_device`) on a 2 x (chips/2) mesh
+    of `target`'s chips, batch over "data", heads over "tensor" (B=4 rows by default). The compiler's
+    figures, or KernelRefused."""
+    if name not in MESH_KERNELS:
+        raise ValueError(f"unknown mesh kernel {name!r}; choose one of {list(MESH_KERNELS)}")
+    devices = tpu_compile.topology(target).devices
+    mesh = Mesh(np.array(devices).reshape(2, -1), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2)
+    fn, shapes = KERNELS[name](**({"M": 8} if name == "fp8_block_gemm" else {"B": 4}) | dims)
+
+    def on_mesh(*args):
+        with partition.kernel_mesh(mesh, batch=("data",), heads=("tensor",)):
+            return fn(*args)
+
+    args = [sds(s.shape, s.dtype, sharding=NamedSharding(mesh, PartitionSpec())) for s in shapes]
+    t0 = time.perf_counter()
+    try:
+        compiled = jax.jit(on_mesh).lower(*args).compile()
+    except Exception as e:  # noqa: BLE001 (re-raised with the kernel and the target)
+        first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        raise KernelRefused(f"{name} per device on a mesh of {target} does not compile: {first[:600]}") from e
+    return {"kernel": name, "target": target, "mesh": dict(zip(mesh.axis_names, mesh.devices.shape)),
+            "seconds": round(time.perf_counter() - t0, 2), "mosaic_calls": tpu_compile.mosaic_kernels(compiled.as_text()),
+            "kernel_results": _kernel_results(compiled.as_text())}
+
+
+def _kernel_results(hlo: str) -> list[str]:
+    """The result types of a program's Mosaic calls (per device: what each device's kernel computes)."""
+    return [m.group(1) for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line
+            for m in [re.search(r"=\s*(\S+?)(?:\{[^}]*\})?\s+custom-call\(", line)] if m]
+
+
 def main(argv=None) -> int:
-    targets = (argv if argv is not None else sys.argv[1:]) or list(tpu_compile.KERNEL_TARGETS)
+    """TARGET ... : every kernel on one chip of each; --mesh TOPOLOGY ... : the mesh kernels per device on each."""
+    argv = list(argv if argv is not None else sys.argv[1:])
+    on_mesh = bool(argv) and argv[0] == "--mesh"
+    targets = argv[1:] if on_mesh else (argv or list(tpu_compile.KERNEL_TARGETS))
     ok = True
     for target in targets:
-        for name in KERNELS:
+        for name in (MESH_KERNELS if on_mesh else KERNELS):
             print(json.dumps({"compiling": name, "target": target}), flush=True)
             try:
-                print(json.dumps(compile_kernel(name, target)), flush=True)
+                print(json.dumps(compile_kernel_on_mesh(name, target) if on_mesh else compile_kernel(name, target)),
+                      flush=True)
             except KernelRefused as e:
                 ok = False
                 print(json.dumps({"kernel": name, "target": target, "refused": str(e)}), flush=True)

@@ -5,11 +5,14 @@ trains through the model's jnp path (dsv41_jax.numerics.gemm) instead.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from dsv41_jax.numerics.activations import swiglu
 from pallas_kernels.common.backend import resolve
+from pallas_kernels.common.partition import per_device
 from pallas_kernels.expert_gemm import layout
 from pallas_kernels.expert_gemm.reference import fp8_block_gemm_reference, grouped_fp4_gemm_reference
 
@@ -114,7 +117,10 @@ def fp8_block_gemm(
     else:
         # deferred: each backend's kernel module loads for that backend only
         from pallas_kernels.expert_gemm.gpu import fp8_block_gemm_gpu as kernel
-    return kernel(x, w_e4m3, w_scale, interpret=choice.interpret)
+    # on a mesh, per device: rows split over the batch axes (each row's dot is the same), the weight whole
+    # (a preset that splits dense weights over devices gathers them here, which the collectives show)
+    return per_device(functools.partial(kernel, interpret=choice.interpret), (x, w_e4m3, w_scale),
+                      (("batch",), (), ()), ("batch",), batch=M)
 
 
 def expert_gemm_moe(experts, rows, expert_ids, weights, *, impl="pallas", interpret=None, platform=None):
@@ -126,13 +132,24 @@ def expert_gemm_moe(experts, rows, expert_ids, weights, *, impl="pallas", interp
     """
     if experts.kind != "fp4":
         raise ValueError(f"expert_gemm_moe: needs MXFP4 experts, got kind {experts.kind!r}")
-    E = experts.w1.shape[0]  # the stored bytes or their word views (`kernel_params`): E leads both
+    weights_ = tuple(getattr(experts, n)[...] for n in ("w1", "w1_scale", "w3", "w3_scale", "w2", "w2_scale"))
+    kw = dict(limit=experts.limit, impl=impl, interpret=interpret, platform=platform)
+    # on a mesh without expert parallelism (the expert-parallel MoE calls this per device, inside its
+    # shard_map): rows split over the batch axes, every expert whole on every device
+    b = ("batch",)
+    return per_device(lambda r, e, w, *ws: _expert_ffn(r, e, w, ws, **kw), (rows, expert_ids, weights) + weights_,
+                      (b, b, b) + ((),) * 6, b, batch=rows.shape[0])
+
+
+def _expert_ffn(rows, expert_ids, weights, stacks, *, limit, impl, interpret, platform):
+    w1, s1, w3, s3, w2, s2 = stacks
+    E = w1.shape[0]  # the stored bytes or their word views (`kernel_params`): E leads both
     order = jnp.argsort(expert_ids, stable=True)
     xs, ws = rows[order], weights[order]
     sizes = jnp.bincount(expert_ids, length=E).astype(jnp.int32)
     kw = dict(impl=impl, interpret=interpret, platform=platform)
-    up1 = grouped_fp4_gemm(xs, sizes, experts.w1[...], experts.w1_scale[...], **kw).astype(rows.dtype)
-    up3 = grouped_fp4_gemm(xs, sizes, experts.w3[...], experts.w3_scale[...], **kw).astype(rows.dtype)
-    h = (ws[:, None] * swiglu(up1, up3, experts.limit)).astype(rows.dtype)
-    out = grouped_fp4_gemm(h, sizes, experts.w2[...], experts.w2_scale[...], **kw).astype(rows.dtype)
+    up1 = grouped_fp4_gemm(xs, sizes, w1, s1, **kw).astype(rows.dtype)
+    up3 = grouped_fp4_gemm(xs, sizes, w3, s3, **kw).astype(rows.dtype)
+    h = (ws[:, None] * swiglu(up1, up3, limit)).astype(rows.dtype)
+    out = grouped_fp4_gemm(h, sizes, w2, s2, **kw).astype(rows.dtype)
     return jnp.zeros_like(out).at[order].set(out)

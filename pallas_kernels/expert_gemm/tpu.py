@@ -133,7 +133,10 @@ def fp8_block_gemm_tpu(x, w, w_scale, *, interpret=False, tile_rows=128, tile_co
         xd = jnp.pad(xd, ((0, 0), (0, Kp - K)))
     words = w if layout.is_words(w) else layout.fp8_weight_view(w)
     N = words.shape[1]
-    s = w_scale.astype(jnp.int32)  # [ceil(N/32), Kp/32]
+    # [ceil(N/32) rounded up to 64, Kp/32]: the padding rows are never read (the kernel spreads row i of a
+    # tile from scale row i // 32). XLA:TPU for v5p (libtpu 0.0.42) aborts on the bare u8 -> s32 convert
+    # of some shapes ([32, 128], [160, 128], [160, 256]: "Cannot find a valid window"); padded, it fuses.
+    s = jnp.pad(w_scale, ((0, -w_scale.shape[0] % 64), (0, 0))).astype(jnp.int32)
     tm = min(tile_rows, -(-M // 16) * 16)
     Mp = -(-M // tm) * tm
     tn = tile_cols if N % tile_cols == 0 else N

@@ -5,10 +5,13 @@ training loss, docs/REFERENCE.md §7, differentiates the model's own jnp scoring
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 
 from dsv41_jax.numerics import kv_layout
 from pallas_kernels.common.backend import resolve
+from pallas_kernels.common.partition import per_device
 from pallas_kernels.indexer.reference import candidate_pool, indexer_scores_reference, topk_indices
 
 __all__ = ["indexer_scores", "candidate_pool", "topk_indices"]
@@ -80,5 +83,9 @@ def indexer_scores(
         # deferred: each backend's kernel module loads for that backend only
         from pallas_kernels.indexer.gpu import indexer_scores_gpu as kernel
     extra = {"exact": True} if exact else {}
-    return kernel(q_packed, q_scale, keys, weights, compress_len, pool_mask, bf16_rounding=bf16_rounding,
-                  interpret=choice.interpret, **extra)
+    call = functools.partial(kernel, bf16_rounding=bf16_rounding, interpret=choice.interpret, **extra)
+    # on a mesh, per device: rows split over the batch axes; the heads stay whole (their sum is
+    # rounded in the kernel's order, which a split over devices would change)
+    b = ("batch",)
+    return per_device(call, (q_packed, q_scale, keys, weights, compress_len, pool_mask), (b,) * 6, b,
+                      batch=q_packed.shape[0])

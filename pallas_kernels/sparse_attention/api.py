@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from dsv41_jax.numerics import kv_layout, quant
 from dsv41_jax.numerics.sparse_attention import sparse_attention
 from pallas_kernels.common.backend import resolve
+from pallas_kernels.common.partition import per_device
 from pallas_kernels.sparse_attention.reference import sparse_sink_attention_reference
 
 
@@ -131,9 +132,19 @@ def sparse_sink_attention(
     if mode == "exact" and (choice.kind != "tpu" or not choice.interpret):
         raise ValueError("sparse_sink_attention(mode='exact') with a kernel needs platform='tpu' (the default on "
                          f"CPU) and interpret=True, got platform={choice.kind!r}, interpret={choice.interpret}")
-    return _kernel_with_reference_vjp(
-        choice.kind, choice.interpret, float(scale), mode, q, window, compressed, window_idx, compressed_idx, sink
-    )
+    kernel = functools.partial(_kernel_with_reference_vjp, choice.kind, choice.interpret, float(scale), mode)
+    return _per_device(kernel, q, window, compressed, window_idx, compressed_idx, sink)
+
+
+def _per_device(kernel, q, window, compressed, window_idx, compressed_idx, sink, heads=True):
+    """`kernel` on a mesh (`partition.per_device`): rows split over the batch axes, the query heads
+    (and their sinks) over the head axes; each head attends on its own, so the split changes no bit.
+    heads False: the heads stay whole (the values-in kernel's gradients for the shared rows)."""
+    h = "heads" if heads else None
+    b = ("batch",)
+    return per_device(kernel, (q, window, compressed, window_idx, compressed_idx, sink),
+                      (("batch", None, h), b, b, b, b, (h,)), ("batch", None, h),
+                      batch=q.shape[0], heads=q.shape[2] if heads else None)
 
 
 # ------------------------------------------------------------------------- training (values in)
@@ -195,8 +206,8 @@ def sparse_sink_attention_values(
     choice = resolve(impl, interpret, platform)
     if choice.kind == "xla":
         return _values_in_reference(q, window_raw, compressed_raw, window_idx, compressed_idx, sink, scale)
-    return _values_in(choice.kind, choice.interpret, float(scale), q, window_raw, compressed_raw, window_idx,
-                      compressed_idx, sink)
+    kernel = functools.partial(_values_in, choice.kind, choice.interpret, float(scale))
+    return _per_device(kernel, q, window_raw, compressed_raw, window_idx, compressed_idx, sink, heads=False)
 
 
 def _values_in_reference(q, window_raw, compressed_raw, window_idx, compressed_idx, sink, scale):

@@ -31,7 +31,7 @@ from dsv41_jax.runtime import Runtime
 from dsv41_jax.model.param_names import flat_params
 from sharding import engram_shard, plan as plan_mod
 from sharding.mesh import MeshSpecError, make_mesh, mesh_shape, parse_mesh_spec, resolve_mesh_shape
-from sharding.moe_ep import expert_parallel_moe
+from sharding.moe_ep import ExpertParallelMoE, expert_parallel_moe
 from sharding.rules import (ShardingRuleError, batch_sharding, cache_logical_axes, param_logical_axes, param_specs,
                             shard_cache, shard_params)
 from sharding.step import make_sharded_step
@@ -148,6 +148,47 @@ def test_expert_parallel_moe_grouped_path(moe):
     out, info_ep = jax.jit(lambda x: expert_parallel_moe(m, x, mesh, mode="fast", dispatch="ragged-emulated"))(x)
     np.testing.assert_array_equal(info_ep["experts"], info["experts"])
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("words", [False, True])
+def test_expert_parallel_moe_with_the_fp4_kernel_equals_the_unsharded_kernel(moe, words):
+    """impl "pallas": each device runs the FP4 expert kernel (interpreted) on the rows it receives, on its own
+    experts' stacks (the stored bytes, or the word views `kernel_params` makes, split over the expert axis)."""
+    from pallas_kernels.expert_gemm import layout
+
+    cfg, m = moe
+    if words:
+        m = nnx.merge(*nnx.split(m))  # a copy: the fixture keeps its bytes
+        for w, s in ((m.experts.w1, m.experts.w1_scale), (m.experts.w2, m.experts.w2_scale),
+                     (m.experts.w3, m.experts.w3_scale)):
+            ww, sw = layout.fp4_weight_words(w.get_value(), s.get_value())
+            w.set_value(ww)
+            s.set_value(sw)
+    mesh = make_mesh("data=2,expert=4")
+    x = jax.random.normal(jax.random.key(3), (3, 5, cfg.dim)).astype(jnp.bfloat16)
+
+    def unsharded(x):
+        scores, _, experts = m.route(x, "fast")
+        return m.apply(x, scores, experts, "fast", impl="pallas", interpret=True)
+
+    ref, info = jax.jit(unsharded)(x)
+    graphdef, state = nnx.split(m)
+    on_mesh = lambda spec: jax.sharding.NamedSharding(mesh, spec)  # noqa: E731
+    state = jax.tree_util.tree_map_with_path(
+        lambda path, a: jax.device_put(a, on_mesh(P("expert") if getattr(path[0], "key", None) == "experts" else P())), state)
+
+    def sharded(state, x):
+        ep = ExpertParallelMoE(nnx.merge(graphdef, state), mesh, dispatch="dense")
+        scores, _, experts = ep.route(x, "fast")
+        return ep.apply(x, scores, experts, "fast", impl="pallas", interpret=True)
+
+    out, info_ep = jax.jit(sharded)(state, x)
+    np.testing.assert_array_equal(info_ep["experts"], info["experts"])
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+    assert float(jnp.max(jnp.abs(out.astype(jnp.float32)))) > 0
+    if words:  # each device holds a quarter of the experts' words
+        w1 = state["experts"]["w1"].get_value()
+        assert w1.dtype == jnp.int32 and w1.addressable_shards[0].data.shape[0] == cfg.n_routed_experts // 4
 
 
 def test_expert_parallel_moe_rejects_uneven_split(moe):

@@ -24,9 +24,12 @@ def _dsv41(*argv):
                           text=True, timeout=900)
 
 
-def test_tiny_pallas_decode_compiles_for_v6e_with_every_kernel_in_mosaic():
-    proc = _dsv41("compile", "--config", "tiny", "--topology", "v6e:2x2", "--mesh", "data=1", "--impl", "pallas",
-                  "--batch", "2", "--context", "64", "--json")
+@pytest.mark.slow  # ~30-80 s of XLA:TPU on 2 cores; the default suite compiles each kernel per device on a mesh
+def test_tiny_pallas_decode_compiles_for_a_v6e_mesh_with_every_kernel_in_mosaic():
+    """The kernels on a mesh: attention, indexer and FP8 GEMM per device (batch 4 over expert=4), the FP4
+    expert kernel inside the expert-parallel MoE on each chip's experts (their word views)."""
+    proc = _dsv41("compile", "--config", "tiny", "--topology", "v6e:2x2", "--mesh", "data=1,expert=4", "--impl",
+                  "pallas", "--batch", "4", "--context", "64", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     r = json.loads(proc.stdout)
     assert r["ok"] and r["fits"] and r["device_kind"] == "TPU v6 lite"
