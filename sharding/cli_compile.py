@@ -40,7 +40,8 @@ def _plan_figures(cfg, args) -> dict:
 
     p = build_plan(cfg, args.mesh, batch=args.batch, context=args.context, preset=args.preset)
     d = p["per_device_bytes"]
-    return {"arguments": d["weights"] + d["engram"] + d["cache"], "activations": d["activations"], "total": d["total"]}
+    return {"arguments": d["weights"] + d["engram"] + d["cache"], "activations": d["activations"], "total": d["total"],
+            "decode_activations": sum(p["activations_detail"]["decode"].values())}
 
 
 def _compile(args) -> dict:
@@ -84,14 +85,17 @@ def _format(r: dict) -> str:
     lines = [head, f"compiled by XLA:TPU in {r['seconds']:.1f} s (this machine)",
              "per device (TPU compiler's buffer assignment, not measured on a TPU):",
              f"  arguments {g(d['argument'])} (plan: {g(plan['arguments'])}), temp {g(d['temp'])} "
-             f"(plan's activation estimate: {g(plan['activations'])}), output {g(d['output'])} "
+             f"(plan's XLA-path activation estimate: decode step {g(plan['decode_activations'])}, the larger of it "
+             f"and a prefill chunk {g(plan['activations'])}), output {g(d['output'])} "
              f"(aliased {g(d['alias'])}), code {d['generated_code'] / 2 ** 20:.1f} MiB",
              f"  peak {g(d['peak'])} of {g(hbm) if hbm else '?'} HBM -> {'fits' if r['fits'] else 'does NOT fit'}"]
     if "plan_full_stack" in r:
         kept = ", ".join(f"{k} {v}" for k, v in r["layers_kept_per_kind"].items())
         lines.append(f"  fewer layers compiled ({kept}); the full stack's plan: arguments "
                      f"{g(r['plan_full_stack']['arguments'])}, total {g(r['plan_full_stack']['total'])}")
-    coll = ", ".join(f"{k} x{v['count']} ({v['bytes'] / 2 ** 20:.2f} MiB)" for k, v in r["collectives"].items())
+    coll = ", ".join(f"{k} x{v['count']} ({v['bytes'] / 2 ** 20:.2f} MiB"
+                     + (f", {v['cross_host']} across hosts)" if r["hosts"] > 1 else ")")
+                     for k, v in r["collectives"].items())
     lines.append(f"collectives per device: {coll or 'none'}")
     if r["impl"] == "pallas":
         lines.append(f"Mosaic kernels: {r['mosaic_calls']} calls of {', '.join(r['mosaic_kernels']) or 'none'}")

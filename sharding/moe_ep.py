@@ -108,17 +108,26 @@ def routed_outputs(experts_module, rows: jax.Array, expert_ids: jax.Array, weigh
     graphdef, state = nnx.split(experts_module)
     ep = expert_axis if n_ep > 1 else None
     body = functools.partial(_device_step, graphdef, ep=ep, n_ep=n_ep, mode=mode, dispatch=dispatch,
-                             per_row=per_row if kernel is None else ("kernel-interpret" if kernel else "kernel"))
+                             per_row=per_row if kernel is None else ("kernel-interpret" if kernel else "kernel"),
+                             pairs=N * expert_ids.shape[1])
     token_spec = P(axes)
     step = shard_map(body, mesh=mesh, in_specs=(token_spec, token_spec, token_spec, P(ep)), out_specs=token_spec)
     out = step(rows, expert_ids.astype(jnp.int32), weights.astype(jnp.float32), state)
     return out[:N]
 
 
-def _local_experts(local, x, ids, w, mode, per_row):
+def _local_experts(local, x, ids, w, mode, per_row, pairs=None):
     """The experts' own math on this device's slice; ids < 0 are padding (output 0).
     per_row: True `Experts.per_row`, False `Experts.grouped`, "kernel" / "kernel-interpret" the FP4
-    expert kernel (`expert_gemm_moe`, compiled / interpreted), in the rows' dtype as `MoE.apply` has it."""
+    expert kernel (`expert_gemm_moe`, compiled / interpreted), in the rows' dtype as `MoE.apply` has it.
+    pairs: how many real (row, slot) pairs the whole mesh has; when fewer than x's rows, only that
+    many rows (the real ones first) are computed: the receive buffers are sized for the worst case
+    per owner (at decode 96 rows per device for B=1's 6 pairs), and the XLA math gathers and
+    dequantizes a whole expert per row."""
+    if pairs is not None and pairs < x.shape[0]:
+        keep = jnp.argsort(ids < 0, stable=True)[:pairs]  # the real rows first, in their order
+        out = _local_experts(local, x[keep], ids[keep], w[keep], mode, per_row)
+        return jnp.zeros((x.shape[0],) + out.shape[1:], out.dtype).at[keep].set(out)
     valid = ids >= 0
     if isinstance(per_row, str):
         from pallas_kernels import expert_gemm_moe  # noqa: WPS433 (optional dependency on the kernels)
@@ -134,12 +143,12 @@ def _local_experts(local, x, ids, w, mode, per_row):
     return jnp.where(valid[:, None], out, jnp.zeros_like(out))
 
 
-def _device_step(graphdef, x, ids, w, state, *, ep, n_ep, mode, dispatch, per_row):
+def _device_step(graphdef, x, ids, w, state, *, ep, n_ep, mode, dispatch, per_row, pairs):
     """One device: rows x [n, d] with their k expert ids/weights -> weighted expert outputs [n, k, d]."""
     local = nnx.merge(graphdef, state)
     n, k = ids.shape
     if ep is None:  # every expert is here
-        out = _local_experts(local, jnp.repeat(x, k, axis=0), ids.reshape(-1), w.reshape(-1), mode, per_row)
+        out = _local_experts(local, jnp.repeat(x, k, axis=0), ids.reshape(-1), w.reshape(-1), mode, per_row, pairs)
         return out.reshape(n, k, -1)
     e_local = local.w1.shape[0]
     pe, pw = ids.reshape(-1), w.reshape(-1)
@@ -149,15 +158,15 @@ def _device_step(graphdef, x, ids, w, state, *, ep, n_ep, mode, dispatch, per_ro
     row = jnp.arange(n * k) // k
     if dispatch == "dense":
         out = _dense_exchange(local, x, row, dest, local_id, pw, valid, ep=ep, n_ep=n_ep, cap=n * min(k, e_local),
-                              mode=mode, per_row=per_row)
+                              mode=mode, per_row=per_row, pairs=pairs)
     else:
         a2a = jax.lax.ragged_all_to_all if dispatch == "ragged" else _emulated_ragged_all_to_all
         out = _ragged_exchange(local, x, row, dest, local_id, pw, valid, ep=ep, n_ep=n_ep, cap=n * min(k, e_local),
-                               mode=mode, per_row=per_row, a2a=a2a)
+                               mode=mode, per_row=per_row, a2a=a2a, pairs=pairs)
     return out.reshape(n, k, -1)
 
 
-def _dense_exchange(local, x, row, dest, local_id, pw, valid, *, ep, n_ep, cap, mode, per_row):
+def _dense_exchange(local, x, row, dest, local_id, pw, valid, *, ep, n_ep, cap, mode, per_row, pairs):
     """Fixed-capacity buffers [n_ep, cap, ...]: pair i sits at (dest_i, rank among pairs to dest_i)."""
     m = row.shape[0]
     onehot = (dest[:, None] == jnp.arange(n_ep)[None]) & valid[:, None]
@@ -169,13 +178,14 @@ def _dense_exchange(local, x, row, dest, local_id, pw, valid, *, ep, n_ep, cap, 
     send_w = jnp.zeros((n_ep, cap), jnp.float32).at[dest, pos].set(pw, mode="drop")
     a2a = functools.partial(jax.lax.all_to_all, axis_name=ep, split_axis=0, concat_axis=0)
     recv_x, recv_id, recv_w = a2a(send_x), a2a(send_id), a2a(send_w)
-    out = _local_experts(local, recv_x.reshape(n_ep * cap, d), recv_id.reshape(-1), recv_w.reshape(-1), mode, per_row)
+    out = _local_experts(local, recv_x.reshape(n_ep * cap, d), recv_id.reshape(-1), recv_w.reshape(-1), mode, per_row,
+                         pairs)
     back = a2a(out.reshape(n_ep, cap, d))
     got = back[dest, jnp.minimum(pos, cap - 1)]
     return jnp.where(valid[:, None], got, jnp.zeros_like(got)).reshape(m, d)
 
 
-def _ragged_exchange(local, x, row, dest, local_id, pw, valid, *, ep, n_ep, cap, mode, per_row, a2a):
+def _ragged_exchange(local, x, row, dest, local_id, pw, valid, *, ep, n_ep, cap, mode, per_row, a2a, pairs):
     """Pairs sorted by owner; only real pairs travel. Buffers are sized for the worst case."""
     m, d = row.shape[0], x.shape[-1]
     key = jnp.where(valid, dest, n_ep)  # invalid pairs last, never sent
@@ -195,7 +205,7 @@ def _ragged_exchange(local, x, row, dest, local_id, pw, valid, *, ep, n_ep, cap,
     filled = jnp.arange(buf) < jnp.sum(recv_sizes)
     ids = jnp.where(filled, recv_meta[:, 0], -1)
     wts = jax.lax.bitcast_convert_type(recv_meta[:, 1], jnp.float32)
-    out = _local_experts(local, recv_x, ids, wts, mode, per_row)
+    out = _local_experts(local, recv_x, ids, wts, mode, per_row, pairs)
     back = a2a(out, jnp.zeros((m, d), out.dtype), recv_off, recv_sizes, src_off, send_sizes, axis_name=ep)
     got = jnp.zeros((m, d), out.dtype).at[order].set(back)
     return jnp.where(valid[:, None], got, jnp.zeros_like(got))

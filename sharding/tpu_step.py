@@ -66,14 +66,20 @@ def subset_config(cfg: ModelConfig, per_kind: int) -> tuple[ModelConfig, dict[st
     return sub, {k: min(per_kind, len(v)) for k, v in layer_kinds(cfg).items()}
 
 
-def collectives(hlo: str) -> dict[str, dict]:
+def collectives(hlo: str, hosts=None) -> dict[str, dict]:
     """Collectives of an optimized HLO text by kind: how many, and the bytes of their results.
 
     An asynchronous collective is counted at its `-done` op, whose result is the output alone (the
-    `-start` op's tuple also holds the operands)."""
+    `-start` op's tuple also holds the operands). hosts: the process index of each device of the
+    program's device assignment (the mesh's devices, flattened); then "cross_host" counts the
+    collectives one of whose device groups spans more than one host (the rest stay on a host's ICI)."""
     out: dict[str, dict] = {}
+    starts: dict[str, str] = {}  # an async op's groups are on its -start line
     for line in hlo.splitlines():
-        m = re.search(r"=\s*(\(.*?\)|\S+)\s+(" + "|".join(COLLECTIVES) + r")(?:-done)?\(", line)
+        st = re.search(r"%(\S+)\s*=.*\b(?:" + "|".join(COLLECTIVES) + r")-start\(", line)
+        if st:
+            starts[st.group(1)] = line
+        m = re.search(r"=\s*(\(.*?\)|\S+)\s+(" + "|".join(COLLECTIVES) + r")(-done)?\(([^)]*)\)", line)
         if m is None:
             continue
         nbytes = sum(_DTYPE_BYTES.get(dt, 4) * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
@@ -81,7 +87,32 @@ def collectives(hlo: str) -> dict[str, dict]:
         entry = out.setdefault(m.group(2), {"count": 0, "bytes": 0})
         entry["count"] += 1
         entry["bytes"] += nbytes
+        if hosts is not None:
+            source = starts.get(m.group(4).strip().lstrip("%"), line) if m.group(3) else line
+            groups = replica_groups(source, len(hosts))
+            crosses = any(len({hosts[i] for i in g}) > 1 for g in groups)
+            entry["cross_host"] = entry.get("cross_host", 0) + int(crosses)
     return out
+
+
+def replica_groups(line: str, n_devices: int) -> list[list[int]]:
+    """The device groups of one collective's HLO line: {{0,1},{2,3}}, the iota form [2,2]<=[4] (or
+    [2,2]<=[2,2]T(1,0)), or, for a collective-permute, its source_target_pairs; [] is every device."""
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if m:
+        shape, dims = [int(x) for x in m.group(1).split(",")], [int(x) for x in m.group(2).split(",")]
+        ids = np.arange(int(np.prod(dims))).reshape(dims)
+        if m.group(3):
+            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+        return ids.reshape(shape).tolist()
+    m = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
+    if m:
+        groups = [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+        return [g for g in groups if g] or [list(range(n_devices))]
+    m = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line)
+    if m:
+        return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1))]
+    return [list(range(n_devices))]
 
 
 def abstract_step_args(cfg: ModelConfig, mesh, preset, *, batch: int, tokens: int, runtime: Runtime = Runtime()):
@@ -148,7 +179,7 @@ def compile_decode(cfg: ModelConfig, topology: str, mesh_spec, *, batch: int, co
         'custom_call_target="PrepareAsyncCallDone"')
     return {**report, "ok": True, "seconds": seconds, "per_device_bytes": per_device,
             "fits": report["hbm_bytes"] is None or per_device["peak"] <= report["hbm_bytes"],
-            "collectives": collectives(hlo), "mosaic_kernels": sorted(set(tpu_compile.mosaic_kernels(hlo))),
+            "collectives": collectives(hlo, [d.process_index for d in mesh.devices.flat]), "mosaic_kernels": sorted(set(tpu_compile.mosaic_kernels(hlo))),
             "mosaic_calls": len(tpu_compile.mosaic_kernels(hlo)),
             "flops": float(cost.get("flops", 0.0)), "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
             "cost_model_seconds": cost_model_seconds(float(cost.get("optimal_seconds", 0.0)), async_calls),

@@ -139,6 +139,26 @@ def test_expert_parallel_moe_equals_dense(moe, spec, dispatch):
     assert set(np.unique(info["experts"])) == {0, 1}
 
 
+def test_expert_parallel_moe_decode_row_computes_its_pairs_only(moe):
+    """One token (decode at B=1) on expert=8: each device's receive buffer holds 8 owners x 1 slot, of which the
+    whole mesh fills 2; only those 2 rows go through the experts' math (it gathers 2 rows' experts, not 8)."""
+    import re
+
+    cfg, m = moe
+    mesh = make_mesh("expert=8")
+    x = jax.random.normal(jax.random.key(4), (1, 1, cfg.dim)).astype(jnp.bfloat16)
+    with jax.enable_x64(True):
+        ref, _ = jax.jit(lambda x: _dense_moe(m, x, None))(x)
+        run = jax.jit(lambda x: expert_parallel_moe(m, x, mesh, mode="exact", dispatch="dense"))
+        out, _ = run(x)
+        np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+        hlo = run.lower(x).as_text()
+    _, f, d = m.experts.w1.get_value().shape
+    gathered = {int(n) for n in re.findall(rf"gather.*-> tensor<(\d+)x1x{f}x{d}xui8>", hlo)}  # rows x [1, f, d]
+    assert gathered == {2}, gathered
+
+
+
 def test_expert_parallel_moe_grouped_path(moe):
     """Prefill-sized batches go through the grouped GEMM on each device (fast mode)."""
     cfg, m = moe

@@ -63,6 +63,23 @@ def test_collectives_are_counted_once_with_their_output_bytes():
                                 "all-to-all": {"count": 1, "bytes": 2 * 6 * 4}}
 
 
+def test_collectives_that_cross_hosts_are_found_from_their_device_groups():
+    from sharding.tpu_step import collectives
+
+    hlo = """  %ar = f32[8]{0} all-reduce(%a), replica_groups={{0,1},{2,3}}, to_apply=%add
+  %ar2 = f32[8]{0} all-reduce(%a), replica_groups={{0,2},{1,3}}, to_apply=%add
+  %ags = (bf16[2]{0}, bf16[4]{0}) all-gather-start(%x), replica_groups=[2,2]<=[4], dimensions={0}
+  %agd = bf16[4]{0} all-gather-done(%ags)
+  %ags2 = (bf16[2]{0}, bf16[4]{0}) all-gather-start(%x), replica_groups=[2,2]<=[2,2]T(1,0), dimensions={0}
+  %agd2 = bf16[4]{0} all-gather-done(%ags2)
+  %cp = f32[4]{0} collective-permute(%y), source_target_pairs={{0,1},{1,0}}
+  %a2a = s32[4]{0} all-to-all(%p), replica_groups={}, dimensions={0}"""
+    got = collectives(hlo, hosts=[0, 0, 1, 1])  # devices 0, 1 on host 0; 2, 3 on host 1
+    assert {k: v["cross_host"] for k, v in got.items()} == {
+        "all-reduce": 1, "all-gather": 1, "collective-permute": 0, "all-to-all": 1}
+    assert got["all-reduce"]["count"] == 2 and got["all-gather"]["count"] == 2
+
+
 def test_fewer_layers_keep_every_layer_kind_of_the_released_stack():
     from dsv41_jax.config import ModelConfig
     from sharding.tpu_step import layer_kinds, subset_config
