@@ -61,6 +61,9 @@ def test_a_client_that_goes_away_is_cancelled_and_counted(server, stream):
                    "the cancellation")
     assert after[key] == before.get(key, 0) + 1
     assert after["dsv41_generation_tokens_total"] - before["dsv41_generation_tokens_total"] < MAX_LEN - 8
+    gone = 'dsv41_requests_total{endpoint=/v1/completions,status=499}'  # streamed or whole, as nginx counts it
+    after = _until(server, lambda m: m.get(gone, 0) > before.get(gone, 0), "the 499 in dsv41_requests_total")
+    assert after[gone] == before.get(gone, 0) + 1
 
 
 def test_a_body_over_the_limit_is_a_413_that_urllib_reads(server):

@@ -103,4 +103,7 @@ async def _chunks(state: ServingState, request: HTTPRequest, runs: list[Run], sp
     except P.APIError as e:
         state.metrics.requests.labels(request.url.path, str(e.status)).inc()
         yield sse(e.body())
+    except (asyncio.CancelledError, GeneratorExit):  # the client left mid-stream: counted as a whole answer's 499
+        state.metrics.requests.labels(request.url.path, "499").inc()
+        raise
     yield DONE
