@@ -104,7 +104,7 @@ def test_schemathesis_all_checks_pass(tmp_path):
             [sys.executable, "-m", "schemathesis.cli", "run", srv.url + "/openapi.json", "--checks", "all",
              "-H", f"Authorization: Bearer {KEY}", "--max-examples", "100", "--workers", "1", "--seed", "20261204",
              "--request-timeout", "120", "--phases", "examples,coverage,fuzzing,stateful", "--continue-on-failure",
-             "--no-color"], env=env, capture_output=True, text=True, timeout=3000)
+             "--no-color"], env=env, capture_output=True, text=True, timeout=3000, cwd=tmp_path)  # its cache there
     finally:
         srv.close()
     assert run.returncode == 0, run.stdout[-20000:] + run.stderr[-4000:]
