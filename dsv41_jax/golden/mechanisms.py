@@ -11,6 +11,7 @@ not observed from a run.
 from __future__ import annotations
 
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.layers.moe import PER_ROW_TOKENS
 
 
 def _length(case: dict) -> int:
@@ -50,9 +51,12 @@ def exercised(cfg: ModelConfig, case: dict) -> tuple[str, ...]:
         found.append(f"chunked prefill ({len(prefill_calls)} calls)")
     if len(calls) > len(prefill_calls):
         found.append(f"decode ({len(calls) - len(prefill_calls)} steps)")
-    # exact numerics runs every token through the per-row expert path; the grouped (ragged) path is
-    # fast mode's above the MoE's row threshold, so no golden case can exercise it
-    found.append(f"MoE per-row, {cfg.n_activated_experts} of {cfg.n_routed_experts} experts")
+    # exact numerics runs a call over PER_ROW_TOKENS tokens expert by expert, shorter ones row by row
+    # (the same bits); the grouped (ragged) path is fast mode's above the MoE's row threshold, so no
+    # golden case can exercise it
+    paths = [name for name, used in (("per-expert", any(c["n_tokens"] > PER_ROW_TOKENS for c in calls)),
+                                     ("per-row", any(c["n_tokens"] <= PER_ROW_TOKENS for c in calls))) if used]
+    found.append(f"MoE {' + '.join(paths)}, {cfg.n_activated_experts} of {cfg.n_routed_experts} experts")
     if cfg.engram_layer_ids:
         found.append(f"Engram at layers {','.join(map(str, cfg.engram_layer_ids))}")
     if case.get("images"):

@@ -18,6 +18,11 @@ from dsv41_jax.numerics.activations import sigmoid, softplus, sqrt, swiglu
 from dsv41_jax.layers.basic import QLinear, matmul, weight_kind
 
 
+# exact mode: a call over this many tokens runs each expert's rows together (`Experts.per_expert`)
+# rather than each row gathering its expert (`per_row`, cheaper for decode)
+PER_ROW_TOKENS = 8
+
+
 class Gate(nnx.Module):
     """Scores in fp32; the bias picks experts but the weights come from the unbiased scores."""
 
@@ -104,6 +109,42 @@ class Experts(nnx.Module):
 
         return jax.vmap(one)(x, experts, weights)
 
+    def per_expert(self, x, experts, weights, mode, chunk: int = 64):
+        """`per_row`'s outputs, bit for bit, with each expert's rows run together: x [n, d] rows,
+        experts [n], weights [n] -> [n, d] bf16.
+
+        `per_row` gathers every row's expert weights (at the released width, 520 tokens x 6 rows of
+        dequantized 2304 x 5120 matrices: hundreds of GB in exact mode). Here the rows are sorted by
+        expert and each expert runs its rows in chunks of `chunk` (a loop of dynamic length: an
+        expert no row routes to costs nothing), reading its weights once a chunk. Every row of a
+        GEMM depends on that row only, so a row's output equals its own one-row GEMM."""
+        n, d = x.shape
+        order = jnp.argsort(experts, stable=True)
+        counts = jnp.bincount(experts, length=self.w1.shape[0])
+        starts = jnp.cumsum(counts) - counts
+        pad = lambda a: jnp.concatenate([a, jnp.zeros((chunk,) + a.shape[1:], a.dtype)])  # slices stay in range
+        xs, ws, dest = pad(x[order]), pad(weights[order]), pad(order)
+
+        def one_expert(e, out):
+            g = lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a[...], e, keepdims=False)
+
+            def one_chunk(i, out):
+                s = starts[e] + i * chunk
+                xr = jax.lax.dynamic_slice_in_dim(xs, s, chunk)
+                wr = jax.lax.dynamic_slice_in_dim(ws, s, chunk)
+                h = swiglu(self._lin(xr, g(self.w1), g(self.w1_scale), mode),
+                           self._lin(xr, g(self.w3), g(self.w3_scale), mode), self.limit, mode)
+                h = no_fma(wr[:, None] * h).astype(x.dtype)
+                y = self._lin(h, g(self.w2), g(self.w2_scale), mode)
+                rows = s + jnp.arange(chunk)
+                # rows past this expert's own (the next expert's, or padding) are dropped
+                to = jnp.where(rows < starts[e] + counts[e], jax.lax.dynamic_slice_in_dim(dest, s, chunk), n)
+                return out.at[to].set(y, mode="drop")
+
+            return jax.lax.fori_loop(0, -(-counts[e] // chunk), one_chunk, out)
+
+        return jax.lax.fori_loop(0, self.w1.shape[0], one_expert, jnp.zeros((n, d), x.dtype))
+
     def dense_weights(self, which=None):
         """(w1, w2, w3) as bf16 [E', out, in]: the experts `which` [E'] (default all), gathered in
         their stored format before they are dequantized, so that only those are dequantized."""
@@ -166,6 +207,7 @@ class MoE(nnx.Module):
         self.shared_experts = SharedExpert(cfg, rngs=rngs)
         self.topk = cfg.n_activated_experts
         self.grouped_threshold = 256  # rows above which the sorted ragged path is cheaper
+        self.per_row_tokens = PER_ROW_TOKENS
 
     def route(self, x, mode, vl_mask=None):
         """x [B, T, d] -> (scores [B,T,E] fp32, biased [B,T,E], experts [B,T,k]): the gate's own choice.
@@ -210,7 +252,8 @@ class MoE(nnx.Module):
 
         impl, interpret: resolved (`dsv41_jax.model.block.Plan.resolve`, never "auto" or None here);
         impl "pallas" runs the grouped FP4 expert kernel in fast mode. Exact mode always runs the
-        per-row math: the kernel has no exact mode (it would not match the oracle's rounding)."""
+        per-row math (`per_row`, or the same bits from `per_expert` for prefills over
+        `per_row_tokens` tokens): the kernel has no exact mode (it would not match the oracle's rounding)."""
         B, T, d = x.shape
         k = experts.shape[-1]
         weights, e_sorted, w_sorted = self.slots(scores, experts, mode)
@@ -219,6 +262,8 @@ class MoE(nnx.Module):
         if mode != "exact" and impl == "pallas" and self.experts.kind == "fp4":
             from pallas_kernels import expert_gemm_moe  # noqa: WPS433 (optional dependency on the kernels)
             out = expert_gemm_moe(self.experts, rows, e_sorted.reshape(-1), w_sorted.reshape(-1), interpret=interpret)
+        elif mode == "exact" and B * T > self.per_row_tokens:
+            out = self.experts.per_expert(rows, e_sorted.reshape(-1), w_sorted.reshape(-1), mode)
         elif mode == "exact" or n <= self.grouped_threshold:
             out = self.experts.per_row(rows, e_sorted.reshape(-1), w_sorted.reshape(-1), mode)
         else:

@@ -23,6 +23,9 @@ import jax.numpy as jnp
 from dsv41_jax.numerics import quant
 
 BLOCK = 32
+# bytes of float64 block dots one exact-mode GEMM step may hold: rows go in chunks below it (at the
+# released width one [520 x 5120] x [2048 x 5120] expert GEMM would hold 1.4 GB of them at once)
+EXACT_CHUNK_BYTES = 1 << 29
 KINDS = ("dense", "fp8", "fp4")
 MODES = ("fast", "exact")
 
@@ -136,12 +139,31 @@ def _quantised_linear(x2, weight, scale, kind: str, mode: str, out_dtype):
         return y.astype(out_dtype)
 
     _require_x64()
-    a64 = a_vals.astype(jnp.float64).reshape(m, kb, BLOCK)
+    return _exact_block_gemm(a_vals, a_scale, w_vals, w_scale).astype(out_dtype)
+
+
+def _exact_block_gemm(a_vals, a_scale, w_vals, w_scale):
+    """Exact mode's block GEMM, f32 [M, N], in chunks of rows whose float64 block dots fit
+    EXACT_CHUNK_BYTES (`lax.map`, one chunk at a time). Each row's result depends on that row only
+    (its own activation scales, exact block dots, its own in-order sum), so chunks change no bit."""
+    m, n, kb = a_vals.shape[0], w_vals.shape[0], w_scale.shape[1]
     w64 = w_vals.astype(jnp.float64).reshape(n, kb, BLOCK)
-    # exact: <= 8-bit products spanning < 2^41, 32 of them, fit float64's 53 bits in any order
-    block_dots = jnp.einsum("mkb,nkb->mnk", a64, w64).astype(jnp.float32)
-    terms = block_dots * a_scale[:, None, :] * w_scale[None, :, :]
-    return _sum_blocks_in_order(terms).astype(out_dtype)
+
+    def rows(a, s):
+        a64 = a.astype(jnp.float64).reshape(a.shape[0], kb, BLOCK)
+        # exact: <= 8-bit products spanning < 2^41, 32 of them, fit float64's 53 bits in any order
+        block_dots = jnp.einsum("mkb,nkb->mnk", a64, w64).astype(jnp.float32)
+        terms = block_dots * s[:, None, :] * w_scale[None, :, :]
+        return _sum_blocks_in_order(terms)
+
+    per_chunk = max(1, EXACT_CHUNK_BYTES // (n * kb * 8))
+    if m <= per_chunk:
+        return rows(a_vals, a_scale)
+    chunks = -(-m // per_chunk)
+    pad = ((0, chunks * per_chunk - m), (0, 0))  # zero rows (zero scales): their sums are dropped
+    a = jnp.pad(a_vals, pad).reshape(chunks, per_chunk, -1)
+    s = jnp.pad(a_scale, pad).reshape(chunks, per_chunk, -1)
+    return jax.lax.map(lambda c: rows(*c), (a, s)).reshape(chunks * per_chunk, n)[:m]
 
 
 def linear(

@@ -40,6 +40,9 @@ def test_decode_steps_chunks_engram_and_images_are_named():
     assert "chunked prefill (2 calls)" in found and "decode (2 steps)" in found
     assert "Engram at layers 1,3" in found and "vision (1 image)" in found
     assert f"MoE per-row, {CFG.n_activated_experts} of {CFG.n_routed_experts} experts" in found
+    # a call over 8 tokens runs the experts one at a time (exact mode's per-expert path)
+    found = exercised(CFG, _case((0, 9), (9, 1)))
+    assert f"MoE per-expert + per-row, {CFG.n_activated_experts} of {CFG.n_routed_experts} experts" in found
 
 
 def test_the_table_prints_each_case_s_mechanisms_once():
