@@ -33,6 +33,7 @@ from dsv41_jax.layers.basic import matmul
 from dsv41_jax.layers.indexer import candidate_pool, select_topk
 from dsv41_jax.layers.mhc_site import collapse, expand
 from dsv41_jax.layers.rope import apply_rope, cos_sin, layer_rope
+from dsv41_jax.model.cache import oracle_column_order
 from dsv41_jax.model.plan import Plan, Span
 from dsv41_jax.model.probe import (NO_PROBE, AttnSeen, EngramSeen, FfnSeen, FinalSeen, PoolSeen, Probe, ScoresSeen,
                                    SourceSeen, merge_records)
@@ -276,6 +277,8 @@ def block_step(block, state: LayerState, span: Span, plan: Plan, probe: Probe = 
         if not kernel:
             keys, idx = _with_compressed(keys, idx, store, src, sel, plan)
 
+    if plan.runtime.mode == "exact" and not kernel:
+        idx = oracle_column_order(idx, span.start, span.positions.shape[1], cfg.window_size)
     o = attend(attn, q, keys, idx, cfg, plan, kernel_inputs if kernel else None)
     a_out, h = attn_out(attn, o, cos, sin, h, (a_post, a_comb), plan)
     rec = merge_records(rec, probe.see(l, AttnSeen(h, x, a_out, o, a_pre, a_post, a_comb)))

@@ -57,6 +57,25 @@ def window_indices(start, T, W):
     return jnp.where(p >= 0, idx, -1).astype(jnp.int32)
 
 
+def oracle_column_order(idx, start, T: int, W: int):
+    """Attention indices idx [B, T, W + K] (the window's W columns as `window_indices` lists them,
+    right-aligned, then K compressed columns, valid first) in the reference's column order.
+
+    The reference lists a prefill from position 0 as min(T, W) window columns, valid ones first,
+    then the compressed columns; every other call (decode) as we do. Exact mode's sparse attention
+    runs its online softmax over blocks of 64 columns, so which entries share a block is part of its
+    result (within a block the order is not: the block's sums are exact). Rows at start 0 move
+    their window entries left and the compressed ones to column min(T, W); other rows are unchanged."""
+    K = idx.shape[-1] - W
+    ww = min(T, W)
+    n_win = jnp.sum(idx[..., :W] >= 0, axis=-1, keepdims=True)
+    c = jnp.arange(W + K)
+    pad = W + K  # an appended -1 column
+    src = jnp.where(c < n_win, W - n_win + c, jnp.where(c < ww, pad, jnp.where(c < ww + K, W + c - ww, pad)))
+    padded = jnp.concatenate([idx, jnp.full(idx.shape[:2] + (1,), -1, idx.dtype)], -1)
+    return jnp.where((start == 0)[:, None, None], jnp.take_along_axis(padded, src, -1), idx)
+
+
 def write_ring(ring: kv_layout.WindowKV, new: kv_layout.WindowKV, start, W) -> kv_layout.WindowKV:
     """Write the chunk's last min(T, W) window entries into ring slots pos % W."""
     T = new.values.shape[1]
