@@ -153,10 +153,12 @@ def write_rings(model, state: dict, mx: jax.Array, start: jax.Array, n_valid: ja
 
 # ----------------------------------------------------------------------------------- draft
 def _block_indices(newest: jax.Array, W: int, bs: int) -> jax.Array:
-    """Per row: ring slots 0 .. min(W, newest+1)-1 (the rest -1), then the bs block tokens."""
-    ring = jnp.arange(W)[None]
-    ring = jnp.where(ring < jnp.minimum(W, newest[:, None] + 1), ring, -1)
-    idx = jnp.concatenate([ring, jnp.broadcast_to(W + jnp.arange(bs)[None], (newest.shape[0], bs))], -1)
+    """Per row: ring slots 0 .. n-1 (n = min(W, newest+1)), the bs block tokens right after them, as the
+    reference lists them (`get_dspark_topk_idxs`; exact mode's attention sums in 64-column blocks, so
+    the columns matter), then -1 up to the fixed width W + bs."""
+    c = jnp.arange(W + bs)[None]
+    n = jnp.minimum(W, newest[:, None] + 1)
+    idx = jnp.where(c < n, c, jnp.where(c < n + bs, W + c - n, -1))
     return jnp.broadcast_to(idx[:, None, :], (newest.shape[0], bs, W + bs)).astype(jnp.int32)
 
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv41_jax.model.cache import oracle_column_order, window_indices
+from dsv41_jax.model.dspark import _block_indices
 
 
 def _reference_prefill(T, W, comp):
@@ -42,3 +43,14 @@ def test_other_calls_keep_their_columns():
     for start, T in ((5, 1), (30, 1), (12, 4)):
         idx = jnp.concatenate([window_indices(jnp.array([start]), T, W), jnp.full((1, T, 2), 7, jnp.int32)], -1)
         assert np.array_equal(np.asarray(oracle_column_order(idx, jnp.array([start]), T, W)), np.asarray(idx))
+
+
+def test_dspark_block_follows_the_ring_as_the_reference_lists_it():
+    """`get_dspark_topk_idxs`: arange(min(W, start + 1)), then W + arange(block)."""
+    W, bs = 8, 3
+    for newest in (0, 2, 6, 7, 30):
+        want = np.concatenate([np.arange(min(W, newest + 1)), W + np.arange(bs)])
+        got = np.asarray(_block_indices(jnp.array([newest]), W, bs))[0]
+        assert got.shape == (bs, W + bs)
+        for row in got:
+            assert np.array_equal(row[:want.size], want) and np.all(row[want.size:] == -1), newest
