@@ -10,7 +10,9 @@ state-dict names, FP8/E8M0/FP4 as raw bytes with `logical_dtypes`; random values
 `checkpoint.synthetic`, seeded), `cases.json`, and one tensor file per case computed by the oracle
 (`harness.py run`, DeepSeek's reference with the oracle's CPU kernels; it needs the oracle installed,
 docs/NUMERICS.md "Rebuilding the oracle"). EXTENSIONS (one DSpark, one vision folder) instead run the
-oracle's own generators on a backbone written here. `MADE_BY.txt` records the command. Check a folder with
+oracle's own generators on a backbone written here. FULL_WIDTH (the released per-layer shapes,
+gigabytes of weights) is made only when named with --only. Every oracle run goes through
+`oracle_host` (the AMD host's MKL sqrt and exp on any CPU). `MADE_BY.txt` records the command. Check a folder with
 `dsv41 golden-check OUT_DIR --only <name>` (tests/golden/test_golden_sweep.py).
 """
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dsv41_jax.checkpoint.synthetic import model_from_params, random_params
 from dsv41_jax.checkpoint.weights import to_reference_state_dict
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.engram.hashing import EngramLayout
+from dsv41_jax.golden import oracle_host
 
 # the shared golden set's main_fp8 arguments that every sweep config starts from (then shrunk)
 BASE = dict(
@@ -109,9 +112,42 @@ CONFIGS = {
                          112, 212, [("prefill", 40), ("decode", 40, 6)]),
 }
 
+# The released per-layer shapes (docs/NUMERICS.md "At the released width"): dim, heads, LoRA ranks,
+# output groups, index heads, window, index top-k, YaRN, mHC 4, 6 active experts. What is smaller:
+# the vocabulary (not a layer shape), the layer count, and 16 routed experts of the 384: the
+# generator draws every weight in float32 before quantizing it (one layer's 384 experts are 54 GB
+# there, 16 are 2.3 GB, on a 24 GB machine), and 16 keeps every expert in use at 520 tokens x 6.
+RELEASED_LAYER = dict(dim=5120, moe_inter_dim=2304, n_heads=64, head_dim=512, rope_head_dim=64, q_lora_rank=1280,
+                      o_groups=8, o_lora_rank=1024, window_size=128, index_n_heads=32, index_head_dim=128,
+                      index_topk=512, n_routed_experts=16, n_activated_experts=6, compress_rope_theta=160000.0,
+                      original_seq_len=65536, rope_factor=16.0, beta_fast=32, beta_slow=1, vocab_size=512)
+
+# Full-width folders, made only when named with --only (gigabytes of weights: they stay outside the
+# repository, docs/NUMERICS.md has their commands and checksums)
+FULL_WIDTH = {
+    # the default suite's full-width case (tests/data/wide, weights regenerated from the seed): one
+    # Full ratio-1 layer with 8 experts, a 72-token prompt and a top-k of 16: the top-k selects, and
+    # the last rows' 72 window + 16 compressed entries span two of sparse attention's 64-wide blocks
+    "wide_r1_short": (dict(RELEASED_LAYER, n_layers=1, compress_ratios=[1], kv_source_layers=[0],
+                           index_source_layers=[0], index_topk=16, n_routed_experts=8, max_seq_len=96),
+                      120, 220, [("prefill", 72)]),
+    # one Full ratio-1 layer; 520 tokens: 520 compressed positions, so the top-k of 512 selects
+    "wide_full_r1": (dict(RELEASED_LAYER, n_layers=1, compress_ratios=[1], kv_source_layers=[0],
+                          index_source_layers=[0], max_seq_len=640), 121, 221, [("prefill", 520)]),
+    # one layer of each role: SWA, Full r2 + Engram (8 heads x 256, 4-grams, tables of ~24 x 1000
+    # rows), Reuse, Full r1 + pool source, Reindex r1. A 1040-token prompt: 520 ratio-2 positions
+    # (top-k selects), 1040 ratio-1 positions over a pool of 96 blocks of 8 (the pool restricts),
+    # then 4 decode steps
+    "wide_roles": (dict(RELEASED_LAYER, n_layers=5, compress_ratios=[0, 2, 2, 1, 1], kv_source_layers=[1, 3],
+                        index_source_layers=[1, 3, 4], candidate_source_layer=3, candidate_topk_blocks=96,
+                        candidate_block_size=8, engram_layer_ids=[1], engram_max_ngram_size=4,
+                        engram_vocab_size=1000, engram_n_heads=8, engram_head_dim=256, max_seq_len=1088),
+                   122, 222, [("decode", 1040, 4)]),
+}
+
 # Engram configs' synthetic tokenizer maps (golden/README.md's rule with other constants):
 # key = (id * mult) % mod, compressed ids handed out in first-seen order of key over id = 0..vocab-1
-TOKEN_MAPS = {"engram02": (31, 53)}
+TOKEN_MAPS = {"engram02": (31, 53), "wide_roles": (37, 211)}
 
 # a small three-layer backbone for the DSpark and vision folders (heads of 32, RoPE 16)
 SMALL = dict(n_layers=3, compress_ratios=[0, 2, 0], kv_source_layers=[1], index_source_layers=[1], head_dim=32,
@@ -148,8 +184,13 @@ mod.main()
 """
 
 
+def spec(name: str) -> tuple:
+    """(overrides of BASE, weight seed, token seed, cases) of a CONFIGS or FULL_WIDTH entry."""
+    return CONFIGS[name] if name in CONFIGS else FULL_WIDTH[name]
+
+
 def model_args(name: str) -> dict:
-    over = CONFIGS[name][0]
+    over = spec(name)[0]
     args = {**BASE, **over}
     if args["engram_layer_ids"]:
         layout = engram_layout(name, args)
@@ -223,8 +264,8 @@ def write_extension(out: pathlib.Path, name: str, oracle: pathlib.Path, python: 
         sha, meta = write_weights(bb / "weights.safetensors", args, wseed, all_logical=True)
         (bb / "config.json").write_text(json.dumps({"name": name + "_backbone", "model_args": args, "weight_seed": wseed,
                                                     "tensors": meta, "weights_sha256": sha}))
-        cmd = [python, "-c", _RUN_GENERATOR, module, attr, json.dumps(replace), str(d.resolve()),
-               "--backbone", str(bb)] + opts
+        cmd = [python, "-c", oracle_host.generator_code(_RUN_GENERATOR), str(oracle_host.TABLE), module, attr,
+               json.dumps(replace), str(d.resolve()), "--backbone", str(bb)] + opts
         subprocess.run(cmd, check=True, cwd=str(oracle), stdout=subprocess.DEVNULL, env=_env())
     raw = json.loads((d / "config.json").read_text())
     raw["name"] = name  # vision_golden.py names every folder vision_fp8
@@ -240,7 +281,7 @@ def write_extension(out: pathlib.Path, name: str, oracle: pathlib.Path, python: 
 def write_folder(out: pathlib.Path, name: str, oracle: pathlib.Path, python: str) -> None:
     if name in EXTENSIONS:
         return write_extension(out, name, oracle, python)
-    over, wseed, tseed, cases = CONFIGS[name]
+    over, wseed, tseed, cases = spec(name)
     args = model_args(name)
     d = out / name
     d.mkdir(parents=True, exist_ok=True)
@@ -276,11 +317,11 @@ def write_folder(out: pathlib.Path, name: str, oracle: pathlib.Path, python: str
     (d / "cases.json").write_text(json.dumps({"config": name, "weights_file": "weights.safetensors",
                                               "weights_sha256": sha, "cases": entries}, indent=1))
     for e in entries:
-        cmd = [python, str(oracle / "harness.py"), "run", str(d.resolve()), e["name"], str((d / e["file"]).resolve())]
+        cmd = oracle_host.harness_command(python, "run", str(d.resolve()), e["name"], str((d / e["file"]).resolve()))
         subprocess.run(cmd, check=True, cwd=str(oracle), stdout=subprocess.DEVNULL, env=_env())
         (d / e["file"]).chmod(0o644)
     (d / "MADE_BY.txt").write_text("ORACLE_REF=$ORACLE/ref python -m dsv41_jax.golden.sweep " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-                                   + f"\n(config {name}; oracle: torch 2.14.1 reference, docs/NUMERICS.md)\n")
+                                   + f"\n(config {name}; oracle: torch 2.14.1 reference with the AMD host's MKL math, golden/oracle_host.py, docs/NUMERICS.md)\n")
 
 
 def _env() -> dict:
@@ -289,7 +330,7 @@ def _env() -> dict:
     if "ORACLE_REF" not in os.environ:
         raise SystemExit("set ORACLE_REF to the oracle's reference cache (the folder holding dsv41ref/, "
                          "docs/NUMERICS.md \"Rebuilding the oracle\")")
-    return dict(os.environ)
+    return oracle_host.env()
 
 
 def main(argv=None) -> None:
@@ -297,7 +338,7 @@ def main(argv=None) -> None:
     ap.add_argument("out")
     ap.add_argument("--oracle", required=True, help="the oracle folder (harness.py)")
     ap.add_argument("--python", required=True, help="the oracle venv's python (torch 2.14.1)")
-    ap.add_argument("--only", action="append", choices=ALL)
+    ap.add_argument("--only", action="append", choices=ALL + sorted(FULL_WIDTH))
     a = ap.parse_args(argv)
     for name in a.only or ALL:
         write_folder(pathlib.Path(a.out), name, pathlib.Path(a.oracle).resolve(), a.python)
