@@ -46,6 +46,7 @@ def test_per_expert_equals_per_row(expert_dtype, dtype):
     assert np.array_equal(a, b), f"{np.sum(a != b)} of {a.size} elements differ"
 
 
+@pytest.mark.slow  # the default suite's share: per_expert == per_row above, wide_r1_short end to end
 def test_moe_apply_takes_per_expert_for_prefills():
     """MoE.apply in exact mode: a prefill over per_row_tokens runs per_expert, and its output equals
     the same call with the threshold raised (every token through per_row)."""
