@@ -19,11 +19,12 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dsv41_jax.model.kernel_weights import kernel_params
 from sharding.engram_shard import compact_params, pad_tables, split_host_tables, unpadded_tables
 from sharding.load import table_row_shards
 from sharding.mesh import format_mesh_spec, mesh_shape
 from sharding.rules import cache_shardings, get_rules, param_shardings
-from sharding.step import distribute
+from sharding.step import distribute, kernels_on
 
 
 class MeshPlacement:
@@ -37,16 +38,25 @@ class MeshPlacement:
     def load(self, model, plan=None, host_tables: bool = False):
         """(graphdef of the distributed model, params placed by the preset, params as stored).
         host_tables: the model's Engram tables are empty placeholders (`HostTables`); each step
-        brings its compact tables replicated, so the lookups stay plain gathers. The distributed
-        MoE reads the stored bytes: `plan`'s kernel views are not made here."""
+        brings its compact tables replicated, so the lookups stay plain gathers. The weights are
+        placed as `plan`'s TPU kernels read them (`kernel_params`' word views, made once here, as
+        on one device), each split like its stored bytes: a device holds its own experts' views,
+        which the FP4 kernel reads inside the expert-parallel MoE."""
         graphdef, state = nnx.split(model)
         state = pad_tables(state, table_row_shards(self.mesh, self.preset))  # no-op when already padded / divisible
+        # the fingerprint is the stored bytes', the same on a mesh as on one device, so prefix-cache
+        # files move between them
+        stored = unpadded_tables(state, model.cfg)
+        state = state if plan is None else kernel_params(graphdef, state, plan)
         self.param_shardings = param_shardings(state, self.mesh, self.preset)
         params = jax.device_put(state, self.param_shardings)
         graphdef, _ = nnx.split(distribute(nnx.merge(graphdef, params), self.mesh, self.preset,
                                            sharded_engram=not host_tables))
-        # the fingerprint is the same on a mesh as on one device, so prefix-cache files move between them
-        return graphdef, params, unpadded_tables(params, model.cfg)
+        return graphdef, params, stored
+
+    def trace(self):
+        """The context the engine's steps are traced in: their kernels run per device (`kernels_on`)."""
+        return kernels_on(self.mesh, self.preset)
 
     def describe(self) -> str:
         return f"mesh {format_mesh_spec(mesh_shape(self.mesh))} ({self.mesh.devices.size} devices), preset {self.preset}"

@@ -132,7 +132,8 @@ class Engine:
         self.banned = jnp.asarray(banned_mask(cfg.vocab_size, s.banned_ids))
         self.mask_words = mask_words(cfg.vocab_size)
         self.capacity = capacity_for(cfg, 1, s.min_capacity, self.max_seq_len)
-        self.steps = build_steps(self.graphdef, s.runtime, self.decode_plan, self.tail, self.placement.constrain, self.K)
+        self.steps = build_steps(self.graphdef, s.runtime, self.decode_plan, self.tail, self.placement.constrain, self.K,
+                                 self.placement.trace)
         if self.K:
             self.spec_stats = {"steps": 0, "slot_steps": 0, "drafted": 0, "accepted": 0}  # speculation.summary
         self.table: list[_Slot | None] = [None] * s.slots

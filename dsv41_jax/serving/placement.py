@@ -9,7 +9,8 @@ A placement answers:
   compiles a program once for an uncommitted and once for a committed input, so everything that
   enters a step is placed first: every piece of a prompt then runs one program per shape);
 - `constrain(tree)`: inside a step, the layout a returned tree keeps;
-- `replicated`: the sharding of inputs every device reads (the compact Engram tables).
+- `replicated`: the sharding of inputs every device reads (the compact Engram tables);
+- `trace()`: the context the steps are traced in (on a mesh: the kernels run per device).
 `OneDevice` here; `sharding.serving.MeshPlacement` lays everything out on a mesh by a preset.
 
 A table source answers `prepare(model)` -> (the model the placement loads, the params to
@@ -18,6 +19,8 @@ over tokens whose host hash ids are `ids`. `DeviceTables` here (the tables in th
 `sharding.serving.HostTables` keeps them in host memory and sends each step the rows it reads.
 """
 from __future__ import annotations
+
+import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -39,8 +42,7 @@ class OneDevice:
                            if isinstance(home, jax.sharding.NamedSharding) else home)
         # the layers' weights as the decode plan's TPU kernels read them (32-bit word views), made
         # once here, replacing the stored bytes (every step shares the runtime, so its kernel
-        # choice); unchanged for exact mode, impl "xla" and the GPU kernels. On a mesh the
-        # distributed MoE (sharding.step) reads the stored bytes: `MeshPlacement` keeps them.
+        # choice); unchanged for exact mode, impl "xla" and the GPU kernels
         return graphdef, kernel_params(graphdef, params, plan), params
 
     def place(self, tree):
@@ -48,6 +50,9 @@ class OneDevice:
 
     def constrain(self, tree):
         return tree
+
+    def trace(self):
+        return contextlib.nullcontext()
 
 
 class DeviceTables:

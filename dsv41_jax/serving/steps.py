@@ -26,6 +26,7 @@ differ), so the gather happens once, inside the step (`Placement.constrain`).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -129,11 +130,19 @@ def _write_rings(model, rings, taps, start, n, mode: str):
     return dspark.write_rings(model, rings, dspark.main_x(model, taps, mode), start, n, mode)
 
 
-def build_steps(graphdef, runtime, plan, tail: int, constrain, k: int) -> Steps:
+def build_steps(graphdef, runtime, plan, tail: int, constrain, k: int, trace=contextlib.nullcontext) -> Steps:
     """The engine's steps (module doc): `plan` is the decode plan, `tail` Graph B's length,
-    `constrain` the placement's in-step layout, `k` the drafts per step (0: no drafter)."""
+    `constrain` the placement's in-step layout, `k` the drafts per step (0: no drafter), `trace` the
+    context each step is traced in (the placement's: on a mesh its kernels run per device)."""
     gd, rt, mode = graphdef, runtime, runtime.mode
-    jit = functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
+
+    def jit(fn, **options):
+        @functools.wraps(fn)
+        def traced(*args, **kwargs):
+            with trace():
+                return fn(*args, **kwargs)
+
+        return jax.jit(traced, compiler_options=COMPILER_OPTIONS, **options)
 
     def keep(buf, new, valid):  # the newest `tail` real positions: the buffer's, then the piece's first `valid`
         return jax.lax.dynamic_slice_in_dim(jnp.concatenate([buf, new], 1), valid[0], tail, 1)

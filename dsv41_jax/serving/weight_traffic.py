@@ -144,8 +144,12 @@ class Taint(NamedTuple):
 
 def trace_uses(fn, params, *args) -> list[WeightUse]:
     """The stored weights' uses in fn(params_leaves, *args)'s trace (fn takes the flat leaves)."""
-    leaves = jax.tree_util.tree_leaves(params)
-    closed = jax.make_jaxpr(fn)(leaves, *args)
+    return uses_in(jax.make_jaxpr(fn)(jax.tree_util.tree_leaves(params), *args), params)
+
+
+def uses_in(closed, params) -> list[WeightUse]:
+    """The stored weights' uses in a traced program whose first inputs are params' leaves (a jitted
+    step's `.trace(params, ...).jaxpr`, or `trace_uses`' jaxpr)."""
     weights = stored_weights(params)
     _follow(closed.jaxpr, {closed.jaxpr.invars[i]: Taint(w, True, w.elements) for i, w in weights.items()})
     return list(weights.values())
