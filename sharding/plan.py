@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.layers.moe import GROUPED_ROWS
 from sharding.activations import activation_estimate
 from sharding.devices import HBM_GIB
 from sharding.mesh import MeshSpecError, format_mesh_spec, parse_mesh_spec
@@ -139,7 +140,11 @@ def build_plan(cfg: ModelConfig, mesh: str | Mapping[str, int], *, batch: int, c
 
 def max_batch(cfg: ModelConfig, mesh, *, context: int, device: str, preset="inference", chunk: int = 512,
               engram: str = "hbm", limit: int = 1 << 16) -> int:
-    """The largest batch (a multiple of the batch shards) whose plan fits `device`; 0 if none."""
+    """The largest batch (a multiple of the batch shards) whose plan fits `device`; 0 if none.
+
+    Memory grows with the batch, except where a decode step's MoE leaves the per-row path for the
+    grouped one (more than `GROUPED_ROWS` routed rows; `activations._moe_bytes`): each regime is
+    searched on its own, and the larger batch of the two is the answer."""
     sizes = mesh_sizes(mesh)
     step = math.prod(sizes.get(a, 1) for a in get_rules(preset).get("batch", ()))
 
@@ -147,13 +152,20 @@ def max_batch(cfg: ModelConfig, mesh, *, context: int, device: str, preset="infe
         return build_plan(cfg, sizes, batch=b, context=context, preset=preset, device=device, chunk=chunk,
                           engram=engram)["fits"]
 
-    if not fits(step):
+    grouped = (GROUPED_ROWS // cfg.n_activated_experts // step + 1) * step  # the first batch on the grouped path
+    best = _largest(fits, grouped, limit, step) if grouped <= limit else 0
+    return best or _largest(fits, step, min(grouped - step, limit), step)
+
+
+def _largest(fits, lo: int, hi: int, step: int) -> int:
+    """The largest multiple of `step` in [lo, hi] that fits, fits holding below it; 0 if lo does not fit."""
+    if lo > hi or not fits(lo):
         return 0
-    lo, hi = step, step
-    while hi < limit and fits(hi * 2):
-        hi *= 2
-    lo, hi = hi, min(hi * 2, limit)
-    while hi - lo > step:  # invariant: lo fits, hi does not (or is the limit)
+    top = lo
+    while top * 2 <= hi and fits(top * 2):
+        top *= 2
+    lo, hi = top, min(top * 2, hi + step)
+    while hi - lo > step:  # invariant: lo fits, hi does not (or is past the range)
         mid = (lo + hi) // 2 // step * step
         if mid <= lo:
             break

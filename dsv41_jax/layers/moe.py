@@ -21,6 +21,9 @@ from dsv41_jax.layers.basic import QLinear, matmul, weight_kind
 # exact mode: a call over this many tokens runs each expert's rows together (`Experts.per_expert`)
 # rather than each row gathering its expert (`per_row`, cheaper for decode)
 PER_ROW_TOKENS = 8
+# fast numerics: routed rows (tokens x top-k) above which the sorted ragged path (`Experts.grouped`,
+# the active experts dequantized once) is cheaper than each row gathering its expert (`per_row`)
+GROUPED_ROWS = 256
 
 
 class Gate(nnx.Module):
@@ -206,7 +209,7 @@ class MoE(nnx.Module):
         self.experts = Experts(cfg, rngs=rngs)
         self.shared_experts = SharedExpert(cfg, rngs=rngs)
         self.topk = cfg.n_activated_experts
-        self.grouped_threshold = 256  # rows above which the sorted ragged path is cheaper
+        self.grouped_threshold = GROUPED_ROWS
         self.per_row_tokens = PER_ROW_TOKENS
 
     def route(self, x, mode, vl_mask=None):
