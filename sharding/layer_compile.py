@@ -7,9 +7,13 @@ compiled for the mesh's devices, which on a workstation are fake CPU devices
 (`--xla_force_host_platform_device_count`). Nothing is allocated. A layout that the
 partitioner cannot honour, a shard_map spec that does not divide, or a collective over a
 missing axis fails here instead of on the pod.
+
+`abstract_step_args` (a step's abstract, sharded arguments) is shared with the TPU compile of the
+whole stack (`sharding.tpu_step`), which lays the arguments out the same way for a TPU slice.
 """
 from __future__ import annotations
 
+import math
 import re
 import time
 
@@ -17,6 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.model.kernel_weights import kernel_params
+from dsv41_jax.model.plan import Plan
 from dsv41_jax.model.transformer import engram_table_rows, init_cache, Transformer
 from dsv41_jax.runtime import Runtime
 from sharding.mesh import format_mesh_spec, make_mesh
@@ -40,36 +46,17 @@ def one_layer_config(cfg: ModelConfig, *, batch: int, context: int, engram_rows:
 def compile_one_layer(cfg: ModelConfig, mesh_spec, *, batch: int, context: int, preset="inference",
                       tokens: int = 1, runtime: Runtime = Runtime()) -> dict:
     """Lower and compile one step (`tokens` new tokens per sequence) of a 1-layer model; a report dict."""
-    from flax import nnx
-
     sizes = mesh_sizes(mesh_spec)
-    n = 1
-    for s in sizes.values():
-        n *= s
+    n = math.prod(sizes.values())
     if jax.device_count() < n:
         raise RuntimeError(f"compiling for mesh {format_mesh_spec(sizes)} needs {n} devices, this process has "
                            f"{jax.device_count()}; start it with XLA_FLAGS=--xla_force_host_platform_device_count={n}")
     mesh = make_mesh(sizes, devices=jax.devices()[:n])
-    T = plan_context(cfg, context)
-    shards = table_shards(sizes, preset)
     rows = None
     if cfg.engram_layer_ids:
-        rows = -(-max(engram_table_rows(cfg)) // shards) * shards
-    cfg1 = one_layer_config(cfg, batch=batch, context=T, engram_rows=rows)
-    abstract = nnx.eval_shape(lambda: Transformer(cfg1, rngs=0, engram_rows=(rows,) if rows else None))
-    _, state = nnx.split(abstract)
-
-    def sds(a, s):
-        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-
-    params = jax.tree.map(sds, state, param_shardings(state, mesh, preset))
-    cache_abs = jax.eval_shape(lambda: init_cache(cfg1, batch))
-    cache = jax.tree.map(sds, cache_abs, cache_shardings(cache_abs, mesh, preset))
-    tok = jax.ShapeDtypeStruct((batch, tokens), jnp.int32, sharding=batch_sharding(mesh, (batch, tokens), preset))
-    args = [params, tok, cache]
-    if cfg1.engram_layer_ids:
-        shape = (batch, tokens, 1, (cfg1.engram_max_ngram_size - 1) * cfg1.engram_n_heads)
-        args.append(jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding(mesh, shape, preset)))
+        rows = -(-max(engram_table_rows(cfg)) // table_shards(sizes, preset)) * table_shards(sizes, preset)
+    cfg1 = one_layer_config(cfg, batch=batch, context=plan_context(cfg, context), engram_rows=rows)
+    abstract, args = abstract_step_args(cfg1, mesh, preset, batch=batch, tokens=tokens, runtime=runtime)
     step = make_sharded_step(abstract, mesh, preset, runtime)
     t0 = time.perf_counter()
     try:
@@ -84,6 +71,32 @@ def compile_one_layer(cfg: ModelConfig, mesh_spec, *, batch: int, context: int, 
             "temp_bytes": int(getattr(mem, "temp_size_in_bytes", 0) or 0),
             "argument_bytes": int(getattr(mem, "argument_size_in_bytes", 0) or 0),
             "collectives": {k: v for k, v in counts.items() if v}}
+
+
+def abstract_step_args(cfg: ModelConfig, mesh, preset, *, batch: int, tokens: int, runtime: Runtime = Runtime()):
+    """(abstract model, [params, tokens, cache(, engram ids)]) as sharded ShapeDtypeStructs. The params
+    are those `runtime`'s plan reads: for the TPU kernels the word views made at load (`kernel_params`),
+    laid out like the stored weights (each device holds its own experts' views)."""
+    from flax import nnx
+
+    shards = table_shards(dict(zip(mesh.axis_names, mesh.devices.shape)), preset)
+    rows = tuple(-(-r // shards) * shards for r in engram_table_rows(cfg)) if cfg.engram_layer_ids else None
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=0, engram_rows=rows))
+    graphdef, state = nnx.split(abstract)
+    state = jax.eval_shape(lambda s: kernel_params(graphdef, s, Plan.resolve(runtime)), state)
+
+    def sds(a, s):
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+
+    params = jax.tree.map(sds, state, param_shardings(state, mesh, preset))
+    cache_abs = jax.eval_shape(lambda: init_cache(cfg, batch))
+    cache = jax.tree.map(sds, cache_abs, cache_shardings(cache_abs, mesh, preset))
+    args = [params, jax.ShapeDtypeStruct((batch, tokens), jnp.int32,
+                                         sharding=batch_sharding(mesh, (batch, tokens), preset)), cache]
+    if cfg.engram_layer_ids:
+        shape = (batch, tokens, len(cfg.engram_layer_ids), (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads)
+        args.append(jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding(mesh, shape, preset)))
+    return abstract, args
 
 
 def main(argv=None) -> int:

@@ -22,15 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.model.kernel_weights import kernel_params
-from dsv41_jax.model.plan import Plan
-from dsv41_jax.model.transformer import engram_table_rows, init_cache, Transformer
 from dsv41_jax.runtime import Runtime
 from pallas_kernels.common import tpu_compile
-from sharding.layer_compile import COLLECTIVES
+from sharding.layer_compile import abstract_step_args, COLLECTIVES
 from sharding.mesh import make_mesh
-from sharding.plan import mesh_sizes, plan_context, table_shards
-from sharding.rules import batch_sharding, cache_shardings, param_shardings
+from sharding.plan import mesh_sizes, plan_context
 from sharding.step import make_sharded_step
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
@@ -62,8 +58,16 @@ def subset_config(cfg: ModelConfig, per_kind: int) -> tuple[ModelConfig, dict[st
         engram_layer_ids=tuple(new[s] for s in cfg.engram_layer_ids if s in new),
         engram_num_embeddings=tuple(n for s, n in zip(cfg.engram_layer_ids, cfg.engram_num_embeddings) if s in new)
         if cfg.engram_num_embeddings else (),
-        n_mtp_layers=0)
+        n_mtp_layers=0, dspark_target_layer_ids=_targets(cfg.dspark_target_layer_ids, new))
     return sub, {k: min(per_kind, len(v)) for k, v in layer_kinds(cfg).items()}
+
+
+def _targets(targets: tuple[int, ...], new: dict[int, int]) -> tuple[int, ...]:
+    """DSpark's tapped layers in the kept stack: their new numbers, or, when some are not kept, as many
+    of its last layers (the released targets are the stack's last three)."""
+    if all(t in new for t in targets):
+        return tuple(new[t] for t in targets)
+    return tuple(range(len(new) - len(targets), len(new)))
 
 
 def collectives(hlo: str, hosts=None) -> dict[str, dict]:
@@ -115,51 +119,37 @@ def replica_groups(line: str, n_devices: int) -> list[list[int]]:
     return [list(range(n_devices))]
 
 
-def abstract_step_args(cfg: ModelConfig, mesh, preset, *, batch: int, tokens: int, runtime: Runtime = Runtime()):
-    """(abstract model, [params, tokens, cache(, engram ids)]) as sharded ShapeDtypeStructs. The params
-    are those `runtime`'s plan reads: for the TPU kernels the word views made at load (`kernel_params`),
-    laid out like the stored weights (each device holds its own experts' views)."""
-    from flax import nnx
-
-    shards = table_shards(dict(zip(mesh.axis_names, mesh.devices.shape)), preset)
-    rows = tuple(-(-r // shards) * shards for r in engram_table_rows(cfg)) if cfg.engram_layer_ids else None
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=0, engram_rows=rows))
-    graphdef, state = nnx.split(abstract)
-    state = jax.eval_shape(lambda s: kernel_params(graphdef, s, Plan.resolve(runtime)), state)
-
-    def sds(a, s):
-        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-
-    params = jax.tree.map(sds, state, param_shardings(state, mesh, preset))
-    cache_abs = jax.eval_shape(lambda: init_cache(cfg, batch))
-    cache = jax.tree.map(sds, cache_abs, cache_shardings(cache_abs, mesh, preset))
-    args = [params, jax.ShapeDtypeStruct((batch, tokens), jnp.int32,
-                                         sharding=batch_sharding(mesh, (batch, tokens), preset)), cache]
-    if cfg.engram_layer_ids:
-        shape = (batch, tokens, len(cfg.engram_layer_ids), (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads)
-        args.append(jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding(mesh, shape, preset)))
-    return abstract, args
-
-
-def compile_decode(cfg: ModelConfig, topology: str, mesh_spec, *, batch: int, context: int, preset="inference",
-                   impl: str = "xla") -> dict:
-    """Compile one decode step for the slice; a JSON-ready report (ok False with the compiler's reason)."""
+def slice_mesh(topology: str, mesh_spec):
+    """(the slice's `TopologyDescription`, a mesh over its first chips as `jax.make_mesh` orders them)."""
     topo = tpu_compile.topology(topology)
     sizes = mesh_sizes(mesh_spec)
     n = int(np.prod(list(sizes.values())))
     if n > len(topo.devices):
         raise ValueError(f"mesh {mesh_spec} has {n} devices but topology {topology} has {len(topo.devices)} chips; "
                          "make the axis sizes multiply to the chip count (or fewer)")
-    mesh = make_mesh(sizes, devices=topo.devices[:n])
+    return topo, make_mesh(sizes, devices=topo.devices[:n])
+
+
+def compile_decode(cfg: ModelConfig, topology: str, mesh_spec, *, batch: int, context: int, preset="inference",
+                   impl: str = "xla") -> dict:
+    """Compile one decode step for the slice; a JSON-ready report (ok False with the compiler's reason)."""
+    topo, mesh = slice_mesh(topology, mesh_spec)
     run_cfg = cfg.replace(max_seq_len=plan_context(cfg, context), max_batch_size=batch)
     runtime = Runtime(impl=impl, interpret=False)
     abstract, args = abstract_step_args(run_cfg, mesh, preset, batch=batch, tokens=1, runtime=runtime)
     step = make_sharded_step(abstract, mesh, preset, runtime)
+    return compile_report(step, args, topology, topo, mesh, {"program": "decode", "preset": preset, "impl": impl,
+                                                             "batch": batch, "context": run_cfg.max_seq_len,
+                                                             "layers": cfg.n_layers})
+
+
+def compile_report(step, args, topology: str, topo, mesh, report: dict) -> dict:
+    """Compile the jitted `step` on `args` (abstract, laid out on `mesh`) with XLA:TPU: the report of the
+    compiler's buffer assignment, collectives, Mosaic calls and cost model (ok False with its reason)."""
     device = topo.devices[0]
-    report = {"topology": topology, "chips": n, "hosts": len({d.process_index for d in topo.devices}),
+    report = {"topology": topology, "chips": mesh.devices.size, "hosts": len({d.process_index for d in topo.devices}),
               "device_kind": device.device_kind, "hbm_bytes": tpu_compile.hbm_bytes(device),
-              "mesh": sizes, "preset": preset, "impl": impl, "batch": batch, "context": run_cfg.max_seq_len,
-              "layers": cfg.n_layers}
+              "mesh": dict(zip(mesh.axis_names, mesh.devices.shape)), **report}
     t0 = time.perf_counter()
     try:
         compiled = step.lower(*args).compile()
@@ -175,23 +165,25 @@ def compile_decode(cfg: ModelConfig, topology: str, mesh_spec, *, batch: int, co
     # donated/aliased outputs share the argument's buffer
     per_device["peak"] = per_device["argument"] + per_device["output"] - per_device["alias"] + per_device["temp"] \
         + per_device["generated_code"]
-    async_calls = hlo.count('custom_call_target="PrepareAsyncCallStart"') + hlo.count(
-        'custom_call_target="PrepareAsyncCallDone"')
+    markers = sum(hlo.count(f'custom_call_target="{name}"') for name in MINUS_ONE_SECOND)
+    kernels = tpu_compile.mosaic_kernels(hlo)
     return {**report, "ok": True, "seconds": seconds, "per_device_bytes": per_device,
             "fits": report["hbm_bytes"] is None or per_device["peak"] <= report["hbm_bytes"],
-            "collectives": collectives(hlo, [d.process_index for d in mesh.devices.flat]), "mosaic_kernels": sorted(set(tpu_compile.mosaic_kernels(hlo))),
-            "mosaic_calls": len(tpu_compile.mosaic_kernels(hlo)),
+            "collectives": collectives(hlo, [d.process_index for d in mesh.devices.flat]),
+            "mosaic_kernels": sorted(set(kernels)), "mosaic_calls": len(kernels),
             "flops": float(cost.get("flops", 0.0)), "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
-            "cost_model_seconds": cost_model_seconds(float(cost.get("optimal_seconds", 0.0)), async_calls),
-            "async_call_markers": async_calls}
+            "cost_model_seconds": cost_model_seconds(float(cost.get("optimal_seconds", 0.0)), markers),
+            "minus_one_second_calls": markers}
 
 
-def cost_model_seconds(optimal_seconds: float, async_call_markers: int) -> float:
-    """The cost model's time with its -1 s per async-call marker taken out.
+# custom calls XLA:TPU (libtpu 0.0.42) inserts itself, which do no work of their own and which its
+# cost model counts as -1 s each: PrepareAsyncCallStart/Done wrap a Mosaic call it overlaps with a
+# collective (the tiny model's expert-parallel MoE with its 3 kernel calls gave -1.99999 s with 2
+# markers, its 7-layer decode step -13.99995 s with 14); ConcatBitcast joins bitcast operands (the
+# released decode step on v6e:4x4 has 72 and a total of -71.98775 s: 12.25 ms once added back)
+MINUS_ONE_SECOND = ("PrepareAsyncCallStart", "PrepareAsyncCallDone", "ConcatBitcast")
 
-    XLA:TPU (libtpu 0.0.42) wraps a Mosaic call it overlaps with a collective (the expert kernels
-    beside the MoE's all-to-all) in PrepareAsyncCallStart/Done custom calls, and its cost model counts
-    each of those markers as -1 s: the tiny model's expert-parallel MoE with its 3 kernel calls gave
-    -1.99999 s with 2 markers, the tiny model's 7-layer decode step -13.99995 s with 14. The markers do
-    no work, so their -1 s are added back."""
-    return optimal_seconds + async_call_markers
+
+def cost_model_seconds(optimal_seconds: float, markers: int) -> float:
+    """The cost model's time with the -1 s of each `MINUS_ONE_SECOND` custom call added back."""
+    return optimal_seconds + markers

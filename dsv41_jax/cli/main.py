@@ -109,7 +109,7 @@ def _extra_commands():
     import importlib
 
     out = []
-    for mod in ("dsv41_jax.cli.generate", "dsv41_jax.cli.convert", "sharding.cli_plan", "sharding.cli_compile",
+    for mod in ("dsv41_jax.cli.generate", "dsv41_jax.cli.convert", "sharding.cli_plan", "dsv41_jax.cli.compile",
                 "dsv41_jax.cli.train", "dsv41_jax.cli.serve"):
         try:
             out.append(importlib.import_module(mod).register)

@@ -41,11 +41,35 @@ def test_tiny_pallas_decode_compiles_for_a_v6e_mesh_with_every_kernel_in_mosaic(
     assert r["flops"] > 0 and r["cost_model_seconds"] > 0
 
 
+@pytest.mark.slow  # four small XLA:TPU compiles, ~2-4 min on 2 cores
+def test_tiny_prefill_and_verify_programs_compile_with_their_kernels(tmp_path):
+    """The engine's split-prefill programs (Graph A, Graph B, the replay) and DSpark's verify step, on a mesh."""
+    from dsv41_jax.config import ModelConfig
+
+    config = tmp_path / "config.json"  # the tiny model with DSpark's taps among its 7 layers
+    config.write_text(json.dumps(ModelConfig.tiny(dspark_target_layer_ids=(4, 5, 6)).to_hf_dict()))
+    reports = []
+    for what in ("prefill", "verify"):
+        proc = _dsv41("compile", "--config", str(config), "--topology",
+                      "v6e:2x2", "--mesh", "data=1,expert=4", "--impl", "pallas", "--batch", "4", "--context", "64",
+                      "--prefill-chunk", "16", "--what", what, "--json")
+        assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+        out = json.loads(proc.stdout)
+        reports += out["programs"] if "programs" in out else [out]
+    assert [r["program"] for r in reports] == ["graph_a", "graph_b", "replay", "verify"]
+    for r in reports:
+        assert r["ok"] and r["fits"] and r["seconds"] > 0, r
+        assert {"sparse_sink_attention_tpu", "grouped_fp4_gemm_tpu"} <= set(r["mosaic_kernels"]), r["mosaic_kernels"]
+    assert reports[-1]["tokens"] == 6 and reports[-1]["drafts"] == 5  # the drafter's block, as dsv41 serve drafts
+
+
 def test_bad_input_exits_2_naming_it():
     proc = _dsv41("compile", "--config", "tiny", "--topology", "v6e:3x3", "--mesh", "data=1")
     assert proc.returncode == 2 and "v6e:3x3" in proc.stderr, proc.stderr[-2000:]
     proc = _dsv41("compile", "--config", "tiny", "--topology", "v6e:2x2", "--mesh", "data=8")
     assert proc.returncode == 2 and "has 8 devices but topology v6e:2x2 has 4 chips" in proc.stderr, proc.stderr[-2000:]
+    proc = _dsv41("compile", "--config", "tiny", "--topology", "v6e:2x2", "--mesh", "data=1", "--what", "verify")
+    assert proc.returncode == 2 and "needs a config with the DSpark drafter" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_collectives_are_counted_once_with_their_output_bytes():

@@ -1,7 +1,9 @@
-"""`dsv41 compile`: the model's step compiled by XLA:TPU (and its kernels by Mosaic) for a TPU slice, here.
+"""`dsv41 compile`: the engine's programs compiled by XLA:TPU (and its kernels by Mosaic) for a TPU slice, here.
 
 No TPU is needed: libtpu (the dev install brings it) compiles for a named topology. The figures
-are the TPU compiler's buffer assignment and cost model, not measurements on a TPU.
+are the TPU compiler's buffer assignment and cost model, not measurements on a TPU. `--what`:
+decode (`sharding.tpu_step`), prefill (Graph A, Graph B and the bounded replay for a `--context`
+prompt) or verify (DSpark's verify step; both `serving.tpu_programs`).
 
 Exit status: 0 the program compiled and fits the chip's HBM, 1 it does not fit or does not
 compile (the report says which program and why), 2 bad input.
@@ -13,7 +15,7 @@ import sys
 
 
 GiB = 2 ** 30
-WHAT = ("decode",)  # the engine's programs compiled so far; prefill, verify and train are next
+WHAT = ("decode", "prefill", "verify")  # the QAT training step is not compiled here yet
 
 
 def register(subparsers) -> None:
@@ -27,7 +29,12 @@ def register(subparsers) -> None:
     s.add_argument("--batch", type=int, default=1, help="sequences served at once (whole mesh)")
     s.add_argument("--context", type=int, default=4096, help="tokens per sequence the caches hold")
     s.add_argument("--impl", choices=["xla", "pallas"], default="xla", help="XLA path or the Pallas kernels")
-    s.add_argument("--what", choices=WHAT, default="decode", help="which program to compile")
+    s.add_argument("--what", choices=WHAT, default="decode",
+                   help="decode: the decode step; prefill: Graph A (one --prefill-chunk piece), Graph B and the "
+                        "replay of a --context-token prompt; verify: DSpark's verify step for --batch sequences")
+    s.add_argument("--prefill-chunk", type=int, default=512, help="with --what prefill: Graph A's piece length")
+    s.add_argument("--num-draft-tokens", type=int, default=None, metavar="K",
+                   help="with --what verify: drafts per step (default: the drafter's block, as dsv41 serve drafts)")
     s.add_argument("--layers-per-kind", type=int, default=0, metavar="N",
                    help="compile N layers of each layer kind at the released width (0: the whole stack)")
     s.add_argument("--json", action="store_true", help="machine-readable output")
@@ -36,36 +43,45 @@ def register(subparsers) -> None:
 
 def _plan_figures(cfg, args) -> dict:
     # deferred: `dsv41 --help` builds this parser without loading jax or the model
-    from sharding.plan import build_plan
+    from sharding.activations import activation_estimate
+    from sharding.plan import build_plan, mesh_sizes, plan_context
 
-    p = build_plan(cfg, args.mesh, batch=args.batch, context=args.context, preset=args.preset)
+    batch = 1 if args.what == "prefill" else args.batch
+    p = build_plan(cfg, args.mesh, batch=batch, context=args.context, preset=args.preset, chunk=args.prefill_chunk)
     d = p["per_device_bytes"]
+    run_cfg = cfg.replace(max_seq_len=plan_context(cfg, args.context), max_batch_size=batch)
+    mine = activation_estimate(run_cfg, mesh_sizes(args.mesh), args.preset, batch=batch, chunk=p["prefill_chunk"],
+                               impl=args.impl)
     return {"arguments": d["weights"] + d["engram"] + d["cache"], "activations": d["activations"], "total": d["total"],
-            "decode_activations": sum(p["activations_detail"]["decode"].values())}
+            "decode_activations": sum(mine["decode"].values()), "prefill_activations": sum(mine["prefill"].values())}
 
 
-def _compile(args) -> dict:
+def _compile(args) -> list[dict]:
     # deferred: `dsv41 --help` builds this parser without loading jax or the model
     from dsv41_jax.config import ModelConfig
+    from dsv41_jax.serving.tpu_programs import compile_programs
     from pallas_kernels.common import tpu_compile
     from sharding.tpu_step import compile_decode, subset_config
 
     missing = tpu_compile.libtpu_missing()
     if missing:
         raise RuntimeError(missing)
-    if args.batch <= 0 or args.context <= 0 or args.layers_per_kind < 0:
-        raise ValueError(f"--batch and --context must be positive and --layers-per-kind >= 0, got "
-                         f"{args.batch}, {args.context}, {args.layers_per_kind}")
+    if args.batch <= 0 or args.context <= 0 or args.layers_per_kind < 0 or args.prefill_chunk <= 0:
+        raise ValueError(f"--batch, --context and --prefill-chunk must be positive and --layers-per-kind >= 0, got "
+                         f"{args.batch}, {args.context}, {args.prefill_chunk}, {args.layers_per_kind}")
     full = ModelConfig.load(args.config)
     cfg, kept = (subset_config(full, args.layers_per_kind) if args.layers_per_kind else (full, None))
-    report = compile_decode(cfg, args.topology, args.mesh, batch=args.batch, context=args.context,
-                            preset=args.preset, impl=args.impl)
-    report.update(config=args.config, what=args.what, layers_of_full_stack=full.n_layers,
-                  plan_compiled_layers=_plan_figures(cfg, args))
+    kw = dict(batch=args.batch, context=args.context, preset=args.preset, impl=args.impl)
+    if args.what == "decode":
+        reports = [compile_decode(cfg, args.topology, args.mesh, **kw)]
+    else:
+        reports = compile_programs(cfg, args.topology, args.mesh, what=args.what, chunk=args.prefill_chunk,
+                                   k=args.num_draft_tokens, **kw)
+    extra = {"config": args.config, "what": args.what, "layers_of_full_stack": full.n_layers,
+             "plan_compiled_layers": _plan_figures(cfg, args)}
     if kept is not None:
-        report["layers_kept_per_kind"] = kept
-        report["plan_full_stack"] = _plan_figures(full, args)
-    return report
+        extra.update(layers_kept_per_kind=kept, plan_full_stack=_plan_figures(full, args))
+    return [{**r, **extra} for r in reports]
 
 
 def _format(r: dict) -> str:
@@ -75,18 +91,20 @@ def _format(r: dict) -> str:
     def g(b):
         return f"{b / GiB:.2f} GiB"
 
-    head = (f"{r['what']} step, config {r['config']}, {r['layers']} of {r['layers_of_full_stack']} layers, "
+    head = (f"{r['program']} program, config {r['config']}, {r['layers']} of {r['layers_of_full_stack']} layers, "
             f"impl {r['impl']}, batch {r['batch']}, context {r['context']}; {r['topology']}: {r['chips']} chips "
             f"({r['device_kind']}), {r['hosts']} hosts; mesh {format_mesh_spec(r['mesh'])}, preset {r['preset']}")
     if not r["ok"]:
         return f"{head}\ncompile FAILED after {r['seconds']:.1f} s: {r['error']}"
     d, plan = r["per_device_bytes"], r["plan_compiled_layers"]
     hbm = r["hbm_bytes"]
+    estimate = plan["prefill_activations" if r["what"] == "prefill" else "decode_activations"]
     lines = [head, f"compiled by XLA:TPU in {r['seconds']:.1f} s (this machine)",
              "per device (TPU compiler's buffer assignment, not measured on a TPU):",
              f"  arguments {g(d['argument'])} (plan: {g(plan['arguments'])}), temp {g(d['temp'])} "
-             f"(plan's XLA-path activation estimate: decode step {g(plan['decode_activations'])}, the larger of it "
-             f"and a prefill chunk {g(plan['activations'])}), output {g(d['output'])} "
+             f"(plan's {'prefill-chunk' if r['what'] == 'prefill' else 'decode-step'} activation estimate on this path "
+             f"{g(estimate)}; its XLA-path "
+             f"figure, the larger of a decode step and a prefill chunk, {g(plan['activations'])}), output {g(d['output'])} "
              f"(aliased {g(d['alias'])}), code {d['generated_code'] / 2 ** 20:.1f} MiB",
              f"  peak {g(d['peak'])} of {g(hbm) if hbm else '?'} HBM -> {'fits' if r['fits'] else 'does NOT fit'}"]
     if "plan_full_stack" in r:
@@ -109,11 +127,12 @@ def run(args) -> int:
     from dsv41_jax.config import ConfigError
 
     try:
-        report = _compile(args)
+        reports = _compile(args)
     except (ValueError, ConfigError, RuntimeError) as e:  # a bad mesh, topology, config; libtpu missing
         print(f"dsv41 compile: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(report, indent=1, default=str) if args.json else _format(report))
-    return 0 if report["ok"] and report["fits"] else 1
-
-
+    if args.json:  # one program: its report (as before --what); several: {"programs": [...]}
+        print(json.dumps(reports[0] if len(reports) == 1 else {"programs": reports}, indent=1, default=str))
+    else:
+        print("\n\n".join(_format(r) for r in reports))
+    return 0 if all(r["ok"] and r["fits"] for r in reports) else 1
