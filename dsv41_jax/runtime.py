@@ -31,6 +31,10 @@ class Runtime:
       (it reads the stored E4M3 tiles; the XLA math dequantizes each whole weight per call). None
       (default): when the kernels are compiled, not interpreted: interpreted, the kernel dequantizes
       in software as the XLA math does and only adds compile time (55 kernels in the tiny model).
+    scan_layers: run each run of consecutive layers that compile to the same body (`model.block.layer_runs`)
+      as one `jax.lax.scan`, so a program's compile time grows with the layer kinds, not the layers;
+      False unrolls every layer. The same body and the same numbers either way (held bitwise by
+      tests/model/test_layer_scan.py).
 
     Exact mode with impl="pallas": the interpreted kernels accumulate in float64 at the oracle's
     rounding points (pallas_kernels/README.md, "Exact mode"); compiled kernels (interpret False)
@@ -43,6 +47,7 @@ class Runtime:
     interpret: bool | None = None
     check_finite: bool = False
     fp8_kernel: bool | None = None
+    scan_layers: bool = True
 
     def __post_init__(self):
         if self.mode not in ("fast", "exact"):
@@ -55,13 +60,15 @@ class Runtime:
             raise ValueError(f"Runtime.interpret must be None, True or False, got {self.interpret!r}")
         if self.fp8_kernel not in (None, True, False):
             raise ValueError(f"Runtime.fp8_kernel must be None, True or False, got {self.fp8_kernel!r}")
+        if self.scan_layers not in (True, False):
+            raise ValueError(f"Runtime.scan_layers must be True or False, got {self.scan_layers!r}")
 
     def resolved(self) -> "Runtime":
         """This runtime with what depends on the backend decided: impl "xla" or "pallas", interpret and
         fp8_kernel True or False (what `model.plan.Plan` holds)."""
         return Runtime(mode=self.mode, impl=self.resolved_impl(), index_k_quirk=self.index_k_quirk,
                        interpret=self.resolved_interpret(), check_finite=self.check_finite,
-                       fp8_kernel=self.resolved_fp8_kernel())
+                       fp8_kernel=self.resolved_fp8_kernel(), scan_layers=self.scan_layers)
 
     def resolved_fp8_kernel(self) -> bool:
         """Whether the dense FP8 linears run the FP8 block GEMM kernel (see `fp8_kernel`)."""

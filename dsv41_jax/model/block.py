@@ -21,6 +21,7 @@ block_step's only `if`s on structure test the layer's role (the architecture) or
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -42,7 +43,8 @@ from dsv41_jax.numerics import gemm, kv_layout, quant
 from dsv41_jax.numerics.sparse_attention import sparse_attention
 
 # The drivers build the body's inputs as body.Plan, body.Span and body.QuantStore.
-__all__ = ["Carry", "LayerState", "Plan", "QuantStore", "Span", "Store", "block_step", "run_layers"]
+__all__ = ["Carry", "LayerState", "Plan", "QuantStore", "Span", "Store", "block_step", "layer_runs", "run_layers",
+           "scan_run"]
 
 
 class Carry(NamedTuple):
@@ -370,17 +372,72 @@ def _pool_select(scores, positions, visible, k: int):
 def run_layers(model, state: LayerState, span: Span, plan: Plan, layers, probe: Probe = NO_PROBE,
                probe_inputs=None) -> tuple[LayerState, dict]:
     """`block_step` over `layers` (the one loop): (the state after the last, records) with
-    records = {kind: {layer: value}} and the probes' traces merged into records["trace"]."""
+    records = {kind: {layer: value}} and the probes' traces merged into records["trace"]. Each run of
+    `layer_runs` longer than one layer is one `jax.lax.scan` of the same body (`scan_run`)."""
     records: dict = {}
     with fp8_linears(plan):
-        for l in layers:
-            state, rec = block_step(model.layers[l], state, span, plan, probe, probe_inputs)
-            for k, v in rec.items():
-                if k == "trace":
-                    records.setdefault("trace", {}).update(v)
-                else:
-                    records.setdefault(k, {})[l] = v
+        for run in layer_runs(model, layers, plan, probe, probe_inputs):
+            if len(run) == 1:
+                state, rec = block_step(model.layers[run[0]], state, span, plan, probe, probe_inputs)
+                recs = {run[0]: rec}
+            else:
+                state, recs = scan_run(model, state, span, plan, run, probe, probe_inputs)
+            for l, rec in recs.items():
+                for k, v in rec.items():
+                    if k == "trace":
+                        records.setdefault("trace", {}).update(v)
+                    else:
+                        records.setdefault(k, {})[l] = v
     return state, records
+
+
+def layer_runs(model, layers, plan: Plan, probe: Probe = NO_PROBE, probe_inputs=None) -> list[tuple[int, ...]]:
+    """`layers` cut into runs, in order: consecutive layers that compile to one body form a run (same
+    role but for the layer number, no Engram, parameters of the same shapes, no probe follows them),
+    and only layers that change nothing but the stream and their own window (SWA, Reuse: no global
+    write, no top-k, no pool) join one; every other layer is a run of one. With
+    `Runtime.scan_layers` False every layer is a run of one."""
+    def kind(l):
+        block, role = model.layers[l], model.cfg.roles[l]
+        if (not plan.runtime.scan_layers or block.engram is not None or role.is_kv_source or role.is_index_source
+                or probe.follows(l, probe_inputs)):
+            return None
+        shapes = jax.tree.map(lambda a: (a.shape, a.dtype), nnx.state(block))
+        return dataclasses.replace(role, layer=0), jax.tree.structure(shapes), jax.tree.leaves(shapes)
+
+    runs: list[list[int]] = []
+    prev = None
+    for l in layers:
+        k = kind(l)
+        if runs and k is not None and k == prev and runs[-1][-1] == l - 1:
+            runs[-1].append(l)
+        else:
+            runs.append([l])
+        prev = k
+    return [tuple(r) for r in runs]
+
+
+def scan_run(model, state: LayerState, span: Span, plan: Plan, run, probe: Probe = NO_PROBE,
+             probe_inputs=None) -> tuple[LayerState, dict]:
+    """`block_step` over a run of `layer_runs` as one `jax.lax.scan`: the run's first module with each
+    layer's parameters (stacked here, per program), the store seeing each layer's own part (its
+    window, `Store.stacked`) as the first layer's. The run's layers write nothing else and leave the
+    carry as it is, so the rest of the store and the carry are the scan's constants.
+    Returns (the state after the run, {layer: records})."""
+    l0 = run[0]
+    graphdef, _ = nnx.split(model.layers[l0])
+    params = jax.tree.map(lambda *a: jnp.stack(a), *(nnx.state(model.layers[l]) for l in run))
+    h, pre, store, carry = state
+
+    def one(stream, x):
+        p, part = x
+        out, rec = block_step(nnx.merge(graphdef, p), LayerState(*stream, store.at_layer(l0, part), carry), span, plan,
+                              probe, probe_inputs)
+        return (out.h, out.pre), (out.store.written(l0), rec)
+
+    (h, pre), (parts, recs) = jax.lax.scan(one, (h, pre), (params, store.stacked(run)))
+    per_layer = {l: jax.tree.map(lambda a, i=i: a[i], recs) for i, l in enumerate(run)}
+    return LayerState(h, pre, store.unstacked(run, parts), carry), per_layer
 
 
 def fp8_linears(plan: Plan):

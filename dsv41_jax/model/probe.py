@@ -140,7 +140,14 @@ class Probe:
     - scored(l, ctx, inputs) -> records: after an index source selected; `ctx()` gives the store, the
       attention's query and window rows, the pool and a scoring function (training's indexer KL);
     - see(l, seen) -> records: a site's intermediates (one of the `...Seen` tuples above).
+
+    follows(l, inputs): whether the hooks act on layer l by its number (record it, impose or replay
+    something there); such a layer runs unrolled, never inside a scanned run (`block.layer_runs`),
+    where the body sees the run's first layer number for every layer of the run.
     """
+
+    def follows(self, l, inputs) -> bool:
+        return False
 
     def enter(self, l, h, pre, inputs):
         return h, pre, {}
@@ -174,6 +181,10 @@ class GoldenProbe(Probe):
     def __init__(self, collect: bool = False):
         self.collect = bool(collect)
 
+    def follows(self, l, inputs) -> bool:
+        inputs = inputs or {}
+        return self.collect or any(l in (inputs.get(k) or {}) for k in ("topk", "experts", "replay"))
+
     def enter(self, l, h, pre, inputs):
         replay = (inputs or {}).get("replay") or {}
         if l in replay:
@@ -201,6 +212,9 @@ class TapProbe(Probe):
     def __init__(self, layers=()):
         self.layers = frozenset(layers)
 
+    def follows(self, l, inputs) -> bool:
+        return l in self.layers
+
     def enter(self, l, h, pre, inputs):
         return h, pre, ({"tap": tap(h)} if l in self.layers else {})
 
@@ -218,6 +232,9 @@ class Probes(Probe):
 
     def __init__(self, *probes: Probe):
         self.probes = tuple(probes)
+
+    def follows(self, l, inputs) -> bool:
+        return any(p.follows(l, inputs) for p in self.probes)
 
     def enter(self, l, h, pre, inputs):
         rec = {}

@@ -81,6 +81,20 @@ class Store(Protocol):
     def topk_width(self, src: int) -> int:
         """How many compressed positions a top-k over the source selects."""
 
+    # A run of layers that write nothing global (`block.layer_runs`) runs as one scan: each layer's own
+    # part of the store (what `window` reads and writes) goes in stacked and comes out stacked.
+    def stacked(self, layers) -> object:
+        """The layers' own parts (a pytree, leaves stacked on a new leading axis; () if none are kept)."""
+
+    def at_layer(self, l: int, part) -> "Store":
+        """A copy whose layer l's own part is `part` (one slice of `stacked`)."""
+
+    def written(self, l: int) -> object:
+        """What the body wrote into layer l's own part (the scan's per-layer output)."""
+
+    def unstacked(self, layers, parts) -> "Store":
+        """A copy with the `written` parts of `layers` (stacked on a leading axis) put in place."""
+
 
 class QuantStore:
     """The serving cache (docs/REFERENCE.md §5) as the body sees it: packed FP8/FP4 rows.
@@ -225,3 +239,25 @@ class QuantStore:
     def topk_width(self, src: int) -> int:
         """min(index_topk, rows the cache holds): the one width formula (cfg.topk_width at full capacity)."""
         return min(self.cfg.index_topk, int(self.cache["compressed"][f"layer{src}"].packed.shape[1]))
+
+    def stacked(self, layers):
+        """The layers' window rings, stacked."""
+        return jax.tree.map(lambda *a: jnp.stack(a), *(self.cache["window"][l] for l in layers))
+
+    def at_layer(self, l: int, part) -> "QuantStore":
+        out = self.copy()
+        out.cache["window"][l] = part
+        return out
+
+    def written(self, l: int):
+        """(layer l's ring, the chunk's new rows a pending store keeps, or None)."""
+        return self.cache["window"][l], None if self.pending is None else self.pending["window"][l]
+
+    def unstacked(self, layers, parts) -> "QuantStore":
+        out = self.copy()
+        rings, new = parts
+        for i, l in enumerate(layers):
+            out.cache["window"][l] = jax.tree.map(lambda a: a[i], rings)
+            if out.pending is not None:
+                out.pending["window"][l] = jax.tree.map(lambda a: a[i], new)
+        return out

@@ -5,7 +5,8 @@ Cost comes from XLA's cost analysis of the lowered step over abstract parameters
 comes from the same module shapes. What the cost analysis cannot see is counted from shapes:
 
 - XLA's cost analysis counts a while-loop body once, whatever the trip count; the steps lowered
-  here have no loops in fast mode (`check_no_loops` verifies it on the HLO).
+  here have no loops in fast mode (`check_no_loops` verifies it on the HLO): their layers run
+  unrolled (`unrolled`), not as the scans a server runs (the same arithmetic).
 - `lax.ragged_dot` (the grouped MoE path used above 256 routed rows) lowers on CPU to a dense
   product over every expert group, so its reported FLOPs are E/k times the real work. Prefill
   accounting replaces the MoE's reported cost with the arithmetic count of the rows it routes
@@ -18,6 +19,7 @@ comes from the same module shapes. What the cost analysis cannot see is counted 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -132,6 +134,12 @@ def loop_probe() -> dict:
 
 
 # ---------------------------------------------------------------------------------- decode
+def unrolled(runtime: Runtime) -> Runtime:
+    """`runtime` with every layer unrolled (`Runtime.scan_layers` off): cost analysis would count a
+    scanned run's body once. What the accounting lowers; a server runs the scans."""
+    return dataclasses.replace(runtime, scan_layers=False)
+
+
 def decode_fn(graphdef, runtime: Runtime = Runtime(), layers: range | None = None):
     """The engine's lean one-token step, optionally over a slice of layers (for per-role costs)."""
     def step(params, tokens, cache, engram_ids=None):
@@ -148,7 +156,7 @@ def decode_flops(cfg: ModelConfig, context: int, batch: int = 1, runtime: Runtim
     gd, params = abstract_params(cfg)
     cache = abstract_cache(cfg, batch, context)
     toks = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
-    low = lowered(decode_fn(gd, runtime), params, toks, cache, engram_spec(cfg, batch, 1), platform=platform)
+    low = lowered(decode_fn(gd, unrolled(runtime)), params, toks, cache, engram_spec(cfg, batch, 1), platform=platform)
     return {"flops": flops_of(low), "bytes": bytes_of(low), "hlo": check_no_loops(low)}
 
 
@@ -188,7 +196,7 @@ def decode_flops_by_role(cfg: ModelConfig, context: int, batch: int = 1, runtime
 
     def cost(layers: tuple[int, ...]) -> tuple[float, float]:
         if layers not in memo:
-            low = lowered(decode_fn(gd, runtime, layers), params, toks, cache, ids, platform=platform)
+            low = lowered(decode_fn(gd, unrolled(runtime), layers), params, toks, cache, ids, platform=platform)
             memo[layers] = (flops_of(low), bytes_of(low))
             seen = check_no_loops(low)
             hlo["while"] += seen["while"]
@@ -299,7 +307,7 @@ def prefill_flops(cfg: ModelConfig, n: int, tail: int | None = None, runtime: Ru
     """Split and exact prefill FLOPs for one n-token prompt on an empty cache of capacity n,
     with the MoE's CPU ragged_dot cost replaced by its arithmetic (see module doc)."""
     gd, params = abstract_params(cfg)
-    split, exact = prefill_fns(gd, runtime, tail)
+    split, exact = prefill_fns(gd, unrolled(runtime), tail)
     cache = abstract_cache(cfg, 1, n)
     toks = jax.ShapeDtypeStruct((1, n), jnp.int32)
     W = tail or cfg.window_size

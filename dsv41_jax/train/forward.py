@@ -185,6 +185,19 @@ class FakeQuantStore:
     def topk_width(self, src: int) -> int:
         return min(self.cfg.index_topk, self.positions.shape[1] // self.cfg.compress_ratios[src])
 
+    # nothing is kept per layer (the window is the row's own keys), so a scanned run carries no part
+    def stacked(self, layers):
+        return ()
+
+    def at_layer(self, l: int, part) -> "FakeQuantStore":
+        return self.copy()
+
+    def written(self, l: int):
+        return ()
+
+    def unstacked(self, layers, parts) -> "FakeQuantStore":
+        return self.copy()
+
     def index_inputs(self, x, qr):
         return sg(x), sg(qr)
 
