@@ -38,6 +38,10 @@ checked against:
   without speculation: the mean acceptance length, weight bytes read per emitted token (the
   table's step bytes over the tokens a step emits) and wall-clock decode tokens per second (after a
   warm-up run that compiles every program).
+- `--stored-weights --mesh SPEC`: the weight traffic per device of the engine's decode step on a
+  mesh of fake CPU devices, kernel path, before and after the word views (`bench/mesh_weights.py`):
+
+    python bench/decode.py --contexts 4096 --stored-weights --mesh expert=16 --json mesh_sw.json
 """
 from __future__ import annotations
 
@@ -61,6 +65,9 @@ def parse_args(argv=None):
                    help="also report, at the first context, the decode step with the checkpoint's FP8/FP4 weights at "
                         "B=1 and B=64: weight bytes per step on the XLA and the kernel path (from the trace) and "
                         "XLA's cost analysis (FLOPs, bytes accessed) of the XLA path")
+    p.add_argument("--mesh", metavar="SPEC",
+                   help="with --stored-weights: the engine's mesh decode step's weight traffic per device instead "
+                        "(kernel path, before and after the word views; fake CPU devices, e.g. expert=16)")
     p.add_argument("--wall", action="store_true", help="also time the step with random weights (needs memory for them)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per context with --wall")
     p.add_argument("--no-flops", action="store_true", help="skip the cost-analysis table")
@@ -300,6 +307,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from dsv41_jax.config import ModelConfig
 
+    if args.mesh:
+        return mesh_main(args)
+
     if args.speculative:
         out = {"config": args.config}
         cfg, k = None, args.num_draft_tokens
@@ -447,6 +457,26 @@ def stored_weight_rows(cfg, context: int, full: bool = False, batches=(1, 64)) -
             print(f"  stored weights {impl} ({row['params']} params) B={batch}: weight traffic {w['total'] / 1e9:.2f} GB "
                   f"({row['seconds']:.0f}s)", file=sys.stderr)
     return rows
+
+
+def mesh_main(args) -> int:
+    """--stored-weights --mesh SPEC: bench/mesh_weights.py on this many fake CPU devices."""
+    import math
+    import os
+
+    from sharding.mesh import parse_mesh_spec
+
+    n = math.prod(parse_mesh_spec(args.mesh).values())
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import mesh_weights  # noqa: E402 (beside this script; after the device count is set)
+    from dsv41_jax.config import ModelConfig
+
+    rows = mesh_weights.rows(ModelConfig.load(args.config), int(args.contexts.split(",")[0]), args.mesh)
+    mesh_weights.print_rows(rows)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps({"mesh_stored_weights": rows}, indent=2))
+    return 0
 
 
 def print_stored(rows, context: int) -> None:

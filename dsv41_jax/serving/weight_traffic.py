@@ -78,7 +78,7 @@ def sub_jaxprs(eqn):
                 yield j
 
 
-def _follow(jaxpr, tainted: dict) -> None:
+def follow(jaxpr, tainted: dict) -> None:
     """tainted: {var: Taint}; records uses into the WeightUses."""
     is_var = lambda v: isinstance(v, jax.extend.core.Var)
     for eqn in jaxpr.eqns:
@@ -115,7 +115,7 @@ def _follow(jaxpr, tainted: dict) -> None:
                 n = min(len(sub.invars), len(eqn.invars))
                 inner = {sub.invars[i]: tainted[eqn.invars[i]] for i in range(n)
                          if is_var(eqn.invars[i]) and eqn.invars[i] in tainted}
-                _follow(sub, inner)
+                follow(sub, inner)
                 for i, o in enumerate(sub.outvars):
                     if is_var(o) and o in inner and i < len(eqn.outvars):
                         tainted[eqn.outvars[i]] = inner[o]._replace(itself=False)
@@ -151,7 +151,7 @@ def uses_in(closed, params) -> list[WeightUse]:
     """The stored weights' uses in a traced program whose first inputs are params' leaves (a jitted
     step's `.trace(params, ...).jaxpr`, or `trace_uses`' jaxpr)."""
     weights = stored_weights(params)
-    _follow(closed.jaxpr, {closed.jaxpr.invars[i]: Taint(w, True, w.elements) for i, w in weights.items()})
+    follow(closed.jaxpr, {closed.jaxpr.invars[i]: Taint(w, True, w.elements) for i, w in weights.items()})
     return list(weights.values())
 
 
