@@ -3,7 +3,8 @@
 No TPU is needed: libtpu (the dev install brings it) compiles for a named topology. The figures
 are the TPU compiler's buffer assignment and cost model, not measurements on a TPU. `--what`:
 decode (`sharding.tpu_step`), prefill (Graph A, Graph B and the bounded replay for a `--context`
-prompt) or verify (DSpark's verify step; both `serving.tpu_programs`).
+prompt) or verify (DSpark's verify step; both `serving.tpu_programs`), or train (the QAT training
+step, `train.tpu_compile`).
 
 Exit status: 0 the program compiled and fits the chip's HBM, 1 it does not fit or does not
 compile (the report says which program and why), 2 bad input.
@@ -15,7 +16,7 @@ import sys
 
 
 GiB = 2 ** 30
-WHAT = ("decode", "prefill", "verify")  # the QAT training step is not compiled here yet
+WHAT = ("decode", "prefill", "verify", "train")
 
 
 def register(subparsers) -> None:
@@ -31,7 +32,8 @@ def register(subparsers) -> None:
     s.add_argument("--impl", choices=["xla", "pallas"], default="xla", help="XLA path or the Pallas kernels")
     s.add_argument("--what", choices=WHAT, default="decode",
                    help="decode: the decode step; prefill: Graph A (one --prefill-chunk piece), Graph B and the "
-                        "replay of a --context-token prompt; verify: DSpark's verify step for --batch sequences")
+                        "replay of a --context-token prompt; verify: DSpark's verify step for --batch sequences; "
+                        "train: the QAT training step on --batch rows of --context tokens (preset training)")
     s.add_argument("--prefill-chunk", type=int, default=512, help="with --what prefill: Graph A's piece length")
     s.add_argument("--num-draft-tokens", type=int, default=None, metavar="K",
                    help="with --what verify: drafts per step (default: the drafter's block, as dsv41 serve drafts)")
@@ -60,6 +62,7 @@ def _compile(args) -> list[dict]:
     # deferred: `dsv41 --help` builds this parser without loading jax or the model
     from dsv41_jax.config import ModelConfig
     from dsv41_jax.serving.tpu_programs import compile_programs
+    from dsv41_jax.train.tpu_compile import compile_train
     from pallas_kernels.common import tpu_compile
     from sharding.tpu_step import compile_decode, subset_config
 
@@ -74,13 +77,17 @@ def _compile(args) -> list[dict]:
     kw = dict(batch=args.batch, context=args.context, preset=args.preset, impl=args.impl)
     if args.what == "decode":
         reports = [compile_decode(cfg, args.topology, args.mesh, **kw)]
+    elif args.what == "train":
+        reports = [compile_train(cfg, args.topology, args.mesh, batch=args.batch, seq_len=args.context, impl=args.impl)]
     else:
         reports = compile_programs(cfg, args.topology, args.mesh, what=args.what, chunk=args.prefill_chunk,
                                    k=args.num_draft_tokens, **kw)
+    # `dsv41 plan` lays out the served formats, not a training state (fp32 masters and moments)
+    plan = args.what != "train"
     extra = {"config": args.config, "what": args.what, "layers_of_full_stack": full.n_layers,
-             "plan_compiled_layers": _plan_figures(cfg, args)}
+             "plan_compiled_layers": _plan_figures(cfg, args) if plan else None}
     if kept is not None:
-        extra.update(layers_kept_per_kind=kept, plan_full_stack=_plan_figures(full, args))
+        extra.update(layers_kept_per_kind=kept, plan_full_stack=_plan_figures(full, args) if plan else None)
     return [{**r, **extra} for r in reports]
 
 
@@ -98,16 +105,20 @@ def _format(r: dict) -> str:
         return f"{head}\ncompile FAILED after {r['seconds']:.1f} s: {r['error']}"
     d, plan = r["per_device_bytes"], r["plan_compiled_layers"]
     hbm = r["hbm_bytes"]
-    estimate = plan["prefill_activations" if r["what"] == "prefill" else "decode_activations"]
+    if plan is None:
+        beside = ("", "")
+    else:
+        estimate = plan["prefill_activations" if r["what"] == "prefill" else "decode_activations"]
+        beside = (f" (plan: {g(plan['arguments'])})",
+                  f" (plan's {'prefill-chunk' if r['what'] == 'prefill' else 'decode-step'} activation estimate on "
+                  f"this path {g(estimate)}; its XLA-path figure, the larger of a decode step and a prefill chunk, "
+                  f"{g(plan['activations'])})")
     lines = [head, f"compiled by XLA:TPU in {r['seconds']:.1f} s (this machine)",
              "per device (TPU compiler's buffer assignment, not measured on a TPU):",
-             f"  arguments {g(d['argument'])} (plan: {g(plan['arguments'])}), temp {g(d['temp'])} "
-             f"(plan's {'prefill-chunk' if r['what'] == 'prefill' else 'decode-step'} activation estimate on this path "
-             f"{g(estimate)}; its XLA-path "
-             f"figure, the larger of a decode step and a prefill chunk, {g(plan['activations'])}), output {g(d['output'])} "
+             f"  arguments {g(d['argument'])}{beside[0]}, temp {g(d['temp'])}{beside[1]}, output {g(d['output'])} "
              f"(aliased {g(d['alias'])}), code {d['generated_code'] / 2 ** 20:.1f} MiB",
              f"  peak {g(d['peak'])} of {g(hbm) if hbm else '?'} HBM -> {'fits' if r['fits'] else 'does NOT fit'}"]
-    if "plan_full_stack" in r:
+    if r.get("plan_full_stack"):
         kept = ", ".join(f"{k} {v}" for k, v in r["layers_kept_per_kind"].items())
         lines.append(f"  fewer layers compiled ({kept}); the full stack's plan: arguments "
                      f"{g(r['plan_full_stack']['arguments'])}, total {g(r['plan_full_stack']['total'])}")

@@ -63,6 +63,16 @@ def test_tiny_prefill_and_verify_programs_compile_with_their_kernels(tmp_path):
     assert reports[-1]["tokens"] == 6 and reports[-1]["drafts"] == 5  # the drafter's block, as dsv41 serve drafts
 
 
+@pytest.mark.slow  # one XLA:TPU compile of a forward, backward and optimizer update, ~1-2 min on 2 cores
+def test_tiny_qat_training_step_compiles_for_v5p():
+    proc = _dsv41("compile", "--config", "tiny", "--topology", "v5p:2x2x1", "--mesh", "data=2,expert=2", "--what",
+                  "train", "--batch", "4", "--context", "64", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    r = json.loads(proc.stdout)
+    assert r["ok"] and r["fits"] and r["program"] == "train" and r["device_kind"] == "TPU v5", r
+    assert r["preset"] == "training" and r["tokens"] == 256 and r["flops"] > 0
+
+
 def test_bad_input_exits_2_naming_it():
     proc = _dsv41("compile", "--config", "tiny", "--topology", "v6e:3x3", "--mesh", "data=1")
     assert proc.returncode == 2 and "v6e:3x3" in proc.stderr, proc.stderr[-2000:]
