@@ -12,14 +12,12 @@ top-k and expert choices agree with the oracle's (tie-aware), on every case and 
 import pathlib
 
 import jax
-import numpy as np
 import pytest
 
 from dsv41_jax.golden import data as golden_data
 from dsv41_jax.golden.check import CaseRunner, check_case, run_all
+from dsv41_jax.golden.fast_report import free_runs
 from dsv41_jax.golden.sweep import ALL, CONFIGS
-from dsv41_jax.model.transformer import make_step
-from dsv41_jax.runtime import Runtime
 
 SWEEP = pathlib.Path(__file__).resolve().parents[1] / "data" / "sweep"
 
@@ -69,41 +67,19 @@ def test_sweep_config_bit_exact(name):
     assert not bad, "\n".join(bad)
 
 
-class _FastRunner(CaseRunner):
-    """The golden runner with the production numerics (fp32 accumulation) instead of exact."""
-
-    def _step(self, quirk, collect):
-        key = (quirk, collect)
-        if key not in self._steps:
-            self._steps[key] = make_step(self.graphdef, Runtime(mode="fast", index_k_quirk=quirk), collect=collect)
-        return self._steps[key]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_sweep_config_fast_mode_decisions_agree(name):
     """Free fast-mode runs: the stored decisions are passed but not imposed, and every layer's own
     top-k and expert choices must equal them (tie-aware) at every call."""
     gc = _config(name)
-    runner = _FastRunner(gc)
+    runner = CaseRunner(gc, mode="fast")
     differ = []
     for case in gc.cases:
         t = gc.case_tensors(case)
-        tokens = np.asarray(t.get("tokens", np.asarray(case["tokens"]))).astype(np.int64)
-        sched = case["schedule"]
-        if case["kind"] == "prefill":
-            forced = [runner.forced_from(t, "select.", slice(0, sched[0]["n_tokens"]))]
-            runs = [(False, forced)]
-        else:
-            P = sched[0]["n_tokens"]
-            runs = []
-            for quirk, prefix in ((True, "select.decode."), (False, "select.decode_corrected.")):
-                forced = [runner.forced_from(t, "select.prefill.", slice(0, P))]
-                forced += [runner.forced_from(t, prefix, slice(i - 1, i)) for i in range(1, len(sched))]
-                runs.append((quirk, forced))
-        for quirk, forced in runs:
-            _, res = runner.run(tokens, sched, quirk=quirk, forced_calls=forced, impose=False)
+        for label, quirk, tokens, forced, _ in free_runs(runner, case, t):
+            _, res = runner.run(tokens, case["schedule"], quirk=quirk, forced_calls=forced, impose=False)
             if not res["agree"]:
                 bad = sorted(l for l, ok in res["per_layer"].items() if not ok)
-                differ.append(f"{case['name']} ({'published' if quirk else 'corrected'} keys): layers {bad}")
+                differ.append(f"{case['name']} ({label}): layers {bad}")
     assert not differ, "\n".join(differ)

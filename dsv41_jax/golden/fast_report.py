@@ -1,0 +1,141 @@
+"""The production (fast) numerics against a golden folder: how far its logits are from the oracle's,
+and whether each of its decisions that differs from the oracle's is a near-tie.
+
+Fast mode accumulates in float32 where the oracle rounds as its kernels do, so no entry is bit-exact
+and a selection may flip where two candidates score almost the same. What this measures, per free
+run (the stored decisions passed, not imposed): max / mean |dlogit| and argmax agreement; every
+(call, layer, row) whose own top-k set or expert choice differs from the oracle's; and for each, the
+exact run's margin at the selection boundary (the k-th minus the (k+1)-th score: index scores for
+a top-k, biased gate scores for the experts) beside the row's largest |fast - exact| score
+difference. Two candidates can swap order only if their exact margin is at most twice that
+difference, so a differing decision with `margin <= 2 * err` is a near-tie the numerics explain;
+any other is a defect, and the report fails.
+"""
+from __future__ import annotations
+
+import copy
+import sys
+
+import jax
+import numpy as np
+
+from dsv41_jax.golden import data as golden_data
+from dsv41_jax.golden.check import CaseRunner
+
+
+def free_runs(runner: CaseRunner, case: dict, t: dict) -> list[tuple]:
+    """(label, quirk, tokens, forced calls, reference logits) for each free run a case has: a prefill
+    case one; a decode case one per index-key variant it stores (published, corrected)."""
+    tokens = np.asarray(t.get("tokens", np.asarray(case["tokens"]))).astype(np.int64)
+    sched = case["schedule"]
+    if case["kind"] == "prefill":
+        return [("free", False, tokens, [runner.forced_from(t, "select.", slice(0, sched[0]["n_tokens"]))], t["logits"])]
+    P, runs = sched[0]["n_tokens"], []
+    for label, quirk, key, prefix in (("published", True, "decode_logits", "select.decode."),
+                                      ("corrected", False, "decode_logits_corrected", "select.decode_corrected.")):
+        if key not in t or not any(k.startswith(prefix) for k in t):
+            continue
+        run_tokens = tokens if label == "published" or "tokens_corrected" not in t else \
+            np.asarray(t["tokens_corrected"]).astype(np.int64)
+        forced = [runner.forced_from(t, "select.prefill.", slice(0, P))]
+        forced += [runner.forced_from(t, prefix, slice(i - 1, i)) for i in range(1, len(sched))]
+        runs.append((label, quirk, run_tokens, forced, np.concatenate([t["prefill_logits"], t[key]], 0)))
+    return runs
+
+
+def _boundary(scores: np.ndarray, k: int) -> np.ndarray:
+    """Per row: the k-th highest finite score minus the (k+1)-th (inf where nothing competes)."""
+    s = np.sort(np.where(np.isfinite(scores), scores, -np.inf), -1)[..., ::-1]
+    if s.shape[-1] <= k:
+        return np.full(s.shape[:-1], np.inf)
+    return np.where(np.isfinite(s[..., k]), s[..., k - 1] - s[..., k], np.inf)
+
+
+def _decision_scores(runner: CaseRunner, trace: dict, kind: str, l: int):
+    """(scores [T, G], k) a layer's decision was taken on, from a collected trace."""
+    if kind == "topk":
+        return np.asarray(trace[f"layer{l}.index_score"], np.float64)[0], runner.cfg.topk_width[runner.cfg.roles[l].kv_source]
+    bias = np.asarray(runner.model.layers[l].ffn.gate.bias[...], np.float64)
+    return np.asarray(trace[f"layer{l}.gate_scores"], np.float64)[0] + bias, runner.cfg.n_activated_experts
+
+
+def near_ties(exact: np.ndarray, fast: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per row of [T, G] scores a top-k was taken on: (the exact margin at the boundary, the largest
+    |fast - exact| over finite scores, whether margin <= 2 x that error: a swap the numerics explain)."""
+    margin = _boundary(exact, k)
+    finite = np.isfinite(exact) & np.isfinite(fast)
+    err = np.max(np.where(finite, np.abs(fast - exact), 0.0), -1)
+    return margin, err, margin <= 2 * err
+
+
+def _differences(runner, res_fast, res_exact, n_calls) -> list[dict]:
+    """Every (call, layer, kind, row) whose fast decision differs from the oracle's, with its margin."""
+    out = []
+    for i in range(n_calls):
+        decided = runner.decisions[-1]["calls"][i]
+        for kind in ("topk", "experts"):
+            for l, rows in decided[f"{kind}_agree"].items():
+                bad = [r for r, ok in enumerate(rows) if not ok]
+                if not bad:
+                    continue
+                l = int(l)
+                exact, k = _decision_scores(runner, res_exact["traces"][i], kind, l)
+                fast, _ = _decision_scores(runner, res_fast["traces"][i], kind, l)
+                margin, err, tie = near_ties(exact, fast, k)
+                out.extend({"call": i, "layer": l, "kind": kind, "row": r, "margin": float(margin[r]),
+                            "score_err": float(err[r]), "near_tie": bool(tie[r])} for r in bad)
+    return out
+
+
+def case_report(fast: CaseRunner, exact: CaseRunner, case: dict) -> list[dict]:
+    """One record per free run of `case`: logit error, argmax agreement and each differing decision."""
+    t = fast.gc.case_tensors(case)
+    records = []
+    for label, quirk, tokens, forced, ref in free_runs(fast, case, t):
+        fast.decisions = []
+        logits, res_fast = fast.run(tokens, case["schedule"], quirk=quirk, forced_calls=forced, impose=False, collect=True)
+        _, res_exact = exact.run(tokens, case["schedule"], quirk=quirk, forced_calls=forced, impose=False, collect=True)
+        ref = ref.astype(np.float32)
+        d = np.abs(logits - ref)
+        diffs = _differences(fast, res_fast, res_exact, len(case["schedule"]))
+        records.append({"name": f"{fast.gc.name}/{case['name']}[{label}]", "max_abs_err": float(d.max()),
+                        "mean_abs_err": float(d.mean()),
+                        "argmax_agreement": float(np.mean(logits.argmax(-1) == ref.argmax(-1))),
+                        "rows": int(ref.shape[0]), "decisions_differ": diffs,
+                        "passed": all(x["near_tie"] for x in diffs)})
+    return records
+
+
+def fast_report(root, *, only=None, log=sys.stderr) -> list[dict]:
+    """Every text case of a golden folder under fast numerics (image cases are left out: their
+    tower is checked bit-exact by golden-check, and its span rows are not part of this report)."""
+    records = []
+    with jax.enable_x64(True):
+        for gc in golden_data.discover(root):
+            if only and gc.name not in only:
+                continue
+            print(f"[fast] {gc.name}: loading model", file=log)
+            exact = CaseRunner(gc)
+            fast = copy.copy(exact)  # the same loaded weights, its own compiled steps
+            fast.mode, fast._steps = "fast", {}
+            for case in gc.cases:
+                if case["kind"] not in ("prefill", "decode"):
+                    continue
+                print(f"[fast] {gc.name}/{case['name']}", file=log)
+                records.extend(case_report(fast, exact, case))
+    return records
+
+
+def format_report(records: list[dict]) -> str:
+    rows = [f"{'run':52s} {'ok':4s} {'max|d|':>9s} {'mean|d|':>9s} {'argmax':>7s}  decisions that differ"]
+    for r in records:
+        diffs = r["decisions_differ"]
+        what = "none" if not diffs else "; ".join(
+            f"call {x['call']} layer {x['layer']} {x['kind']} row {x['row']}: margin {x['margin']:.3g} vs "
+            f"2 x err {2 * x['score_err']:.3g} ({'near-tie' if x['near_tie'] else 'NOT a near-tie'})" for x in diffs[:8])
+        more = f" (+{len(diffs) - 8} more)" if len(diffs) > 8 else ""
+        rows.append(f"{r['name']:52s} {'PASS' if r['passed'] else 'FAIL':4s} {r['max_abs_err']:9.3g} "
+                    f"{r['mean_abs_err']:9.3g} {r['argmax_agreement']:7.3f}  {len(diffs)} ({r['rows']} logit rows): {what}{more}")
+    n_fail = sum(not r["passed"] for r in records)
+    rows.append(f"{len(records) - n_fail} passed, {n_fail} failed (a run fails when a decision differs by more than a near-tie)")
+    return "\n".join(rows)
