@@ -18,6 +18,7 @@ when one stops answering.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import pathlib
@@ -56,7 +57,7 @@ def _port(text: str) -> int:
 def load_server(args, lockstep=None, follower: bool = False):
     """(app, worker, options) for the parsed arguments; raises InputError on bad input.
     lockstep: process 0's (Channel, Watchdog) across processes. follower: a process other than 0
-    across processes: (None, engine, options), the engine warmed up (when the server warms)."""
+    across processes: (tokenizer, engine, options), the engine warmed up (when the server warms)."""
     # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
     from dsv41_jax.checkpoint import checkpoint_format
     from dsv41_jax.runtime import Runtime
@@ -118,7 +119,7 @@ def load_server(args, lockstep=None, follower: bool = False):
 
                 traceback.print_exc()
                 engine.reset()
-        return None, engine, opts
+        return tokenizer, engine, opts
     app, worker = build(model, tokenizer, opts)
     if not args.quiet:
         worker.warm_progress = _print_warm_progress
@@ -244,6 +245,7 @@ def _serve_across(args) -> int:
     import jax
 
     # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
+    from dsv41_jax.serving.constraints import Grammars
     from dsv41_jax.serving.lockstep import Channel, Watchdog, follow
 
     me, n = jax.process_index(), jax.process_count()
@@ -280,8 +282,10 @@ def _serve_across(args) -> int:
         os._exit(code)
     if me != 0:
         print(f"{name}: following process 0 (this process serves nothing)", file=sys.stderr, flush=True)
+        tokenizer, engine = app, worker  # what load_server gives a follower
+        grammars = functools.cache(functools.partial(Grammars, tokenizer, engine.cfg.vocab_size))
         try:
-            code = follow(worker, channel)
+            code = follow(engine, channel, grammars=grammars)
         except Exception as e:  # noqa: BLE001 - the channel failed: process 0 (the coordination service) is gone
             print(f"{name}: lost process 0: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             code = 1

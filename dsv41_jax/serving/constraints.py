@@ -13,6 +13,7 @@ thinking mode the constraint starts after the model writes `</think>`: the reaso
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 
@@ -31,13 +32,24 @@ class ConstraintError(ValueError):
         self.param = param
 
 
+@dataclasses.dataclass(frozen=True)
+class GrammarSpec:
+    """What builds a `Constraint` (`Grammars.constraint`): across processes each process builds its
+    own matcher from it and advances it by the same tokens, so every process computes the same masks
+    (llguidance is deterministic) and the sampling step gets the same operands everywhere."""
+
+    grammar: str
+    start_after: int | None = None
+
+
 class Constraint:
     """One request's matcher. `fill(row)` writes the allowed tokens into a packed int32 row
     (left all ones while the constraint has not started); `advance(token)` consumes a kept token.
-    `start_after`: a token id (`</think>`) before which nothing is constrained."""
+    `start_after`: a token id (`</think>`) before which nothing is constrained. `spec`: what built
+    it (None when built from a bare matcher)."""
 
-    def __init__(self, matcher, start_after: int | None = None):
-        self.matcher, self.waiting = matcher, start_after
+    def __init__(self, matcher, start_after: int | None = None, spec: GrammarSpec | None = None):
+        self.matcher, self.waiting, self.spec = matcher, start_after, spec
 
     def fill(self, row) -> None:
         from llguidance.numpy import fill_next_token_bitmask
@@ -217,4 +229,4 @@ class Grammars:
         matcher = self.llg.LLMatcher(self.lltok, grammar, log_level=0)
         if matcher.is_error():
             raise ConstraintError("grammar", matcher.get_error())
-        return Constraint(matcher, start_after)
+        return Constraint(matcher, start_after, GrammarSpec(grammar, start_after))

@@ -219,6 +219,20 @@ class Engine:
         logits, cache, tokens, cached, self.row_rings = prefill_request(self, req)
         return logits, cache, tokens, cached
 
+    def prompt_logprobs(self, prompt: list[int]):
+        """The logprobs of the prompt's own tokens (`serving.prompt_logprobs`, echo), on a cache of its
+        own between steps. A method, so that serving across processes publishes it (`lockstep`)."""
+        from dsv41_jax.serving.prompt_logprobs import prompt_logprobs  # deferred: it imports this module
+
+        return prompt_logprobs(self, prompt)
+
+    def encode_image(self, patches, n_vit_h: int, n_vit_w: int) -> tuple[np.ndarray, dict]:
+        """(the aligner's rows [cells, dim], the span delimiters {name: [dim]}) of one image's patches, as
+        numpy (`steps.image`; `vision.merge.span_rows` places them). A method, so that serving across
+        processes publishes it (`lockstep`): the tower's weights live on every process's devices."""
+        embeds, delimiters = self.steps.image(self.params, patches, n_vit_h, n_vit_w)
+        return np.asarray(embeds), {k: np.asarray(v) for k, v in delimiters.items()}
+
     def _admit(self):
         while self.waiting and None in self.table:
             req, times = self.waiting.pop(0)
@@ -395,7 +409,7 @@ class Engine:
             drafts, q = d.draft_sampled(self.params, self.rings, anchor, newest, a, drawn, self.history, self.banned,
                                         masks)
         else:
-            drafts = d.draft(self.params, self.rings, anchor, newest)
+            drafts = d.draft(self.params, self.rings, anchor, newest, self.banned)
         chunk = np.zeros((self.slots, self.K + 1), np.int32)
         chunk[:, 0] = last
         chunk[np.asarray(spec), 1:] = np.asarray(drafts)[np.asarray(spec)]

@@ -5,7 +5,9 @@ process 0 owns HTTP and the scheduler, and every engine call it makes (a submit 
 seed fixed, a cancel, a step, a reset, a conversation-cache prefill) must reach the other
 processes before the step's collectives run, so that they run the same jitted programs on their
 shards. `LeaderEngine` is the engine process 0's worker drives (it publishes each call, then makes
-it); `follow` is the other processes' loop (it makes the same calls, and serves nothing).
+it); `follow` is the other processes' loop (it makes the same calls, and serves nothing). Every
+request feature runs so: echo's scoring pass and the vision tower are engine calls too, and a
+constrained request's grammar travels as its text, each process advancing its own matcher.
 
 `Channel` carries those commands through the coordination service's key-value store (the one
 `jax.distributed.initialize` starts on process 0): command n is the pickled object under
@@ -194,26 +196,16 @@ class Watchdog:
 
 # ---------------------------------------------------------------------------------- serving
 
-# What a request may not use across processes, and why: its work runs outside the engine's lockstep
-# steps, on process 0 only. The server refuses each with HTTP 400 before any compute (http/checks.py `single_process`);
-# LeaderEngine.submit refuses the engine-level ones again (docs/SERVING.md "Across hosts (processes)").
-NOT_ACROSS = {
-    "image input": "the vision tower runs outside the engine's lockstep steps",
-    "echo (the prompt's logprobs)": "its scoring pass runs outside the engine's lockstep steps",
-    "constrained decoding": "the grammar matcher lives on process 0 only",
-}
-
-
-def refusal(feature: str, processes: int) -> str:
-    """The 400's message for a feature of NOT_ACROSS."""
-    return (f"{feature} is not available across processes ({processes} serve this model): {NOT_ACROSS[feature]}; "
-            "serve it on one process")
-
-
 def portable(req):
-    """The request as a command carries it: no callables, no host-only state (the files it names are
-    sent along by `LeaderEngine`, since another host cannot read process 0's disk)."""
-    return dataclasses.replace(req, on_token=None, constraint=None)
+    """The request as a command carries it: no callables, no host-only state. Its constraint goes
+    as the `constraints.GrammarSpec` that built it (each follower builds its own matcher, `follow`);
+    the files it names are sent along by `LeaderEngine`, since another host cannot read process 0's
+    disk; its image spans (rows from the tower process 0 ran in lockstep) go as they are."""
+    spec = None if req.constraint is None else req.constraint.spec
+    if req.constraint is not None and spec is None:
+        raise ValueError("a constraint built from a bare matcher cannot be sent to the other processes: build it "
+                         "with constraints.Grammars.constraint")
+    return dataclasses.replace(req, on_token=None, constraint=spec)
 
 
 def _file(path) -> bytes | None:
@@ -236,6 +228,9 @@ class LeaderEngine:
 
     def __init__(self, engine, channel: Channel, watchdog: "Watchdog | None" = None):
         self.engine, self.channel, self.watchdog = engine, channel, watchdog
+        # a call is published and made under this lock: the engine thread and an image request's
+        # thread (the tower) then run their device programs in the order the followers read them
+        self.lock = threading.RLock()
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
@@ -246,39 +241,53 @@ class LeaderEngine:
         return self.engine
 
     def submit(self, req) -> str:
-        if req.constraint is not None:
-            raise ValueError(refusal("constrained decoding", self.channel.processes))
-        if req.spans is not None or req.history_spans is not None:
-            raise ValueError(refusal("image input", self.channel.processes))
-        rid = self.engine.submit(req)  # refused here (ValueError, 400) before anything is published
-        self.channel.publish(("submit", portable(req), _file(req.resume_from)))
-        return rid
+        with self.lock:
+            rid = self.engine.submit(req)  # refused here (ValueError, 400) before anything is published
+            self.channel.publish(("submit", portable(req), _file(req.resume_from)))
+            return rid
 
     def cancel(self, request_id: str) -> bool:
-        self.channel.publish(("cancel", request_id))
-        return self.engine.cancel(request_id)
+        with self.lock:
+            self.channel.publish(("cancel", request_id))
+            return self.engine.cancel(request_id)
 
     def reset(self) -> list[str]:
-        self.channel.publish(("reset",))
-        return self.engine.reset()
+        with self.lock:
+            self.channel.publish(("reset",))
+            return self.engine.reset()
 
     def step(self):
-        self.channel.publish(("step",))
-        try:
-            results = self.engine.step()
-        except Exception:
-            self._await_watchdog()
-            raise
-        for r in results:
-            if r.finish_reason == "error":  # failed on process 0 alone (its token callback): drop the copies
-                self.channel.publish(("cancel", r.request_id))
-        return results
+        with self.lock:
+            self.channel.publish(("step",))
+            try:
+                results = self.engine.step()
+            except Exception:
+                self._await_watchdog()
+                raise
+            for r in results:
+                if r.finish_reason == "error":  # failed on process 0 alone (its token callback): drop the copies
+                    self.channel.publish(("cancel", r.request_id))
+            return results
 
     def prefill(self, req):
         """A conversation-cache prefill (`ConversationStore._store_prefix`): the followers prefill too,
         and save the row to a scratch file, as process 0's store then saves it (`save_prefix`'s gather)."""
-        self.channel.publish(("prefill", portable(req), _file(req.resume_from)))
-        return self.engine.prefill(req)
+        with self.lock:
+            self.channel.publish(("prefill", portable(req), _file(req.resume_from)))
+            return self.engine.prefill(req)
+
+    def prompt_logprobs(self, prompt: list[int]):
+        """Echo's scoring pass (`Engine.prompt_logprobs`): the followers run the same pieces."""
+        with self.lock:
+            self.channel.publish(("prompt_logprobs", list(prompt)))
+            return self.engine.prompt_logprobs(prompt)
+
+    def encode_image(self, patches, n_vit_h: int, n_vit_w: int):
+        """An image through the tower (`Engine.encode_image`), from a request's own thread: the
+        followers run the same program; the span rows built from its output travel with the submit."""
+        with self.lock:
+            self.channel.publish(("encode_image", patches, n_vit_h, n_vit_w))
+            return self.engine.encode_image(patches, n_vit_h, n_vit_w)
 
     def _await_watchdog(self) -> None:
         wd = self.watchdog
@@ -291,9 +300,11 @@ class LeaderEngine:
             time.sleep(1.0)
 
 
-def follow(engine, channel: Channel, *, poll: float = 60.0, log=None) -> int:
+def follow(engine, channel: Channel, *, poll: float = 60.0, log=None, grammars=None) -> int:
     """A follower's loop: make process 0's engine calls in order until it says stop (returns 0).
-    Raises what the channel raises when process 0 is gone (the caller exits non-zero)."""
+    Raises what the channel raises when process 0 is gone (the caller exits non-zero).
+    grammars: callable() -> `constraints.Grammars` of the served tokenizer, called on the first
+    constrained request (each follower builds its own matchers from the requests' GrammarSpecs)."""
     import tempfile
 
     log = log or (lambda msg: print(f"dsv41 serve (process {channel.process}): {msg}", file=sys.stderr, flush=True))
@@ -311,6 +322,10 @@ def follow(engine, channel: Channel, *, poll: float = 60.0, log=None) -> int:
         if req.save_to is not None:  # saved here too (its gather is a collective), then deleted
             req.save_to = str(scratch / f"save-{tag}.dsv41")
             files.append(pathlib.Path(req.save_to))
+        if req.constraint is not None:  # the same matcher as process 0's, advanced by the same tokens
+            if grammars is None:
+                raise ValueError("a constrained request reached a follower started without grammars")
+            req.constraint = grammars().constraint(req.constraint.grammar, start_after=req.constraint.start_after)
         return req
 
     def forget(rid):
@@ -349,6 +364,10 @@ def follow(engine, channel: Channel, *, poll: float = 60.0, log=None) -> int:
                                              fingerprint=engine.fingerprint, rings=engine.row_rings)
                     (scratch / f"{tag}.dsv41").unlink(missing_ok=True)
                     forget(tag)
+                elif kind == "prompt_logprobs":
+                    engine.prompt_logprobs(cmd[1])
+                elif kind == "encode_image":
+                    engine.encode_image(*cmd[1:])
                 elif kind == "stop":
                     return 0
                 else:

@@ -36,7 +36,8 @@ def _program(engine: Engine):
         gd, rt = engine.graphdef, engine.runtime
         # on a mesh: the cache keeps the preset's layout, and the logits are gathered whole before
         # the log-softmax (its sum over a row split on `tensor` would add the shards in another
-        # order than one device does), as the engine's own steps return them
+        # order than one device does), as the engine's own steps return them; the scores come back
+        # replicated, so every process (serving across processes) can read them
         fix = engine.placement.constrain
 
         @functools.partial(jax.jit, donate_argnums=(2,), compiler_options=COMPILER_OPTIONS)
@@ -46,7 +47,7 @@ def _program(engine: Engine):
             lp = jax.nn.log_softmax(fix(logits[0]).astype(jnp.float32), -1)  # [n, V]
             target = jnp.take_along_axis(lp, jnp.maximum(targets, 0)[:, None], -1)[:, 0]
             top_lp, top_ids = jax.lax.top_k(lp, min(TOP, lp.shape[-1]))
-            return target, top_lp, top_ids, fix(cache)
+            return fix((target, top_lp, top_ids)) + (fix(cache),)
 
         _PROGRAMS[engine] = fn
     return fn

@@ -71,10 +71,18 @@ def summary(stats: dict) -> dict:
     return {**stats, "mean_acceptance_length": (stats["accepted"] + n) / n if n else 0.0}
 
 
+def allowed_argmax(logits, banned):
+    """The argmax of logits [B, V] over the ids not `banned` [V]."""
+    return jnp.argmax(jnp.where(banned, -jnp.inf, logits), -1).astype(jnp.int32)
+
+
 def draft_fn(graphdef, mode: str, k: int):
-    """(params, rings, anchor [B], newest [B]) -> greedy drafts [B, k]."""
-    def run(params, rings, anchor, newest):
-        ids, _, _, _ = dspark.draft(nnx.merge(graphdef, params), rings, anchor, newest, mode=mode)
+    """(params, rings, anchor [B], newest [B], banned [V]) -> greedy drafts [B, k]: the argmax over
+    the ids the sampler may draw (a banned id could never be accepted, and one beyond the tokenizer
+    has no Engram hash for the verify step)."""
+    def run(params, rings, anchor, newest, banned):
+        ids, _, _, _ = dspark.draft(nnx.merge(graphdef, params), rings, anchor, newest, mode=mode,
+                                    choose=lambda j, lg: allowed_argmax(lg, banned))
         return ids[:, 1:k + 1]
 
     return run
@@ -95,7 +103,7 @@ def draft_sampled_fn(graphdef, mode: str, k: int):
             q, carry["history"] = processed(lg, arrays, carry["history"], carry["last"], active, banned, masks)
             pick = jax.vmap(lambda s, n, row: jax.random.categorical(draw_key(1, s, n), row))(
                 arrays["seed"], drawn + j, jnp.log(q)).astype(jnp.int32)
-            nxt = jnp.where(arrays["temperature"] > 0, pick, jnp.argmax(lg, -1).astype(jnp.int32))
+            nxt = jnp.where(arrays["temperature"] > 0, pick, allowed_argmax(lg, banned))
             carry["q"].append(q)
             carry["last"] = nxt
             return nxt

@@ -11,7 +11,9 @@ them. The steps, in the order a request meets them (JetStream's prefill / insert
 - `insert`: a one-row cache (or sampling history, or rings) into a slot of the batch's;
 - `decode`: one token for every slot;
 - `drafting` (an engine with a DSpark drafter only): draft, verify K+1 tokens, the sampler's
-  targets, rejection sampling, and the commit of what each slot accepted.
+  targets, rejection sampling, and the commit of what each slot accepted;
+- `image` (a model with a vision tower): the tower and aligner over one image's patches, with the
+  learned span delimiters, all returned replicated (the host builds the span rows from them).
 
 Speculation is data, not a second set of programs: on an engine with a drafter the drafter's
 rings go through `prefill`, `finish` and `decode` beside the cache (each writes the taps of the
@@ -41,6 +43,7 @@ from dsv41_jax.model import dspark
 from dsv41_jax.runtime import COMPILER_OPTIONS
 from dsv41_jax.serving import speculation
 from dsv41_jax.serving.split_prefill import commit, decode_step, decoder_pass, encoder_pass, exact_prefill, replay_window
+from dsv41_jax.vision.merge import encode_image
 
 
 PIECE_RATIO = 4  # each piece shape is the next larger one / 4
@@ -95,7 +98,7 @@ def span_rows(spans, lo: int, hi: int, size: int | None = None):
 class Drafting:
     """The programs only an engine with a drafter has (`serving.speculation`)."""
 
-    draft: Callable  # (params, rings, anchor, newest) -> greedy drafts [B, K]
+    draft: Callable  # (params, rings, anchor, newest, banned) -> greedy drafts [B, K]
     draft_sampled: Callable  # (..., sampler operands) -> (drafts, the drafter's probabilities)
     verify: Callable  # (params, tokens [B, K+1], cache, ids) -> (logits, pending writes, taps)
     commit: Callable  # (params, cache, pending, taps, rings, history, chunk, n) -> (cache, rings, history)
@@ -115,6 +118,9 @@ class Steps:
     replay: Callable  # (params, tokens, cache, ids, spans, valid) -> (logits [1, V], cache)
     decode: Callable  # (params, tokens [B, 1], cache, rings, active, ids) -> (logits [B, V], cache, rings)
     insert: Callable  # (table, row, slot) -> table with row written at slot
+    # (params, patches, n_vit_h, n_vit_w) -> (aligner rows [cells, dim], {"image_start", "image_end",
+    # "image_newline"}): one program per patch grid, compiled on a grid's first image
+    image: Callable
     drafting: Drafting | None
 
 
@@ -200,8 +206,14 @@ def build_steps(graphdef, runtime, plan, tail: int, constrain, k: int, trace=con
         return constrain(jax.tree.map(
             lambda a, r: jax.lax.dynamic_update_index_in_dim(a, r[0].astype(a.dtype), slot, 0), table, row))
 
+    @functools.partial(jit, static_argnums=(2, 3))
+    def image(params, patches, n_vit_h, n_vit_w):
+        model = nnx.merge(gd, params)
+        delimiters = {name: getattr(model, name)[...] for name in ("image_start", "image_end", "image_newline")}
+        return constrain((encode_image(model, patches, n_vit_h, n_vit_w, mode)[1], delimiters))
+
     drafting = _drafting(gd, mode, plan, k, jit, constrain) if k else None
-    return Steps(prefill, encode, finish, replay, decode, insert, drafting)
+    return Steps(prefill, encode, finish, replay, decode, insert, image, drafting)
 
 
 def _drafting(gd, mode: str, plan, k: int, jit, constrain) -> Drafting:

@@ -56,15 +56,20 @@ def make_image_encoder(graphdef, runtime: Runtime = Runtime(), collect: bool = F
     """
     @functools.partial(jax.jit, static_argnums=(2, 3), compiler_options=COMPILER_OPTIONS)
     def encode(params, patches, n_vit_h, n_vit_w):
-        model = nnx.merge(graphdef, params)
-        if model.vision is None:
-            raise ValueError("this model has no vision tower (vision_n_layers 0 or --language-model-only)")
-        trace = {} if collect else None
-        feats = model.vision(patches, n_vit_h, n_vit_w, runtime.mode, trace)
-        embeds = model.aligner(feats, n_vit_h, n_vit_w, runtime.mode)
-        return (feats, embeds, trace) if collect else (feats, embeds)
+        return encode_image(nnx.merge(graphdef, params), patches, n_vit_h, n_vit_w, runtime.mode, collect)
 
     return encode
+
+
+def encode_image(model, patches, n_vit_h: int, n_vit_w: int, mode: str, collect: bool = False):
+    """The tower and aligner over one image's patches: (vit_output, vision_embeds[, trace]); traced
+    inside a caller's jit (`make_image_encoder`, the serving engine's image step)."""
+    if model.vision is None:
+        raise ValueError("this model has no vision tower (vision_n_layers 0 or --language-model-only)")
+    trace = {} if collect else None
+    feats = model.vision(patches, n_vit_h, n_vit_w, mode, trace)
+    embeds = model.aligner(feats, n_vit_h, n_vit_w, mode)
+    return (feats, embeds, trace) if collect else (feats, embeds)
 
 
 def span_rows(model, token_types: np.ndarray, images: list[ImageInput], embeds: list) -> np.ndarray:

@@ -77,7 +77,7 @@ def cold_servers(tmp_path_factory):
 def _conversation(url, echo: bool = True, every_kind: bool = True):
     """What the client sees over one chat, its streamed copy and its resumed second turn; with
     `every_kind`, a completion and a seeded sampled reply too, and with `echo` an echoed prompt's
-    logprobs (refused across processes, tests/http/test_serve_multihost.py)."""
+    logprobs."""
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
     kw = dict(model="ckpt", temperature=0, logit_bias=LETTERS)
     q1 = [{"role": "user", "content": "what is the weather in paris"}]

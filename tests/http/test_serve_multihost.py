@@ -8,8 +8,8 @@ a chat completion with logprobs, its streamed copy, a resumed second turn (the c
 on process 0's disk travels to process 1 with the request), a completion, a seeded sampled reply
 and a thinking-mode question asked twice (the second resumes from the prefix the server stores
 after the first: a prefill published to process 1) are equal field by field, usage (cached
-tokens) included. What cannot run across processes
-yet (echo, constrained decoding) is refused with a 400 naming it.
+tokens) included, and an echoed prompt's logprobs. (Images, constrained decoding and speculation
+across processes: tests/http/test_serve_matrix.py.)
 
 Then a fresh pair: process 1 is killed while process 0 streams a reply; process 0 answers the open
 request with an error naming process 1 and exits non-zero (the test bounds that it ends, generously,
@@ -103,11 +103,10 @@ def _stop(procs: dict) -> None:
 
 
 def _conversation(url):
-    """tests/http/test_serve_mesh.py's conversation (less echo: refused across processes), then a
-    thinking-mode question asked twice: after the first reply the server also stores the prompt less
+    """tests/http/test_serve_mesh.py's conversation, then a thinking-mode question asked twice: after the first reply the server also stores the prompt less
     its final <think> (a conversation-cache prefill on process 0's store, published to process 1), and
     the second resumes from that file."""
-    out = mesh_conversation(url, echo=False)
+    out = mesh_conversation(url)
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
     q = [{"role": "user", "content": "hi"}]  # short: the effort instruction makes a long prompt (model length 128)
     th = [client.chat.completions.create(model="ckpt", messages=q, max_tokens=4, reasoning_effort="high",
@@ -141,11 +140,6 @@ def test_two_processes_answer_as_one_process(checkpoint):
         (_, first), (_, again) = two["thinking"]
         assert again["prompt_tokens_details"]["cached_tokens"] == first["prompt_tokens"] - 1
         assert two == ref
-        # what runs outside the engine's lockstep steps is refused, naming the feature
-        for body in ({"prompt": "def f", "max_tokens": 1, "echo": True, "logprobs": 1},
-                     {"prompt": "def f", "max_tokens": 4, "structured_outputs": {"regex": "[a-z]+"}}):
-            r = httpx.post(urls["two"] + "/v1/completions", json={"model": "ckpt", **body}, timeout=60)
-            assert r.status_code == 400 and "not available across processes" in r.json()["error"]["message"], r.text
         assert procs["two-1"].poll() is None  # the follower serves on
     finally:
         _stop(procs)

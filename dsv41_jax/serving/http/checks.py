@@ -1,6 +1,6 @@
 """The checks every endpoint runs before any compute: the API key, the body (size, JSON), the
 model name, the prompt's size before it is tokenized, token ids against the vocabulary, the
-token budget, and the features refused across processes. Field-by-field validation of a body is
+token budget. Field-by-field validation of a body is
 `protocol.py`'s; each check here raises a `protocol.APIError`."""
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from fastapi import Request as HTTPRequest
 from dsv41_jax.serving.http import protocol as P
 from dsv41_jax.serving.http.images import has_images
 from dsv41_jax.serving.http.state import ServerConfig, ServingState, serving_state
-from dsv41_jax.serving.lockstep import refusal
 
 
 def authorize(cfg: ServerConfig, request: HTTPRequest) -> None:
@@ -176,10 +175,3 @@ def token_budget(cfg: ServerConfig, prompt: list[int], sp: P.Sampling, param: st
                               f"beyond the maximum model length {cfg.max_model_len}; lower max_tokens",
                          param="max_tokens")
     return sp.max_tokens
-
-
-def single_process(cfg: ServerConfig, param: str, feature: str) -> None:
-    """Across processes (`dsv41 serve --coordinator ...`), a feature whose work runs outside the
-    engine's lockstep steps (`lockstep.NOT_ACROSS`) is refused (400) before any compute."""
-    if cfg.processes is not None:
-        raise P.bad(param, refusal(feature, len(cfg.processes())))

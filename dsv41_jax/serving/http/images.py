@@ -25,7 +25,7 @@ import numpy as np
 from dsv41_jax.text import special_tokens as st
 from dsv41_jax.text.chat import encode_chat_pieces, IMAGE_PART_TYPES, pieces_to_ids
 from dsv41_jax.text.pieces import image_parts
-from dsv41_jax.vision.merge import IMAGE_END, make_image_encoder, span_rows
+from dsv41_jax.vision.merge import IMAGE_END, span_rows
 from dsv41_jax.vision.processor import expand_prompt, ImageError
 from dsv41_jax.vision.sources import ImageLimits, load_images
 
@@ -70,20 +70,17 @@ def pixel_key(tokens, inputs, span_lengths) -> list[int]:
 
 
 class ImagePrompter:
-    """Turns a chat request with images into its prompt ids and spans, for one loaded engine."""
+    """Turns a chat request with images into its prompt ids and spans, for one loaded engine. The
+    tower runs as the engine's `encode_image` (across processes its lockstep publishes it, so every
+    process runs the same program on its shards)."""
 
     def __init__(self, engine, opts: ImageOptions):
         from flax import nnx
 
         self.engine, self.opts, self.cfg = engine, opts, engine.cfg
-        model = nnx.merge(engine.graphdef, engine.params)
-        if getattr(model, "vision", None) is None:
+        if getattr(nnx.merge(engine.graphdef, engine.params), "vision", None) is None:
             raise ValueError("this model was built without its vision tower (a language-model-only load); "
                              "images need the checkpoint's vision weights")
-        # span_rows reads the config and the three learned delimiter vectors; keep only those
-        self.delims = types.SimpleNamespace(cfg=self.cfg, image_start=model.image_start, image_end=model.image_end,
-                                            image_newline=model.image_newline)
-        self.encode = make_image_encoder(engine.graphdef, engine.runtime)
         self.lock = threading.Lock()  # one image encode at a time (each compiles per grid shape on first use)
 
     def build(self, tokenizer, messages, *, with_spans: bool = True, **chat) -> ImagePrompt:
@@ -96,13 +93,14 @@ class ImagePrompter:
             for img in inputs:
                 digest.update(np.ascontiguousarray(img.patches).tobytes())
             return ImagePrompt(tokens, None, digest.hexdigest(), len(inputs), pixel_key(tokens, inputs, lengths))
-        embeds = []
+        embeds, delimiters = [], {}
         with self.lock:
             for img in inputs:
                 digest.update(np.ascontiguousarray(img.patches).tobytes())
-                _, emb = self.encode(self.engine.params, img.patches, img.n_vit_h, img.n_vit_w)
-                embeds.append(np.asarray(emb))
-        rows = span_rows(self.delims, np.asarray(token_types), inputs, embeds)
+                emb, delimiters = self.engine.encode_image(img.patches, img.n_vit_h, img.n_vit_w)
+                embeds.append(emb)
+        # span_rows reads the config and the three learned delimiter vectors
+        rows = span_rows(types.SimpleNamespace(cfg=self.cfg, **delimiters), np.asarray(token_types), inputs, embeds)
         return ImagePrompt(tokens, (rows, np.asarray(token_types, np.int64)), digest.hexdigest(), len(inputs),
                            pixel_key(tokens, inputs, lengths))
 

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request as HTTPRequest
 
 from dsv41_jax.serving.http import protocol as P
 from dsv41_jax.serving.http import schema as S
-from dsv41_jax.serving.http.checks import read_request, refuse_images, single_process
+from dsv41_jax.serving.http.checks import read_request, refuse_images
 from dsv41_jax.serving.http.choices import ChatChoice
 from dsv41_jax.serving.http.grammar import build_constraints, check_call_budget
 from dsv41_jax.serving.http.prompts import build_prompt
@@ -27,13 +27,11 @@ def _fields(body: dict, state: ServingState) -> None:
 async def chat(request: HTTPRequest):
     state, body = await read_request(request, _fields)
     messages = body.get("messages")
-    if refuse_images(state, messages):
-        single_process(state.cfg, "messages", "image input")
+    refuse_images(state, messages)
     mode = P.chat_mode(body, state.cfg.effort_table)
     sp = P.sampling_fields(body, chat=True)
     spec = P.constraint_spec(body, chat=True)
     if spec:
-        single_process(state.cfg, spec.param, "constrained decoding")
         await asyncio.to_thread(check_call_budget, state, spec, mode, sp.max_tokens)
     prompt = await build_prompt(state, messages, mode)
     constraints = spec and await asyncio.to_thread(build_constraints, state, spec, mode, len(sp.seeds))

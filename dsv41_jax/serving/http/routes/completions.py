@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request as HTTPRequest
 
 from dsv41_jax.serving.http import protocol as P
 from dsv41_jax.serving.http import schema as S
-from dsv41_jax.serving.http.checks import get_bool, read_request, single_process, token_budget
+from dsv41_jax.serving.http.checks import get_bool, read_request, token_budget
 from dsv41_jax.serving.http.choices import TextChoice
 from dsv41_jax.serving.http.grammar import build_constraints
 from dsv41_jax.serving.http.prompts import Prompt, build_prompt, prompt_batch, prompt_text
@@ -21,7 +21,6 @@ from dsv41_jax.serving.http.runs import make_runs, submit_runs
 from dsv41_jax.serving.http.state import ServingState
 from dsv41_jax.serving.http.streaming import DONE, event_stream, respond, sse
 from dsv41_jax.serving.http.token_text import Offsets
-from dsv41_jax.serving.prompt_logprobs import prompt_logprobs
 
 router = APIRouter()
 DEFAULT_MAX_TOKENS = 16  # a completions request without max_tokens generates this many at most (OpenAI's)
@@ -41,10 +40,6 @@ async def completions(request: HTTPRequest):
     sp = P.sampling_fields(body, chat=False)
     echo = get_bool(body, "echo", False)
     spec = P.constraint_spec(body, chat=False)
-    if echo:
-        single_process(cfg, "echo", "echo (the prompt's logprobs)")
-    if spec:
-        single_process(cfg, spec.param, "constrained decoding")
     texts = [prompt_text(state.tokenizer, source, p.ids) if echo else None for source, p in zip(sources, prompts)]
     if sp.max_tokens == 0:  # score the prompts only (sampling_fields allows 0 with echo alone)
         for p in prompts:
@@ -89,7 +84,7 @@ async def _echo(state: ServingState, ids: list[int], sp: P.Sampling, text: str) 
     first with null logprobs."""
     if not sp.logprobs:
         return text, None
-    lps, tops = await state.worker.call(lambda engine: prompt_logprobs(engine, list(ids)))
+    lps, tops = await state.worker.call(lambda engine: engine.prompt_logprobs(list(ids)))
     shown, k = state.token_text.shown, sp.top_logprobs
     return text, {"tokens": [shown(t) for t in ids], "token_logprobs": lps,
                   "top_logprobs": [None] + [{shown(i): v for i, v in top[:k]} for top in tops[1:]],
