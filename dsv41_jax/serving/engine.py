@@ -39,6 +39,7 @@ from dsv41_jax.serving import prefix_cache, speculation
 from dsv41_jax.serving.buckets import capacity_for, empty_cache, resize_cache
 from dsv41_jax.serving.placement import DeviceTables, OneDevice
 from dsv41_jax.serving.prefill import prefill_request
+from dsv41_jax.serving.prompt_logprobs import prompt_logprobs
 from dsv41_jax.serving.request import Request, Result, check_request
 from dsv41_jax.serving.sampling import (banned_mask, check_finite_logits, empty_history, history_row,
                                         mask_words, sample, slot_arrays)
@@ -222,8 +223,6 @@ class Engine:
     def prompt_logprobs(self, prompt: list[int]):
         """The logprobs of the prompt's own tokens (`serving.prompt_logprobs`, echo), on a cache of its
         own between steps. A method, so that serving across processes publishes it (`lockstep`)."""
-        from dsv41_jax.serving.prompt_logprobs import prompt_logprobs  # deferred: it imports this module
-
         return prompt_logprobs(self, prompt)
 
     def encode_image(self, patches, n_vit_h: int, n_vit_w: int) -> tuple[np.ndarray, dict]:

@@ -21,7 +21,6 @@ import numpy as np
 from flax import nnx
 
 from dsv41_jax.runtime import COMPILER_OPTIONS
-from dsv41_jax.serving.engine import Engine
 from dsv41_jax.serving.prefill import piece_inputs
 from dsv41_jax.serving.split_prefill import exact_prefill
 
@@ -30,7 +29,7 @@ TOP = 20  # the most top_logprobs a request may ask for (OpenAI's bound)
 _PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _program(engine: Engine):
+def _program(engine):
     fn = _PROGRAMS.get(engine)
     if fn is None:
         gd, rt = engine.graphdef, engine.runtime
@@ -53,9 +52,10 @@ def _program(engine: Engine):
     return fn
 
 
-def prompt_logprobs(engine: Engine, prompt: list[int]) -> tuple[list[float | None], list[list[tuple[int, float]]]]:
+def prompt_logprobs(engine, prompt: list[int]) -> tuple[list[float | None], list[list[tuple[int, float]]]]:
     """(logprob of each prompt token given the tokens before it, None for the first;
-    the TOP most likely (id, logprob) at each position, [] for the first). Call from the engine's thread."""
+    the TOP most likely (id, logprob) at each position, [] for the first) on a `serving.engine.Engine`
+    (`Engine.prompt_logprobs` calls this). Call from the engine's thread."""
     if not prompt:
         raise ValueError("empty prompt: nothing to score")
     step = _program(engine)

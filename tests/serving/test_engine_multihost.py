@@ -1,16 +1,21 @@
-"""The serving engine on a mesh spanning two processes, driven in lockstep (slow).
+"""The serving engine on a mesh spanning two processes, driven in lockstep.
 
 Process 0 runs the engine and publishes every engine call (submit, step) through
 `serving.lockstep.Channel` before making it; process 1 makes the same calls on its own engine
 and serves nothing. Oracle: the same engine in one process over all 8 devices. A greedy and a
 seeded temperature-1 request give the same tokens and the same top log-probabilities, bit for bit
-(fast numerics: the steps' logits are replicated, so the sampler sums whole rows either way).
+(fast numerics: the steps' logits are replicated, so the sampler sums whole rows either way; slow).
+
+The default suite's cell (`test_echo_constrained_image_and_speculated_requests_across_two_processes`):
+the features whose work used to run beside the lockstep (echo's scoring pass, the grammar matcher,
+the vision tower) and speculation, two processes of one device against one device, exact numerics.
 """
 from __future__ import annotations
 
 import json
 import os
 import pathlib
+import re
 import socket
 import subprocess
 import sys
@@ -106,3 +111,113 @@ def test_engine_across_two_processes_equals_one_process(tmp_path):
     assert follower["steps"] >= 4 and set(one["tokens"]) == {"a", "b"}
     # every process names the weights as one process does (conversation caches are keyed on it)
     assert follower["fingerprint"] == one["fingerprint"]
+
+
+FEATURES = r'''
+import argparse, base64, io, json, os, sys
+coordinator, pid, tmp = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+from dsv41_jax.cli.distributed import join
+join(argparse.Namespace(coordinator=coordinator, num_processes=2, process_id=pid), "lockstep-features")
+import jax
+jax.config.update("jax_enable_x64", True)  # exact numerics: a mesh's split sums round as one device's
+import numpy as np
+from PIL import Image
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.runtime import Runtime
+from dsv41_jax.serving.constraints import Grammars
+from dsv41_jax.serving.engine import Engine, Request
+from dsv41_jax.serving.generate import banned_ids
+from dsv41_jax.serving.http.images import ImageOptions, ImagePrompter
+from dsv41_jax.serving.lockstep import Channel, LeaderEngine, follow
+from dsv41_jax.serving.random_weights import random_model
+from dsv41_jax.serving.sampling import SamplingParams
+from dsv41_jax.text.tokenizer import load_tokenizer
+from sharding.mesh import make_mesh
+from sharding.serving import engine_strategies
+tok = load_tokenizer(os.path.join(tmp, "tokenizer.json"))
+cfg = ModelConfig.tiny_vision(n_layers=1, compress_ratios=(0,), kv_source_layers=(), index_source_layers=(),
+                              candidate_source_layer=-1, engram_layer_ids=(), n_routed_experts=4, max_seq_len=128,
+                              n_mtp_layers=1, dspark_block_size=2, dspark_noise_token_id=3,
+                              dspark_target_layer_ids=(0,), dspark_markov_rank=16, dspark_n_routed_experts=4,
+                              dspark_n_activated_experts=2)
+model = random_model(cfg, seed=7)
+settings = dict(slots=2, min_capacity=128, prefill_chunk=8, exact_prefill=True, speculative=2,
+                runtime=Runtime(mode="exact"), banned_ids=tuple(banned_ids(cfg, tok)))
+grammars = Grammars(tok, cfg.vocab_size)
+buf = io.BytesIO()
+Image.new("RGB", (12, 9), (220, 20, 20)).save(buf, "PNG")
+look = [{"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {
+    "url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()}}]}]
+
+
+def answers(eng):
+    """An echo's prompt logprobs, a constrained reply, an image reply and a speculated reply on `eng`."""
+    out, rows = {"echo": eng.prompt_logprobs([0, 70, 80, 90, 100, 110])}, {}
+    made = ImagePrompter(eng, ImageOptions()).build(tok, look, thinking=False)
+    sp = lambda n: SamplingParams(max_tokens=n, stop_tokens=(tok.eos_id,))
+    reqs = [Request([0, 70, 80], sp(6), request_id="regex", constraint=grammars.constraint(grammars.regex("[a-c]{2}x"))),
+            Request(made.tokens, sp(4), request_id="image", spans=made.spans),
+            Request([0, 71, 72, 73], sp(8), request_id="speculated")]
+    for r in reqs:
+        r.want_logprobs = True
+        r.on_token = (lambda rid: lambda t, lp: rows.setdefault(rid, []).append((t, float(lp[t]))))(r.request_id)
+        eng.submit(r)
+    while not eng.idle():  # the calls themselves (Engine.run would reach past a LeaderEngine's publishing)
+        eng.step()
+    for r in reqs:
+        out[r.request_id] = (eng.done[r.request_id].tokens, rows[r.request_id])
+    out["spec_stats"] = dict(eng.spec_stats)
+    return out
+
+
+try:
+    mesh_engine = Engine(model, **settings, **engine_strategies(make_mesh("expert=2"), "inference"))
+    channel = Channel()
+    if pid:
+        follow(mesh_engine, channel, grammars=lambda: grammars)
+        os._exit(0)
+    # the oracle first: one device of this process, no collectives, while process 1 waits for a command
+    # (once process 1 has stopped, the coordination service ends this process too)
+    one = answers(Engine(model, **settings))
+    across = answers(LeaderEngine(mesh_engine, channel))
+    print(json.dumps({"across": across, "one": one}), flush=True)
+    channel.publish(("stop",))
+    channel.drained(timeout=60)
+except BaseException:
+    import traceback
+    traceback.print_exc()
+    sys.stderr.flush()
+    os._exit(1)  # at once: jax.distributed.shutdown's barrier would wait minutes for the other process
+os._exit(0)
+'''
+
+
+def test_echo_constrained_image_and_speculated_requests_across_two_processes(tmp_path):
+    """Two processes of one CPU device each, one mesh `expert=2` over both, driven in lockstep
+    (`LeaderEngine` on process 0, `follow` on process 1): an echo's prompt logprobs (the scoring pass
+    published), a regex-constrained reply (each process runs its own matcher), an image reply (the
+    tower published, the span rows sent with the submit) and greedy speculation give the tokens and
+    logprobs (bitwise, exact numerics) and the drafter's counts of one device in process 0."""
+    from dsv41_jax.train.data import ByteTokenizer
+
+    ByteTokenizer().save_json(tmp_path / "tokenizer.json", image_token=True)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", FEATURES, f"127.0.0.1:{port}", str(i), str(tmp_path)], cwd=REPO,
+                              env=env, stdout=subprocess.PIPE, stderr=open(tmp_path / f"err{i}", "w"), text=True)
+             for i in range(2)]
+    try:
+        stdout, _ = procs[0].communicate(timeout=900)
+        assert procs[0].returncode == 0, (tmp_path / "err0").read_text()[-3000:]
+        assert procs[1].wait(timeout=120) == 0, (tmp_path / "err1").read_text()[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    out = json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
+    across, one = out["across"], out["one"]
+    assert re.fullmatch("[a-c]{2}x", bytes(t - 8 for t in across["regex"][0][:-1]).decode()), across["regex"]
+    assert across["spec_stats"]["drafted"] > 0 and len(across["echo"][0]) == 6
+    assert across == one

@@ -28,6 +28,7 @@ import traceback
 from dsv41_jax.serving import warmup
 from dsv41_jax.serving.engine import Engine, Request
 from dsv41_jax.serving.http.metrics import Metrics
+from dsv41_jax.serving.http.protocol import APIError
 
 
 @dataclasses.dataclass
@@ -64,6 +65,7 @@ class EngineWorker:
         self.jobs: dict[str, Job] = {}
         self._ids = itertools.count()
         self._pending = 0  # submitted but not yet taken from the inbox
+        self._calling = None  # (loop, future) of the `call` the engine thread is running
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="dsv41-engine", daemon=True)
@@ -105,6 +107,8 @@ class EngineWorker:
         error, from any thread (the serving-across-processes watchdog: the engine thread may be stuck
         in a collective whose peer is gone). Returns how many were answered."""
         jobs = list(self.jobs.values())
+        calling = self._calling  # one running (echo's scoring pass), stuck in a collective
+        calls = [calling] if calling is not None else []
         while True:
             try:
                 item = self.inbox.get_nowait()
@@ -113,8 +117,9 @@ class EngineWorker:
             if item[0] == "submit":
                 jobs.append(item[1])
             elif item[0] == "call":
-                item[2].call_soon_threadsafe(
-                    lambda f=item[3]: f.done() or f.set_exception(RuntimeError(message)))
+                calls.append(item[2:])
+        for loop, future in calls:
+            loop.call_soon_threadsafe(lambda f=future: f.done() or f.set_exception(APIError(status, message)))
         for job in jobs:
             self._post(job, ("error", status, message))
         return len(jobs)
@@ -174,12 +179,15 @@ class EngineWorker:
                 if not future.done():
                     method(value)
 
+            self._calling = (loop, future)
             try:
                 result = fn(self.engine)
             except Exception as e:  # noqa: BLE001 - the caller's failure, raised in the caller
                 loop.call_soon_threadsafe(settle, future.set_exception, e)
             else:
                 loop.call_soon_threadsafe(settle, future.set_result, result)
+            finally:
+                self._calling = None
         elif item[0] == "cancel":
             job = self.jobs.pop(item[1], None)
             if job is not None:
