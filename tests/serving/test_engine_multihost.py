@@ -6,9 +6,9 @@ and serves nothing. Oracle: the same engine in one process over all 8 devices. A
 seeded temperature-1 request give the same tokens and the same top log-probabilities, bit for bit
 (fast numerics: the steps' logits are replicated, so the sampler sums whole rows either way; slow).
 
-The default suite's cell (`test_echo_constrained_image_and_speculated_requests_across_two_processes`):
-the features whose work used to run beside the lockstep (echo's scoring pass, the grammar matcher,
-the vision tower) and speculation, two processes of one device against one device, exact numerics.
+`test_echo_constrained_image_and_speculated_requests_across_two_processes` (slow): the features whose
+work used to run beside the lockstep (echo's scoring pass, the grammar matcher, the vision tower) and
+speculation, two processes of one device against one device, exact numerics.
 """
 from __future__ import annotations
 
@@ -192,6 +192,7 @@ os._exit(0)
 '''
 
 
+@pytest.mark.slow  # 161 s here (two processes compile every program in exact numerics, and process 0 again)
 def test_echo_constrained_image_and_speculated_requests_across_two_processes(tmp_path):
     """Two processes of one CPU device each, one mesh `expert=2` over both, driven in lockstep
     (`LeaderEngine` on process 0, `follow` on process 1): an echo's prompt logprobs (the scoring pass
