@@ -145,9 +145,17 @@ def fleet(checkpoint):
     f.close()
 
 
+def _message(m) -> dict:
+    """A chat message, less its tool calls' ids (drawn at random per reply, as OpenAI's are)."""
+    out = m.model_dump()
+    for call in out.get("tool_calls") or ():
+        call["id"] = None
+    return out
+
+
 def _chat(r) -> dict:
     """A chat reply as the client sees it, less its id and time."""
-    return {"choices": [{"message": c.message.model_dump(), "logprobs": c.logprobs and c.logprobs.model_dump(),
+    return {"choices": [{"message": _message(c.message), "logprobs": c.logprobs and c.logprobs.model_dump(),
                          "finish_reason": c.finish_reason} for c in r.choices], "usage": r.usage.model_dump()}
 
 
