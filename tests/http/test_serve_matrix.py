@@ -17,8 +17,8 @@ Oracles:
   finish reasons for every request (speculation with the "match" rule emits the tokens plain decoding
   draws, seeded sampling included; host tables give the device tables' numbers).
 `test_new_features_across_two_processes` is the new cells in brief (one request per feature that used
-to be refused across processes); tests/serving/test_engine_multihost.py has them at the engine's level.
-Every test here is slow: two server processes take minutes on a 2-core machine.
+to be refused across processes); the default suite's cell for them is the engine's
+(tests/serving/test_engine_multihost.py), since two server processes take minutes here.
 """
 from __future__ import annotations
 

@@ -6,9 +6,9 @@ and serves nothing. Oracle: the same engine in one process over all 8 devices. A
 seeded temperature-1 request give the same tokens and the same top log-probabilities, bit for bit
 (fast numerics: the steps' logits are replicated, so the sampler sums whole rows either way; slow).
 
-`test_echo_constrained_image_and_speculated_requests_across_two_processes` (slow): the features whose
-work used to run beside the lockstep (echo's scoring pass, the grammar matcher, the vision tower) and
-speculation, two processes of one device against one device, exact numerics.
+`test_echo_constrained_image_and_speculated_requests_across_two_processes` (the default suite's): the
+features whose work used to run beside the lockstep (echo's scoring pass, the grammar matcher, the
+vision tower) and speculation, two processes of one device against one device, exact numerics.
 """
 from __future__ import annotations
 
@@ -115,9 +115,10 @@ def test_engine_across_two_processes_equals_one_process(tmp_path):
 
 FEATURES = r'''
 import argparse, base64, io, json, os, sys
-coordinator, pid, tmp = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-from dsv41_jax.cli.distributed import join
-join(argparse.Namespace(coordinator=coordinator, num_processes=2, process_id=pid), "lockstep-features")
+coordinator, pid, tmp = sys.argv[1], sys.argv[2], sys.argv[3]  # pid: "0", "1" or "one" (the oracle)
+if pid != "one":
+    from dsv41_jax.cli.distributed import join
+    join(argparse.Namespace(coordinator=coordinator, num_processes=2, process_id=int(pid)), "lockstep-features")
 import jax
 jax.config.update("jax_enable_x64", True)  # exact numerics: a mesh's split sums round as one device's
 import numpy as np
@@ -146,18 +147,22 @@ settings = dict(slots=2, min_capacity=128, prefill_chunk=8, exact_prefill=True, 
 grammars = Grammars(tok, cfg.vocab_size)
 buf = io.BytesIO()
 Image.new("RGB", (12, 9), (220, 20, 20)).save(buf, "PNG")
-look = [{"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {
+# "look at it" and the 12 x 9 image make a 24-token prompt: every prompt here is a whole number of
+# prefill pieces of 8 (exact numerics compiles a piece program per remainder length, `steps.piece_set`)
+look = [{"role": "user", "content": [{"type": "text", "text": "look at it"}, {"type": "image_url", "image_url": {
     "url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()}}]}]
 
 
 def answers(eng):
     """An echo's prompt logprobs, a constrained reply, an image reply and a speculated reply on `eng`."""
-    out, rows = {"echo": eng.prompt_logprobs([0, 70, 80, 90, 100, 110])}, {}
+    out, rows = {"echo": eng.prompt_logprobs([0, 70, 80, 90, 100, 110, 120, 121])}, {}
     made = ImagePrompter(eng, ImageOptions()).build(tok, look, thinking=False)
+    assert len(made.tokens) == 24, len(made.tokens)
     sp = lambda n: SamplingParams(max_tokens=n, stop_tokens=(tok.eos_id,))
-    reqs = [Request([0, 70, 80], sp(6), request_id="regex", constraint=grammars.constraint(grammars.regex("[a-c]{2}x"))),
+    regex = grammars.constraint(grammars.regex("[a-c]{2}x"))
+    reqs = [Request([0, 70, 80, 81, 82, 83, 84, 85], sp(6), request_id="regex", constraint=regex),
             Request(made.tokens, sp(4), request_id="image", spans=made.spans),
-            Request([0, 71, 72, 73], sp(8), request_id="speculated")]
+            Request([0, 71, 72, 73, 74, 75, 76, 77], sp(8), request_id="speculated")]
     for r in reqs:
         r.want_logprobs = True
         r.on_token = (lambda rid: lambda t, lp: rows.setdefault(rid, []).append((t, float(lp[t]))))(r.request_id)
@@ -171,16 +176,15 @@ def answers(eng):
 
 
 try:
+    if pid == "one":  # one device, no collectives
+        print(json.dumps(answers(Engine(model, **settings))), flush=True)
+        os._exit(0)
     mesh_engine = Engine(model, **settings, **engine_strategies(make_mesh("expert=2"), "inference"))
     channel = Channel()
-    if pid:
+    if pid == "1":
         follow(mesh_engine, channel, grammars=lambda: grammars)
         os._exit(0)
-    # the oracle first: one device of this process, no collectives, while process 1 waits for a command
-    # (once process 1 has stopped, the coordination service ends this process too)
-    one = answers(Engine(model, **settings))
-    across = answers(LeaderEngine(mesh_engine, channel))
-    print(json.dumps({"across": across, "one": one}), flush=True)
+    print(json.dumps(answers(LeaderEngine(mesh_engine, channel))), flush=True)
     channel.publish(("stop",))
     channel.drained(timeout=60)
 except BaseException:
@@ -192,33 +196,38 @@ os._exit(0)
 '''
 
 
-@pytest.mark.slow  # 161 s here (two processes compile every program in exact numerics, and process 0 again)
 def test_echo_constrained_image_and_speculated_requests_across_two_processes(tmp_path):
     """Two processes of one CPU device each, one mesh `expert=2` over both, driven in lockstep
     (`LeaderEngine` on process 0, `follow` on process 1): an echo's prompt logprobs (the scoring pass
     published), a regex-constrained reply (each process runs its own matcher), an image reply (the
     tower published, the span rows sent with the submit) and greedy speculation give the tokens and
-    logprobs (bitwise, exact numerics) and the drafter's counts of one device in process 0."""
+    logprobs (bitwise, exact numerics) and the drafter's counts of one device in a third process (the
+    oracle, run beside the pair: the two cores compile both at once). The default suite's cross-process
+    check of those features: one request each, every prompt a whole number of prefill pieces, so each
+    process compiles one program per step kind."""
     from dsv41_jax.train.data import ByteTokenizer
 
     ByteTokenizer().save_json(tmp_path / "tokenizer.json", image_token=True)
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", FEATURES, f"127.0.0.1:{port}", str(i), str(tmp_path)], cwd=REPO,
-                              env=env, stdout=subprocess.PIPE, stderr=open(tmp_path / f"err{i}", "w"), text=True)
-             for i in range(2)]
+    procs = {pid: subprocess.Popen([sys.executable, "-c", FEATURES, f"127.0.0.1:{port}", pid, str(tmp_path)],
+                                   cwd=REPO, env=env, stdout=subprocess.PIPE, text=True,
+                                   stderr=open(tmp_path / f"err{pid}", "w"))
+             for pid in ("0", "1", "one")}
+    out = {}
     try:
-        stdout, _ = procs[0].communicate(timeout=900)
-        assert procs[0].returncode == 0, (tmp_path / "err0").read_text()[-3000:]
-        assert procs[1].wait(timeout=120) == 0, (tmp_path / "err1").read_text()[-3000:]
+        for pid in ("0", "one"):
+            stdout, _ = procs[pid].communicate(timeout=900)
+            assert procs[pid].returncode == 0, (tmp_path / f"err{pid}").read_text()[-3000:]
+            out[pid] = json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
+        assert procs["1"].wait(timeout=120) == 0, (tmp_path / "err1").read_text()[-3000:]
     finally:
-        for p in procs:
+        for p in procs.values():
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    out = json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
-    across, one = out["across"], out["one"]
+    across, one = out["0"], out["one"]
     assert re.fullmatch("[a-c]{2}x", bytes(t - 8 for t in across["regex"][0][:-1]).decode()), across["regex"]
-    assert across["spec_stats"]["drafted"] > 0 and len(across["echo"][0]) == 6
+    assert across["spec_stats"]["drafted"] > 0 and len(across["echo"][0]) == 8
     assert across == one
