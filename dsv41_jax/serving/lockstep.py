@@ -228,8 +228,9 @@ class LeaderEngine:
 
     def __init__(self, engine, channel: Channel, watchdog: "Watchdog | None" = None):
         self.engine, self.channel, self.watchdog = engine, channel, watchdog
-        # a call is published and made under this lock: the engine thread and an image request's
-        # thread (the tower) then run their device programs in the order the followers read them
+        # a call is published and made under this lock: calls from several threads (the server makes
+        # all of its own on its engine thread) then run their device programs in the order the
+        # followers read them
         self.lock = threading.RLock()
 
     def __getattr__(self, name):

@@ -83,9 +83,12 @@ class ImagePrompter:
                              "images need the checkpoint's vision weights")
         self.lock = threading.Lock()  # one image encode at a time (each compiles per grid shape on first use)
 
-    def build(self, tokenizer, messages, *, with_spans: bool = True, **chat) -> ImagePrompt:
+    def build(self, tokenizer, messages, *, with_spans: bool = True, encode=None, **chat) -> ImagePrompt:
         """ids and spans; raises ImageError (bad image, a limit) or ValueError (bad messages).
-        `with_spans=False` (for /tokenize) stops after the prompt's ids: no tower, spans None."""
+        `with_spans=False` (for /tokenize) stops after the prompt's ids: no tower, spans None.
+        encode: how the tower is run, (patches, n_vit_h, n_vit_w) -> `Engine.encode_image`'s result
+        (default: the engine's, from this thread)."""
+        encode = encode or self.engine.encode_image
         tokens, token_types, inputs = image_prompt(tokenizer, messages, self.cfg, self.opts, **chat)
         digest = hashlib.sha256()
         lengths = _span_lengths(token_types, inputs)
@@ -97,7 +100,7 @@ class ImagePrompter:
         with self.lock:
             for img in inputs:
                 digest.update(np.ascontiguousarray(img.patches).tobytes())
-                emb, delimiters = self.engine.encode_image(img.patches, img.n_vit_h, img.n_vit_w)
+                emb, delimiters = encode(img.patches, img.n_vit_h, img.n_vit_w)
                 embeds.append(emb)
         # span_rows reads the config and the three learned delimiter vectors
         rows = span_rows(types.SimpleNamespace(cfg=self.cfg, **delimiters), np.asarray(token_types), inputs, embeds)

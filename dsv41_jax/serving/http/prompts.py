@@ -1,6 +1,7 @@
 """A request's prompt as the ids the engine prefills: one function for chat, `/tokenize` and
-completions (echo returns the text of what was built). Tokenizing and the vision tower run off the
-event loop, so a long prompt never stalls the other clients."""
+completions (echo returns the text of what was built). Tokenizing and image decoding run off the
+event loop, so a long prompt never stalls the other clients; the vision tower runs on the engine
+thread between steps."""
 from __future__ import annotations
 
 import asyncio
@@ -32,12 +33,28 @@ async def build_prompt(state: ServingState, source, mode: P.ChatMode | None = No
     try:
         if with_images:
             made = await asyncio.to_thread(state.cfg.images.build, state.tokenizer, source, with_spans=run_tower,
-                                           thinking=mode.thinking, effort=mode.effort, tools=mode.tools)
+                                           encode=_tower(state), thinking=mode.thinking, effort=mode.effort,
+                                           tools=mode.tools)
             return Prompt(made.tokens, made.spans, made.key)
         return Prompt(await asyncio.to_thread(encode_chat_ids, state.tokenizer, source, thinking=mode.thinking,
                                               effort=mode.effort, tools=mode.tools))
     except (ValueError, TypeError) as e:
         raise P.APIError(400, f"messages: {e}", param="messages") from None
+
+
+def _tower(state: ServingState):
+    """The vision tower as a call on the engine thread, between steps (`EngineWorker.call`), for the
+    image decoding that runs in a worker thread: across processes it is then published in order with
+    the steps, and when a process stops answering the request gets the 503 naming it
+    (`EngineWorker.fail_open` answers a running or queued call), where a tower stuck in a collective
+    on a thread of its own would never return."""
+    loop = asyncio.get_running_loop()
+
+    def encode(patches, n_vit_h: int, n_vit_w: int):
+        run = state.worker.call(lambda engine: engine.encode_image(patches, n_vit_h, n_vit_w))
+        return asyncio.run_coroutine_threadsafe(run, loop).result()
+
+    return encode
 
 
 def _one_text(prompt):
