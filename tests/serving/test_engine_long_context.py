@@ -1,0 +1,76 @@
+"""The engine at long context equals `model.forward` on the same tokens, bit for bit in exact numerics.
+
+Toy configurations stop at a few dozen tokens; the paths that only decide something at length are
+exercised here: the index top-k selecting over thousands of compressed rows, the candidate pool in
+decode, the cache's capacity buckets growing, the grouped MoE over prefill pieces of >= 256 rows,
+and continuous batching of two long prompts. The oracle is the model's own step (`make_step`, no
+engine), fed the same pieces the engine's exact prefill cuts (`steps.pieces`, unpadded: the exact
+numerics pick their elementwise kernels by a call's length, as the reference's do), then one token
+a call; the engine's logprob rows must equal log_softmax of those logits, every element.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.model.transformer import init_cache, make_step
+from dsv41_jax.runtime import Runtime
+from dsv41_jax.serving import sampling
+from dsv41_jax.serving.random_weights import random_model
+from dsv41_jax.serving.steps import pieces
+
+CHUNK, NEW = 1024, 3  # both prompts whole chunks: one prefill program per side
+
+
+def long_config(max_seq_len: int) -> ModelConfig:
+    """tests/serving/test_serving.py's five-layer layout (SWA, Full r2, Full r1 pool source,
+    in-pool Reindex, Reuse) at a long context: top-k 8 of up to 4K compressed rows."""
+    return ModelConfig.tiny(engram_layer_ids=(), max_seq_len=max_seq_len, n_layers=5, compress_ratios=(0, 2, 1, 1, 1),
+                            kv_source_layers=(1, 2), index_source_layers=(1, 2, 3), candidate_source_layer=2,
+                            hc_sinkhorn_iters=3, n_routed_experts=4, vocab_size=256)
+
+
+def _forward_logprobs(graphdef, params, cfg, prompt, generated):
+    """log_softmax rows of model.forward's logits for the prompt's last token and each generated
+    token but the last: the rows the engine reports with its tokens."""
+    step = make_step(graphdef, Runtime(mode="exact"))
+    cache, start, rows = init_cache(cfg, 1), 0, []
+    for n in pieces(len(prompt), CHUNK, padded=False):
+        logits, cache, _ = step(params, jnp.asarray([prompt[start:start + n]], jnp.int32), cache, None)
+        start += n
+    rows.append(logits[0, -1])
+    for tok in generated[:-1]:
+        logits, cache, _ = step(params, jnp.asarray([[tok]], jnp.int32), cache, None)
+        rows.append(logits[0, -1])
+    return [np.asarray(jax.nn.log_softmax(jax.device_get(r.astype(jnp.float32)))) for r in rows]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lengths", [(4096, 3072)], ids=lambda v: "x".join(map(str, v)))
+def test_engine_equals_forward_at_long_context(lengths):
+    from dsv41_jax.serving.engine import Engine, Request
+
+    cfg = long_config(max(lengths) + 64)
+    model = random_model(cfg, seed=7)
+    graphdef, params = nnx.split(model)
+    rng = np.random.default_rng(11)
+    prompts = [[int(t) for t in rng.integers(1, cfg.vocab_size, n)] for n in lengths]
+    seen: list[list] = [[] for _ in prompts]
+    with jax.enable_x64(True):
+        eng = Engine(model, slots=len(prompts), exact_prefill=True, prefill_chunk=CHUNK, min_capacity=64,
+                     runtime=Runtime(mode="exact"))
+        reqs = [Request(p, sampling.SamplingParams(max_tokens=NEW), want_logprobs=True,
+                        on_token=lambda tok, lp, i=i: seen[i].append((tok, lp))) for i, p in enumerate(prompts)]
+        results = eng.run(reqs)
+        assert eng.capacity >= max(lengths)  # the cache grew through its buckets to hold them
+        for i, (prompt, res) in enumerate(zip(prompts, results)):
+            assert res.tokens == [t for t, _ in seen[i]] and len(res.tokens) == NEW
+            want = _forward_logprobs(graphdef, params, cfg, prompt, res.tokens)
+            for j, ((tok, lp), ref) in enumerate(zip(seen[i], want)):
+                assert np.array_equal(lp, ref), (lengths[i], j, float(np.max(np.abs(lp - ref))))
+                assert tok == int(np.argmax(ref))  # greedy: the forward's own argmax
