@@ -38,11 +38,13 @@ def _program(engine):
         # order than one device does), as the engine's own steps return them; the scores come back
         # replicated, so every process (serving across processes) can read them
         fix = engine.placement.constrain
+        trace = engine.placement.trace  # on a mesh its kernels run per device, as in the engine's steps
 
         @functools.partial(jax.jit, donate_argnums=(2,), compiler_options=COMPILER_OPTIONS)
         def fn(params, tokens, cache, ids, targets, valid):
-            logits, cache, _ = exact_prefill(nnx.merge(gd, params), tokens, cache, runtime=rt, engram_ids=ids,
-                                             valid=valid)
+            with trace():
+                logits, cache, _ = exact_prefill(nnx.merge(gd, params), tokens, cache, runtime=rt, engram_ids=ids,
+                                                 valid=valid)
             lp = jax.nn.log_softmax(fix(logits[0]).astype(jnp.float32), -1)  # [n, V]
             target = jnp.take_along_axis(lp, jnp.maximum(targets, 0)[:, None], -1)[:, 0]
             top_lp, top_ids = jax.lax.top_k(lp, min(TOP, lp.shape[-1]))
