@@ -59,7 +59,6 @@ _FILE_SECONDS = {
     "tests/http/test_serve_warmup.py": 26, "tests/layers/test_mhc_sinkhorn.py": 26, "tests/numerics/test_host_dispatch.py": 23,
     "tests/http/test_serve_isolation.py": 19, "tests/train/test_train_kernels.py": 18, "tests/vision/test_vision_sources.py": 15,
     "tests/model/test_layer_body.py": 14, "pallas_kernels/test_bench.py": 13,
-    "tests/serving/test_engine_multihost.py": 83,  # measured alone: three processes compiling
     # measured alone on the loaded machine (not from a CI run): XLA:TPU and Mosaic compiles in child processes
     "tests/sharding/test_tpu_compile.py": 65, "pallas_kernels/test_mosaic_compile.py": 20,
 }

@@ -2,11 +2,13 @@
 
 Toy configurations stop at a few dozen tokens; the paths that only decide something at length are
 exercised here: the index top-k selecting over thousands of compressed rows, the candidate pool in
-decode, the cache's capacity buckets growing, the grouped MoE over prefill pieces of >= 256 rows,
-and continuous batching of two long prompts. The oracle is the model's own step (`make_step`, no
-engine), fed the same pieces the engine's exact prefill cuts (`steps.pieces`, unpadded: the exact
-numerics pick their elementwise kernels by a call's length, as the reference's do), then one token
-a call; the engine's logprob rows must equal log_softmax of those logits, every element.
+decode (at the released pool size too: 2048 blocks of 8 restrict a ratio-1 layer only past 16,384
+positions), the cache's capacity buckets growing, the grouped MoE over prefill pieces of >= 256
+rows, continuous batching of two long prompts, and the same on a mesh of 8 devices. The oracle is the
+model's own step (`make_step`, no engine, one device), fed the same pieces the engine's exact prefill
+cuts (`steps.pieces`, unpadded: the exact numerics pick their elementwise kernels by a call's length,
+as the reference's do), then one token a call; the engine's logprob rows must equal log_softmax of
+those logits, every element.
 """
 from __future__ import annotations
 
@@ -24,15 +26,16 @@ from dsv41_jax.serving import sampling
 from dsv41_jax.serving.random_weights import random_model
 from dsv41_jax.serving.steps import pieces
 
-CHUNK, NEW = 1024, 3  # both prompts whole chunks: one prefill program per side
+CHUNK, NEW = 1024, 3  # prompts of whole chunks: one prefill program per side
 
 
-def long_config(max_seq_len: int) -> ModelConfig:
+def long_config(max_seq_len: int, **over) -> ModelConfig:
     """tests/serving/test_serving.py's five-layer layout (SWA, Full r2, Full r1 pool source,
     in-pool Reindex, Reuse) at a long context: top-k 8 of up to 4K compressed rows."""
-    return ModelConfig.tiny(engram_layer_ids=(), max_seq_len=max_seq_len, n_layers=5, compress_ratios=(0, 2, 1, 1, 1),
-                            kv_source_layers=(1, 2), index_source_layers=(1, 2, 3), candidate_source_layer=2,
-                            hc_sinkhorn_iters=3, n_routed_experts=4, vocab_size=256)
+    base = dict(engram_layer_ids=(), max_seq_len=max_seq_len, n_layers=5, compress_ratios=(0, 2, 1, 1, 1),
+                kv_source_layers=(1, 2), index_source_layers=(1, 2, 3), candidate_source_layer=2,
+                hc_sinkhorn_iters=3, n_routed_experts=4, vocab_size=256)
+    return ModelConfig.tiny(**{**base, **over})
 
 
 def _forward_logprobs(graphdef, params, cfg, prompt, generated):
@@ -50,20 +53,40 @@ def _forward_logprobs(graphdef, params, cfg, prompt, generated):
     return [np.asarray(jax.nn.log_softmax(jax.device_get(r.astype(jnp.float32)))) for r in rows]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("lengths", [(4096, 3072)], ids=lambda v: "x".join(map(str, v)))
-def test_engine_equals_forward_at_long_context(lengths):
-    from dsv41_jax.serving.engine import Engine, Request
+# (prompt lengths, mesh spec or None for one device, config overrides)
+CASES = {
+    "4096x3072": ((4096, 3072), None, {}),
+    # the same two prompts on 8 devices: experts over expert=4, heads over tensor=2, the cache's
+    # slots over expert (4 slots, two of them idle)
+    "4096x3072-mesh": ((4096, 3072), "expert=4,tensor=2", {}),
+    # the released candidate pool (2048 blocks of 8) and index top-k (512): 16,896 positions, so the
+    # pool restricts the ratio-1 layers' top-k and the top-k selects from its pool in decode
+    "16896-released-pool": ((16896,), None, dict(index_topk=512, candidate_topk_blocks=2048,
+                                                 candidate_block_size=8)),
+}
 
-    cfg = long_config(max(lengths) + 64)
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_engine_equals_forward_at_long_context(case):
+    from dsv41_jax.golden.mechanisms import exercised
+    from dsv41_jax.serving.engine import Engine, Request
+    from sharding.mesh import make_mesh
+    from sharding.serving import engine_strategies
+
+    lengths, spec, over = CASES[case]
+    cfg = long_config(max(lengths) + 64, **over)
+    said = " ".join(exercised(cfg, {"schedule": [{"start_pos": 0, "n_tokens": max(lengths)}]}))
+    assert "top-k selects" in said and "candidate pool restricts" in said, said
     model = random_model(cfg, seed=7)
     graphdef, params = nnx.split(model)
     rng = np.random.default_rng(11)
     prompts = [[int(t) for t in rng.integers(1, cfg.vocab_size, n)] for n in lengths]
     seen: list[list] = [[] for _ in prompts]
+    mesh = make_mesh(spec) if spec else None
     with jax.enable_x64(True):
-        eng = Engine(model, slots=len(prompts), exact_prefill=True, prefill_chunk=CHUNK, min_capacity=64,
-                     runtime=Runtime(mode="exact"))
+        eng = Engine(model, slots=4 if mesh else len(prompts), exact_prefill=True, prefill_chunk=CHUNK,
+                     min_capacity=64, runtime=Runtime(mode="exact"), **engine_strategies(mesh))
         reqs = [Request(p, sampling.SamplingParams(max_tokens=NEW), want_logprobs=True,
                         on_token=lambda tok, lp, i=i: seen[i].append((tok, lp))) for i, p in enumerate(prompts)]
         results = eng.run(reqs)

@@ -196,6 +196,10 @@ os._exit(0)
 '''
 
 
+# slow: three processes compiling every step kind in exact numerics on two cores took 117-266 s of the
+# default suite (over its budget, and it starves the other xdist worker meanwhile);
+# tests/serving/test_lockstep.py keeps the default suite's cross-process check of the lockstep itself
+@pytest.mark.slow
 def test_echo_constrained_image_and_speculated_requests_across_two_processes(tmp_path):
     """Two processes of one CPU device each, one mesh `expert=2` over both, driven in lockstep
     (`LeaderEngine` on process 0, `follow` on process 1): an echo's prompt logprobs (the scoring pass
