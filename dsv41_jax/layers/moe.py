@@ -24,6 +24,42 @@ PER_ROW_TOKENS = 8
 # fast numerics: routed rows (tokens x top-k) above which the sorted ragged path (`Experts.grouped`,
 # the active experts dequantized once) is cheaper than each row gathering its expert (`per_row`)
 GROUPED_ROWS = 256
+# `ragged_dot`'s weight gradient over more than GROUP_PAD_ABOVE groups is computed for the groups padded
+# to a multiple of GROUP_PAD (why: there)
+GROUP_PAD, GROUP_PAD_ABOVE = 512, 128
+
+
+@jax.custom_vjp
+def ragged_dot(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+    """`jax.lax.ragged_dot(x [m, k], w [G, k, n], sizes [G])` in fp32, with jax's own gradients, except
+    that the weight gradient over more than `GROUP_PAD_ABOVE` groups is computed for the groups padded
+    with empty ones to a multiple of `GROUP_PAD` and cut back to G.
+
+    Why: XLA:TPU (libtpu 0.0.42) fails to compile the weight gradient (a ragged dot contracting over
+    the rows) for G = 384 experts ("Bitcast cannot have different shape sizes", s32[384] laid out in
+    tiles of 512 bitcast to s32[384,1] in tiles of 128): the released model's QAT step. Each group's
+    gradient is the same dot over the same rows, so the values are those of jax's rule bit for bit; the
+    tiny model's 8 experts compile as they are (and padding them would cost 64 times the CPU's dense
+    expansion of the ragged dot)."""
+    return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
+
+
+def _ragged_dot_fwd(x, w, sizes):
+    return ragged_dot(x, w, sizes), (x, w, sizes)
+
+
+def _ragged_dot_bwd(res, ct):
+    x, w, sizes = res
+    G = w.shape[0]
+    padded = jnp.pad(sizes, (0, -G % GROUP_PAD if G > GROUP_PAD_ABOVE else 0))
+    dot = lambda sz: lambda a, b: jax.lax.ragged_dot(a, b, sz, preferred_element_type=jnp.float32)  # noqa: E731
+    dx, = jax.linear_transpose(lambda a: dot(sizes)(a, w), x)(ct)
+    dw, = jax.linear_transpose(lambda b: dot(padded)(x, b),
+                               jax.ShapeDtypeStruct((padded.shape[0],) + w.shape[1:], w.dtype))(ct)
+    return dx, dw[:G], None
+
+
+ragged_dot.defvjp(_ragged_dot_fwd, _ragged_dot_bwd)
 
 
 class Gate(nnx.Module):
@@ -177,11 +213,11 @@ class Experts(nnx.Module):
         w1, w2, w3 = self.dense_weights(active)
         quantize = self.kind != "dense"
         xq = quant.fake_fp8_act(xs, 32) if quantize else xs
-        up1 = jax.lax.ragged_dot(xq, jnp.swapaxes(w1, 1, 2), sizes, preferred_element_type=jnp.float32).astype(x.dtype)
-        up3 = jax.lax.ragged_dot(xq, jnp.swapaxes(w3, 1, 2), sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+        up1 = ragged_dot(xq, jnp.swapaxes(w1, 1, 2), sizes).astype(x.dtype)
+        up3 = ragged_dot(xq, jnp.swapaxes(w3, 1, 2), sizes).astype(x.dtype)
         h = (ws[:, None] * swiglu(up1, up3, self.limit)).astype(x.dtype)
         hq = quant.fake_fp8_act(h, 32) if quantize else h
-        out = jax.lax.ragged_dot(hq, jnp.swapaxes(w2, 1, 2), sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+        out = ragged_dot(hq, jnp.swapaxes(w2, 1, 2), sizes).astype(x.dtype)
         return jnp.zeros_like(out).at[order].set(out)
 
 
