@@ -176,8 +176,12 @@ def to_training_model(model, formats: dict[str, Format], *, act_quant: bool = Tr
 
 
 def build_training_model(cfg: ModelConfig, formats: dict[str, Format], *, seed: int = 0, act_quant: bool = True,
-                         quant_engram_rows: bool = True, exact_mhc: bool = False, abstract: bool = False):
+                         quant_engram_rows: bool = True, exact_mhc: bool = False, abstract: bool = False,
+                         engram_rows: tuple[int, ...] | None = None):
     """(graphdef, flat fp32 masters) of a freshly initialised training model.
+
+    engram_rows: the Engram tables' row counts (default the config's; more rows than the config's are
+    never looked up: a layout padding the tables to a multiple of their shards).
 
     The whole initialisation runs as one compiled program (eager init compiles once per
     parameter shape, which dominates start-up on CPU). abstract=True returns shapes only.
@@ -185,7 +189,7 @@ def build_training_model(cfg: ModelConfig, formats: dict[str, Format], *, seed: 
     holder = {}
 
     def init():
-        m = to_training_model(Transformer(dense_config(cfg), rngs=seed), formats, act_quant=act_quant,
+        m = to_training_model(Transformer(dense_config(cfg), rngs=seed, engram_rows=engram_rows), formats, act_quant=act_quant,
                               quant_engram_rows=quant_engram_rows, exact_mhc=exact_mhc)
         holder["graphdef"], state = nnx.split(m)
         return flatten_state(state)

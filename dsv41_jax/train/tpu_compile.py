@@ -6,6 +6,11 @@ gradients, optimizer update) on the training mesh's layout (`train.mesh.state_sh
 `training` preset's rules, FSDP over `data`, experts over `expert`), with abstract state (fp32
 masters and the optimizer's moments, `jax.eval_shape`) and an abstract packed batch of `batch` rows
 of `seq_len` tokens; nothing is allocated. The figures are the compiler's, not measurements on a TPU.
+
+The Engram tables' rows are padded to a multiple of their shards, as the served layout pads them
+(`sharding.layer_compile`): the released tables' row counts (384,006,168 and 384,016,682) do not
+divide 64 devices, and the training rules would otherwise split the first over `data` only and
+replicate the second (a 366 GiB fp32 master, and its two moments, on every chip).
 """
 from __future__ import annotations
 
@@ -17,6 +22,8 @@ from dsv41_jax.train import mesh as meshlib
 from dsv41_jax.train.params import serving_formats, serving_graph
 from dsv41_jax.train.qat_modules import build_training_model
 from dsv41_jax.train.step import TrainConfig, init_state, make_train_step
+from dsv41_jax.model.transformer import engram_table_rows
+from sharding.plan import table_shards
 from sharding.tpu_step import compile_report, slice_mesh
 
 
@@ -26,7 +33,9 @@ def compile_train(cfg: ModelConfig, topology: str, mesh_spec, *, batch: int, seq
     meshlib.check_batch(mesh, batch)
     tcfg = TrainConfig(seq_len=seq_len, batch_size=batch, impl=impl)
     formats = serving_formats(cfg, serving_graph(cfg)[1])
-    graphdef, master_shapes = build_training_model(cfg, formats, seed=0, abstract=True)
+    shards = table_shards(dict(zip(mesh.axis_names, mesh.devices.shape)), "training")
+    table_rows = tuple(-(-r // shards) * shards for r in engram_table_rows(cfg)) if cfg.engram_layer_ids else None
+    graphdef, master_shapes = build_training_model(cfg, formats, seed=0, abstract=True, engram_rows=table_rows)
     abstract = jax.eval_shape(lambda m: init_state(m, tcfg), master_shapes)
     shardings = meshlib.state_shardings(mesh, abstract, meshlib.param_shapes_of(abstract))
     rows = meshlib.batch_sharding(mesh)

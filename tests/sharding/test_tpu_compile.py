@@ -73,6 +73,18 @@ def test_tiny_qat_training_step_compiles_for_v5p():
     assert r["preset"] == "training" and r["tokens"] == 256 and r["flops"] > 0
 
 
+
+@pytest.mark.slow  # one XLA:TPU compile of the released width's QAT step (8 layers), ~MIN min on 2 cores
+def test_released_qat_training_step_compiles_for_v5p():
+    """The released width (one layer per kind, 384 experts over expert=16), 64 x 1024 tokens: XLA:TPU
+    compiles it (the experts' weight gradient over padded groups, `moe.ragged_dot`) and it fits."""
+    proc = _dsv41("compile", "--topology", "v5p:4x4x4", "--mesh", "data=4,expert=16", "--what", "train",
+                  "--batch", "64", "--context", "1024", "--layers-per-kind", "1", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    r = json.loads(proc.stdout)
+    assert r["ok"] and r["fits"] and r["chips"] == 64 and r["hosts"] == 16, r
+    assert r["layers"] == 8 and r["tokens"] == 65536 and r["flops"] > 0
+
 def test_bad_input_exits_2_naming_it():
     proc = _dsv41("compile", "--config", "tiny", "--topology", "v6e:3x3", "--mesh", "data=1")
     assert proc.returncode == 2 and "v6e:3x3" in proc.stderr, proc.stderr[-2000:]
