@@ -35,9 +35,11 @@ def ragged_dot(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
     that the weight gradient over more than `GROUP_PAD_ABOVE` groups is computed for the groups padded
     with empty ones to a multiple of `GROUP_PAD` and cut back to G.
 
-    Why: XLA:TPU (libtpu 0.0.42) fails to compile the weight gradient (a ragged dot contracting over
-    the rows) for G = 384 experts ("Bitcast cannot have different shape sizes", s32[384] laid out in
-    tiles of 512 bitcast to s32[384,1] in tiles of 128): the released model's QAT step. Each group's
+    Why: XLA:TPU (libtpu 0.0.42, v5p) fails to compile the weight gradient (a ragged dot contracting
+    over the rows) for G = 384 experts, the released model's QAT step: "Bitcast cannot have different
+    shape sizes", the group sizes s32[384] laid out in tiles of 512 bitcast to s32[384,1] in tiles of
+    128. On one chip as on a mesh, even with the sizes an argument; 8, 128, 256 and 512 groups
+    compile, 384 and 640 do not. Each group's
     gradient is the same dot over the same rows, so the values are those of jax's rule bit for bit; the
     tiny model's 8 experts compile as they are (and padding them would cost 64 times the CPU's dense
     expansion of the ragged dot)."""
