@@ -231,10 +231,35 @@ def check_case(runner: CaseRunner, case: dict) -> list[Entry]:
     return entries
 
 
+def reference_runs(runner: CaseRunner, case: dict, t: dict) -> list[tuple]:
+    """(label, quirk, tokens, forced calls, reference logits, decode decisions stored) for each run a
+    case's tensors hold: a prefill case one ("free"); a decode case one per index-key variant it stores
+    (published, corrected). A variant without stored decode decisions (dspark_fp8's corrected) gets
+    empty forced calls after its prefill."""
+    tokens = np.asarray(t.get("tokens", np.asarray(case["tokens"]))).astype(np.int64)
+    sched = case["schedule"]
+    P = sched[0]["n_tokens"]
+    if case["kind"] in ("prefill", "vl_prefill"):
+        return [("free", False, tokens, [runner.forced_from(t, "select.", slice(0, P))], t["logits"], True)]
+    runs = []
+    for label, quirk, key, prefix in (("published", True, "decode_logits", "select.decode."),
+                                      ("corrected", False, "decode_logits_corrected", "select.decode_corrected.")):
+        if key not in t:
+            continue
+        # a greedy case's corrected run consumes its own argmax stream (golden/README.md, dspark_fp8)
+        run_tokens = tokens if label == "published" or "tokens_corrected" not in t else \
+            np.asarray(t["tokens_corrected"]).astype(np.int64)
+        stored = any(k.startswith(prefix) for k in t)
+        forced = [runner.forced_from(t, "select.prefill.", slice(0, P))]
+        forced += [runner.forced_from(t, prefix, slice(i - 1, i)) if stored else {"topk": {}, "experts": {}}
+                   for i in range(1, len(sched))]
+        runs.append((label, quirk, run_tokens, forced, np.concatenate([t["prefill_logits"], t[key]], 0), stored))
+    return runs
+
+
 def _case_entries(runner: CaseRunner, case: dict) -> list[Entry]:
     gc = runner.gc
     t = gc.case_tensors(case)
-    tokens = np.asarray(t.get("tokens", np.asarray(case["tokens"]))).astype(np.int64)
     sched = case["schedule"]
     base = f"{gc.name}/{case['name']}"
     tol = tolerances(gc.name)
@@ -242,38 +267,24 @@ def _case_entries(runner: CaseRunner, case: dict) -> list[Entry]:
     if case["kind"].startswith("vl_"):  # image cases: the tower's outputs first, then the text checks
         vision_entry, spans = check_vision(runner, case, t)
         entries.append(vision_entry)
-    if case["kind"] in ("prefill", "vl_prefill"):
-        ref = t["logits"]
-        n = sched[0]["n_tokens"]
-        forced = [runner.forced_from(t, "select.", slice(0, n))]
-        ours, _ = runner.run(tokens, sched, forced_calls=forced, impose=False, spans=spans)
-        entries.append(_judge_free(f"{base}[free]", ours, ref, tol))
-        ours, res = runner.run(tokens, sched, forced_calls=forced, spans=spans)
-        entries.append(_judge_forced(f"{base}[forced]", ours, ref, res["agree"], tol))
-        return entries
-    P = sched[0]["n_tokens"]
-    for variant, quirk, key, prefix in (("published", True, "decode_logits", "select.decode."),
-                                        ("corrected", False, "decode_logits_corrected", "select.decode_corrected.")):
-        if key not in t:
+    for variant, quirk, tokens, forced, ref, _ in reference_runs(runner, case, t):
+        if case["kind"] in ("prefill", "vl_prefill"):
+            ours, _ = runner.run(tokens, sched, forced_calls=forced, impose=False, spans=spans)
+            entries.append(_judge_free(f"{base}[free]", ours, ref, tol))
+            ours, res = runner.run(tokens, sched, forced_calls=forced, spans=spans)
+            entries.append(_judge_forced(f"{base}[forced]", ours, ref, res["agree"], tol))
             continue
-        ref = np.concatenate([t["prefill_logits"], t[key]], 0)
-        # a greedy case's corrected run consumes its own argmax stream (golden/README.md, dspark_fp8)
-        run_tokens = tokens if variant == "published" or "tokens_corrected" not in t else \
-            np.asarray(t["tokens_corrected"]).astype(np.int64)
-        forced = [runner.forced_from(t, "select.prefill.", slice(0, P))]
-        stored = any(k.startswith(prefix) for k in t)  # dspark_fp8 stores no corrected decode decisions
-        for i in range(1, len(sched)):
-            forced.append(runner.forced_from(t, prefix, slice(i - 1, i)) if stored else {"topk": {}, "experts": {}})
-        ours, free = runner.run(run_tokens, sched, quirk=quirk, forced_calls=forced, impose=False, spans=spans)
+        ours, free = runner.run(tokens, sched, quirk=quirk, forced_calls=forced, impose=False, spans=spans)
         if variant == "corrected":  # the oracle's corrected decode equals its prefill bit for bit: judge tightly
             entries.append(_judge_forced(f"{base}[{variant}]", ours, ref, True, tol, forced=False))
         else:
             entries.append(_judge_free(f"{base}[{variant}]", ours, ref, tol))
         free_logits = ours
-        ours, res = runner.run(run_tokens, sched, quirk=quirk, forced_calls=forced, spans=spans)
+        ours, res = runner.run(tokens, sched, quirk=quirk, forced_calls=forced, spans=spans)
         entries.append(_judge_forced(f"{base}[{variant}-forced]", ours, ref, res["agree"], tol))
         if runner.cfg.has_dspark and f"dspark.output_ids{'_corrected' if variant == 'corrected' else ''}" in t:
-            entries.extend(runner.draft_entries(t, base, variant, P, free_logits, free["taps"], res["taps"], tol))
+            entries.extend(runner.draft_entries(t, base, variant, sched[0]["n_tokens"], free_logits, free["taps"],
+                                                res["taps"], tol))
     return entries
 
 

@@ -20,27 +20,13 @@ import jax
 import numpy as np
 
 from dsv41_jax.golden import data as golden_data
-from dsv41_jax.golden.check import CaseRunner
+from dsv41_jax.golden.check import CaseRunner, reference_runs
 
 
 def free_runs(runner: CaseRunner, case: dict, t: dict) -> list[tuple]:
-    """(label, quirk, tokens, forced calls, reference logits) for each free run a case has: a prefill
-    case one; a decode case one per index-key variant it stores (published, corrected)."""
-    tokens = np.asarray(t.get("tokens", np.asarray(case["tokens"]))).astype(np.int64)
-    sched = case["schedule"]
-    if case["kind"] == "prefill":
-        return [("free", False, tokens, [runner.forced_from(t, "select.", slice(0, sched[0]["n_tokens"]))], t["logits"])]
-    P, runs = sched[0]["n_tokens"], []
-    for label, quirk, key, prefix in (("published", True, "decode_logits", "select.decode."),
-                                      ("corrected", False, "decode_logits_corrected", "select.decode_corrected.")):
-        if key not in t or not any(k.startswith(prefix) for k in t):
-            continue
-        run_tokens = tokens if label == "published" or "tokens_corrected" not in t else \
-            np.asarray(t["tokens_corrected"]).astype(np.int64)
-        forced = [runner.forced_from(t, "select.prefill.", slice(0, P))]
-        forced += [runner.forced_from(t, prefix, slice(i - 1, i)) for i in range(1, len(sched))]
-        runs.append((label, quirk, run_tokens, forced, np.concatenate([t["prefill_logits"], t[key]], 0)))
-    return runs
+    """(label, quirk, tokens, forced calls, reference logits) for each free run of a text case whose
+    decisions the folder stores (`check.reference_runs`: the ones golden-check runs too)."""
+    return [run[:5] for run in reference_runs(runner, case, t) if run[5]]
 
 
 def _boundary(scores: np.ndarray, k: int) -> np.ndarray:
