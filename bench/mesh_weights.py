@@ -7,7 +7,8 @@ layout and trace context), on abstract params laid out by the preset. Two versio
   on a mesh before it made the kernels' word views at load and traced its steps per device): the
   kernels' wrappers relayout every FP8 weight into 32-bit words on each call;
 - "engine": what `MeshPlacement` holds now: `kernel_params`' word views, made once at load and split
-  like the stored bytes, and the steps traced inside `kernels_on` (each kernel per device).
+  like the stored bytes, and the steps traced inside `kernels_on` (each kernel per device); the
+  cache as the engine keeps it for the TPU kernels (`Runtime.kv_words`: its KV rows as their word views).
 Bytes per device: a weight's use counts its shard (its sharding's shard shape); a relayout is
 counted at the kernel's operand, which inside `shard_map` is the device's own.
 """
@@ -51,7 +52,7 @@ def rows(cfg, context: int, mesh_spec: str, preset: str = "inference", batches=(
         fraction = [int(np.prod(s.sharding.shard_shape(s.shape))) / max(1, int(np.prod(s.shape)))
                     for s in jax.tree_util.tree_leaves(params)]
         for batch in batches:
-            cache = cost.abstract_cache(cfg, batch, context)
+            cache = cost.abstract_cache(cfg, batch, context, version == "engine" and rt.kv_words())
             cache = jax.tree.map(sds, cache, cache_shardings(cache, mesh, preset))
             tokens = jax.ShapeDtypeStruct((batch, 1), jnp.int32, sharding=batch_sharding(mesh, (batch, 1), preset))
             active = jax.ShapeDtypeStruct((batch,), jnp.bool_, sharding=batch_sharding(mesh, (batch,), preset))
@@ -74,18 +75,13 @@ def rows(cfg, context: int, mesh_spec: str, preset: str = "inference", batches=(
 
 def _cache_relayout(closed, params, cache) -> int:
     """Bytes per device the step writes and reads again relaying the KV caches out for the kernels
-    (their 32-bit word views, made per call inside the kernels' `shard_map`)."""
+    (e.g. into their 32-bit word views, made per call inside the kernels' `shard_map`)."""
     import jax
 
     from dsv41_jax.serving import weight_traffic
 
     first = len(jax.tree_util.tree_leaves(params)) + 1  # the caches follow the params and the tokens
-    leaves = jax.tree_util.tree_leaves_with_path(cache)
-    uses = {first + i: weight_traffic.WeightUse(jax.tree_util.keystr(p), leaf.shape, 0, 0)
-            for i, (p, leaf) in enumerate(leaves)}
-    weight_traffic.follow(closed.jaxpr, {closed.jaxpr.invars[i]: weight_traffic.Taint(u, True, 1)
-                                         for i, u in uses.items()})
-    return sum(2 * u.relayout_bytes for u in uses.values())
+    return sum(2 * u.relayout_bytes for u in weight_traffic.kv_cache_uses(closed, first, cache))
 
 
 def print_rows(rows) -> None:

@@ -94,3 +94,9 @@ class Runtime:
         if self.mode == "exact" and not self.resolved_interpret():
             return None
         return self.mode
+
+    def kv_words(self) -> bool:
+        """Whether a cache this runtime serves holds its KV rows as the TPU kernels' 32-bit word view
+        (`model.cache.cache_form`): when the attention and indexer kernels run and they are the TPU
+        kernels (compiled, or interpreted on the CPU), which read words; the GPU kernels read bytes."""
+        return self.kernel_mode() is not None and jax.default_backend() not in ("gpu", "cuda", "rocm")

@@ -89,7 +89,7 @@ def abstract_step_args(cfg: ModelConfig, mesh, preset, *, batch: int, tokens: in
         return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
 
     params = jax.tree.map(sds, state, param_shardings(state, mesh, preset))
-    cache_abs = jax.eval_shape(lambda: init_cache(cfg, batch))
+    cache_abs = jax.eval_shape(lambda: init_cache(cfg, batch, runtime.kv_words()))  # as the engine keeps it
     cache = jax.tree.map(sds, cache_abs, cache_shardings(cache_abs, mesh, preset))
     args = [params, jax.ShapeDtypeStruct((batch, tokens), jnp.int32,
                                          sharding=batch_sharding(mesh, (batch, tokens), preset)), cache]

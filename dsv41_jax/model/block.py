@@ -260,9 +260,10 @@ def block_step(block, state: LayerState, span: Span, plan: Plan, probe: Probe = 
     rec = merge_records(rec, r)
     x, qr, q, cos, sin, win_raw, (a_pre, a_post, a_comb) = attn_in(block, h, pre, span.positions, role.ratio, cfg,
                                                                    plan)
-    keys, idx, win_rows = store.window(l, win_raw, span)
-    kernel = plan.kernel_mode is not None and win_rows is not None  # the attention kernel runs
-    kernel_inputs = (win_rows, idx, None, None)  # what the attention kernel reads
+    keys, idx, win_kernel = store.window(l, win_raw, span)
+    kernel = plan.kernel_mode is not None and win_kernel is not None  # the attention kernel runs
+    win_kernel = win_kernel or (None, None)
+    kernel_inputs = (*win_kernel, None, None)  # what the attention kernel reads
 
     if role.ratio:
         src = role.kv_source
@@ -275,7 +276,7 @@ def block_step(block, state: LayerState, span: Span, plan: Plan, probe: Probe = 
             rec = merge_records(rec, r, probe.scored(l, scoring, probe_inputs))
         sel = carry.topk[role.index_source]
         rec["topk"] = sel
-        kernel_inputs = (win_rows, idx, store.compressed(src), sel)
+        kernel_inputs = (*win_kernel, store.compressed(src), sel)
         if not kernel:
             keys, idx = _with_compressed(keys, idx, store, src, sel, plan)
 
@@ -310,7 +311,7 @@ def _with_compressed(keys, idx, store, src: int, sel, plan: Plan):
         comp = store.compressed(src)
         b = jnp.arange(B)[:, None, None]
         safe = jnp.maximum(sel, 0)
-        rows = kv_layout.dequantize_compressed(kv_layout.CompressedKV(comp.packed[b, safe], comp.scales[b, safe]))
+        rows = kv_layout.dequantize_compressed(type(comp)(*(a[b, safe] for a in comp)))
         keys = jnp.concatenate([keys, rows.astype(keys.dtype).reshape(B, T * K, -1)], 1)
         slot = off + jnp.arange(T)[:, None] * K + jnp.arange(K)[None]
         return keys, jnp.concatenate([idx, jnp.where(sel >= 0, slot[None], -1)], -1)
@@ -345,7 +346,7 @@ def _pool_scores(attn, store, x, qr, cos, sin, keys_cache: kv_layout.IndexKeys, 
     valid = valid.reshape(B, T, -1)
     safe = jnp.where(valid, pos, 0)
     b = jnp.arange(B)[:, None, None]
-    rows = kv_layout.IndexKeys(keys_cache.packed[b, safe], keys_cache.scales[b, safe])
+    rows = kv_layout.bytes_of(type(keys_cache)(*(a[b, safe] for a in keys_cache)))  # the gathered rows only
     P = rows.packed.shape[2]
     # score one query against its own gathered keys: fold T into the batch
     flat = lambda a: a.reshape(B * T, 1, *a.shape[2:])

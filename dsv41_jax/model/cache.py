@@ -13,9 +13,10 @@ from dsv41_jax.numerics import kv_layout
 from dsv41_jax.runtime import Runtime
 
 
-def init_cache(cfg: ModelConfig, batch: int | None = None) -> dict:
+def init_cache(cfg: ModelConfig, batch: int | None = None, words: bool = False) -> dict:
     """An empty cache with fixed shapes (docs/REFERENCE.md §5): window rings, per-source compressed KV, index
-    keys and compressor partial groups, per-sequence lengths."""
+    keys and compressor partial groups, per-sequence lengths. words: the KV rows held as the TPU
+    kernels' word view (`kv_layout.words_of`; see `cache_form`)."""
     B = batch or cfg.max_batch_size
     cache = {
         "length": jnp.zeros((B,), jnp.int32),
@@ -33,7 +34,22 @@ def init_cache(cfg: ModelConfig, batch: int | None = None) -> dict:
         if m > 1:
             cache["compressor"][f"layer{s}"] = {"kv": jnp.zeros((B, m, cfg.head_dim), jnp.float32),
                                                 "score": jnp.full((B, m, cfg.head_dim), -jnp.inf, jnp.float32)}
-    return cache
+    return cache_form(cache, words)
+
+
+def cache_form(cache: dict, words: bool) -> dict:
+    """The cache with its KV rows (window rings, compressed KV, index keys) as the TPU kernels' word
+    view (words True) or as bytes: the same bytes either way (a row's scale bytes padded to whole
+    words, none at the released widths: 16 window, 32 compressed, 4 index-key scale bytes). The attention and indexer kernels read a
+    word cache as it is stored; from bytes they relayout the whole cache on every call (8-bit and
+    32-bit arrays are tiled differently in a TPU's memory), which is why an engine running those
+    kernels keeps words (`Runtime.kv_words`)."""
+    form = kv_layout.words_of if words else kv_layout.bytes_of
+    out = dict(cache)
+    out["window"] = [form(w) for w in cache["window"]]
+    out["compressed"] = {k: form(c) for k, c in cache["compressed"].items()}
+    out["index_keys"] = {k: form(c) for k, c in cache["index_keys"].items()}
+    return out
 
 
 def scatter_rows(buf: jax.Array, rows: jax.Array, idx: jax.Array) -> jax.Array:
@@ -45,7 +61,8 @@ def scatter_rows(buf: jax.Array, rows: jax.Array, idx: jax.Array) -> jax.Array:
 
 
 def scatter_container(c, rows, idx):
-    return type(c)(*(scatter_rows(a, r, idx) for a, r in zip(c, rows)))
+    """Container c with the container rows written at idx (rows converted to c's form first)."""
+    return type(c)(*(scatter_rows(a, r, idx) for a, r in zip(c, kv_layout.like(c, rows))))
 
 
 def window_indices(start, T, W):

@@ -34,7 +34,8 @@ class Store(Protocol):
 
     def window(self, l: int, raw: jax.Array, span: Span) -> tuple:
         """This chunk's window K=V rows raw [B, T, D] written: (the key rows [B, N, D] the XLA
-        attention reads, their indices [B, T, W] (-1 empty), the rows the attention kernel reads or None)."""
+        attention reads, their indices [B, T, W] (-1 empty), (the rows the attention kernel reads,
+        its indices into them) or None)."""
 
     def visible(self, span: Span, m: int) -> jax.Array:
         """[B, T]: how many compressed groups of ratio m each query may see."""
@@ -123,19 +124,26 @@ class QuantStore:
 
     def window(self, l: int, raw: jax.Array, span: Span):
         """This chunk's window rows [B, T, D] in (stored FP8): (rows [B, W+T, D] dequantized, idx [B, T, W],
-        the packed rows for the kernel). The ring keeps the chunk's last W rows."""
-        W = self.cfg.window_size
+        (the packed rows for the kernel, its indices)). The ring keeps the chunk's last W rows.
+
+        The kernel reads [ring ++ chunk] at idx, except for one token (decode): then it reads the ring
+        as written, at the same rows: the new row sits in slot start % W, whose old row (position
+        start - W) no query of the chunk sees, so no ring is copied per step."""
+        W, T = self.cfg.window_size, span.positions.shape[1]
         ring = self.cache["window"][l]
         new = kv_layout.quantize_window(raw)
         rows = jnp.concatenate([kv_layout.dequantize_window(ring), kv_layout.dequantize_window(new)], 1)
-        idx = window_indices(span.start, span.positions.shape[1], W)
+        idx = window_indices(span.start, T, W)
         if span.floor is not None:
             p = span.positions[..., None] - (W - 1) + jnp.arange(W)
             idx = jnp.where(p >= span.floor[:, None, None], idx, -1)
         self.cache["window"][l] = write_ring(ring, new, span.start, W)
         if self.pending is not None:
             self.pending["window"][l] = new
-        return rows, idx, kv_layout.concat_rows(ring, new)
+        if T == 1:
+            ring_idx = jnp.where(idx >= W, (span.start[:, None, None] + idx - W) % W, idx)
+            return rows, idx, (self.cache["window"][l], ring_idx)
+        return rows, idx, (kv_layout.concat_rows(ring, new), idx)
 
     def visible(self, span: Span, m: int) -> jax.Array:
         """[B, T] compressed groups complete by each query (docs/REFERENCE.md §3)."""

@@ -8,7 +8,9 @@ the model, the Pallas kernels and the byte accounting all read the same thing:
 - index keys (per KV source): packed E2M1 + one E8M0 byte per 32     ->  64 +  4 =  68 B
 
 The serving engine's packed, paged layout replaces these containers; kernels and
-model code only go through the constructors and dequantizers below.
+model code only go through the constructors and dequantizers below. A cache may also hold the same
+bytes as the TPU kernels' 32-bit word view ("kernel views" below: `WindowWords`, `CompressedWords`,
+`IndexKeyWords`), so that the kernels read it as stored; every function here takes either form.
 """
 from __future__ import annotations
 
@@ -45,7 +47,8 @@ def quantize_window(x: jax.Array) -> WindowKV:
     return WindowKV(*quant.quant_fp8_act(x, 32))
 
 
-def dequantize_window(w: WindowKV) -> jax.Array:
+def dequantize_window(w) -> jax.Array:
+    w = bytes_of(w)
     return quant.dequant_fp8_act(w.values, w.scales, 32)
 
 
@@ -53,7 +56,8 @@ def quantize_compressed(x: jax.Array) -> CompressedKV:
     return CompressedKV(*quant.quant_fp4_kv(x, 16))
 
 
-def dequantize_compressed(c: CompressedKV) -> jax.Array:
+def dequantize_compressed(c) -> jax.Array:
+    c = bytes_of(c)
     return quant.dequant_fp4_kv(c.packed, c.scales, 16)
 
 
@@ -61,7 +65,8 @@ def quantize_index_keys(x: jax.Array) -> IndexKeys:
     return IndexKeys(*quant.quant_fp4_mx(x, 32))
 
 
-def dequantize_index_keys(k: IndexKeys) -> jax.Array:
+def dequantize_index_keys(k) -> jax.Array:
+    k = bytes_of(k)
     return quant.dequant_fp4_mx(k.packed, k.scales, 32)
 
 
@@ -97,7 +102,9 @@ def row_bytes(container: tuple) -> int:
 #   - scale bytes are zero-padded to a multiple of 4 and packed 4 per word, byte t in bits 8t..8t+7.
 # Kernels permute queries into the same plane order and the output back.
 # On TPU, building these views from the uint8/float8 containers above is a relayout copy of the
-# whole cache (8-bit and 32-bit arrays are tiled differently in HBM); a stored word layout avoids it.
+# whole cache (8-bit and 32-bit arrays are tiled differently in HBM); a stored word layout avoids it:
+# a cache made with `words=True` (`model.cache.init_cache`) holds these views, the kernels read them
+# as they are, and new rows are converted on their way in (`like`: only the rows written).
 #
 # GPU view ("bytes"): the raw bytes as uint8, row-major, which Triton gathers directly.
 
@@ -115,6 +122,18 @@ class Fp4Words(NamedTuple):
 
     packed: jax.Array
     scales: jax.Array
+
+
+class CompressedWords(Fp4Words):
+    """`Fp4Words` of compressed KV rows (E4M3 scale bytes, one per 16 elements)."""
+
+    __slots__ = ()
+
+
+class IndexKeyWords(Fp4Words):
+    """`Fp4Words` of index keys (E8M0 scale bytes, one per 32 elements)."""
+
+    __slots__ = ()
 
 
 def _pack_words(b: jax.Array) -> jax.Array:
@@ -135,8 +154,10 @@ def _check_dim(dim: int, what: str) -> None:
         raise ValueError(f"{what}: the kernels need a row width that is a multiple of 32, got {dim}")
 
 
-def window_words(w: WindowKV) -> WindowWords:
+def window_words(w) -> WindowWords:
     """Kernel (TPU) view of window rows; see the section comment for the element order."""
+    if isinstance(w, WindowWords):
+        return w
     dim = int(w.values.shape[-1])
     _check_dim(dim, "window_words")
     values = jax.lax.bitcast_convert_type(w.values, jnp.uint8).reshape(*w.values.shape[:-1], dim // 8, 8)
@@ -145,35 +166,98 @@ def window_words(w: WindowKV) -> WindowWords:
     return WindowWords(low, high, _pad_to_words(w.scales))
 
 
-def _fp4_words(packed: jax.Array, scales: jax.Array, what: str) -> Fp4Words:
+def _fp4_words(kind, packed: jax.Array, scales: jax.Array, what: str) -> Fp4Words:
     _check_dim(2 * int(packed.shape[-1]), what)
     if scales.dtype != jnp.uint8:
         scales = jax.lax.bitcast_convert_type(scales, jnp.uint8)
-    return Fp4Words(_pack_words(packed), _pad_to_words(scales))
+    return kind(_pack_words(packed), _pad_to_words(scales))
 
 
-def compressed_words(c: CompressedKV) -> Fp4Words:
+def compressed_words(c) -> CompressedWords:
     """Kernel (TPU) view of compressed rows: FP4 words plus E4M3 scale bytes packed in words."""
-    return _fp4_words(c.packed, c.scales, "compressed_words")
+    if isinstance(c, CompressedWords):
+        return c
+    return _fp4_words(CompressedWords, c.packed, c.scales, "compressed_words")
 
 
-def index_key_words(k: IndexKeys) -> Fp4Words:
+def index_key_words(k) -> IndexKeyWords:
     """Kernel (TPU) view of index keys: FP4 words plus E8M0 scale bytes packed in words."""
-    return _fp4_words(k.packed, k.scales, "index_key_words")
+    if isinstance(k, IndexKeyWords):
+        return k
+    return _fp4_words(IndexKeyWords, k.packed, k.scales, "index_key_words")
 
 
-def window_bytes(w: WindowKV) -> tuple[jax.Array, jax.Array]:
+def _unpack_words(w: jax.Array, n: int) -> jax.Array:
+    """Inverse of `_pad_to_words`: uint32 [..., m] -> its first n bytes, uint8 [..., n]."""
+    b = jnp.stack([(w >> (8 * t)) & 0xFF for t in range(4)], -1).astype(jnp.uint8)
+    return b.reshape(*w.shape[:-1], 4 * w.shape[-1])[..., :n]
+
+
+def bytes_of(c):
+    """The byte container of a word view (the inverse of `words_of`, bit for bit); a byte container as is."""
+    if isinstance(c, WindowWords):
+        lanes = int(c.low.shape[-1])
+        low, high = _unpack_words(c.low, 4 * lanes), _unpack_words(c.high, 4 * lanes)
+        values = jnp.concatenate([low.reshape(*low.shape[:-1], lanes, 4), high.reshape(*high.shape[:-1], lanes, 4)], -1)
+        values = jax.lax.bitcast_convert_type(values.reshape(*low.shape[:-1], 8 * lanes), jnp.float8_e4m3fn)
+        return WindowKV(values, _unpack_words(c.scales, 8 * lanes // 32))
+    if isinstance(c, CompressedWords):
+        lanes = int(c.packed.shape[-1])
+        scales = jax.lax.bitcast_convert_type(_unpack_words(c.scales, 8 * lanes // 16), jnp.float8_e4m3fn)
+        return CompressedKV(_unpack_words(c.packed, 4 * lanes), scales)
+    if isinstance(c, IndexKeyWords):
+        lanes = int(c.packed.shape[-1])
+        return IndexKeys(_unpack_words(c.packed, 4 * lanes), _unpack_words(c.scales, 8 * lanes // 32))
+    if isinstance(c, (WindowKV, CompressedKV, IndexKeys)):
+        return c
+    raise TypeError(f"bytes_of: not a cache container: {type(c).__name__}")
+
+
+def words_of(c):
+    """The TPU kernels' word view of a container (`WindowWords`, `CompressedWords`, `IndexKeyWords`); a view as is."""
+    if isinstance(c, (WindowKV, WindowWords)):
+        return window_words(c)
+    if isinstance(c, (CompressedKV, CompressedWords)):
+        return compressed_words(c)
+    if isinstance(c, (IndexKeys, IndexKeyWords)):
+        return index_key_words(c)
+    raise TypeError(f"words_of: not a cache container: {type(c).__name__}")
+
+
+def is_words(c) -> bool:
+    """Whether a container is a word view (what a `words=True` cache holds)."""
+    return isinstance(c, (WindowWords, Fp4Words))
+
+
+def like(ref, c):
+    """Container c in the form of ref (bytes or words): how rows are written into a stored cache."""
+    return words_of(c) if is_words(ref) else bytes_of(c)
+
+
+def dim_of(c) -> int:
+    """The row width D (elements) of a container in either form."""
+    if isinstance(c, WindowWords):
+        return 8 * int(c.low.shape[-1])
+    if isinstance(c, WindowKV):
+        return int(c.values.shape[-1])
+    return (8 if is_words(c) else 2) * int(c.packed.shape[-1])
+
+
+def window_bytes(w) -> tuple[jax.Array, jax.Array]:
     """Kernel (GPU) view: (E4M3 values as uint8 [..., D], E8M0 scales uint8 [..., D/32])."""
+    w = bytes_of(w)
     return jax.lax.bitcast_convert_type(w.values, jnp.uint8), w.scales
 
 
-def compressed_bytes(c: CompressedKV) -> tuple[jax.Array, jax.Array]:
+def compressed_bytes(c) -> tuple[jax.Array, jax.Array]:
     """Kernel (GPU) view: (packed FP4 uint8 [..., D/2], E4M3 scales as uint8 [..., D/16])."""
+    c = bytes_of(c)
     return c.packed, jax.lax.bitcast_convert_type(c.scales, jnp.uint8)
 
 
-def index_key_bytes(k: IndexKeys) -> tuple[jax.Array, jax.Array]:
+def index_key_bytes(k) -> tuple[jax.Array, jax.Array]:
     """Kernel (GPU) view: (packed FP4 uint8 [..., Di/2], E8M0 scales uint8 [..., Di/32])."""
+    k = bytes_of(k)
     return k.packed, k.scales
 
 
@@ -184,9 +268,10 @@ def index_key_bytes(k: IndexKeys) -> tuple[jax.Array, jax.Array]:
 
 
 def concat_rows(a, b):
-    """Containers of the same type joined along the row axis (axis 1): [B, Na + Nb, ...]."""
-    if type(a) is not type(b):
+    """Containers of the same kind joined along the row axis (axis 1): [B, Na + Nb, ...], in a's form."""
+    if type(bytes_of(a)) is not type(bytes_of(b)):
         raise TypeError(f"concat_rows: containers differ: {type(a).__name__} vs {type(b).__name__}")
+    b = like(a, b)
     return type(a)(*(jnp.concatenate([x, y.astype(x.dtype)], axis=1) for x, y in zip(a, b)))
 
 

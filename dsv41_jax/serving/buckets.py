@@ -32,9 +32,10 @@ def capacity_for(cfg: ModelConfig, n_tokens: int, minimum: int = 256, maximum: i
     return cap
 
 
-def empty_cache(cfg: ModelConfig, batch: int, capacity: int) -> dict:
-    """A fresh cache for `batch` sequences at `capacity` positions (the model's init_cache)."""
-    return init_cache(cfg.replace(max_seq_len=capacity), batch)
+def empty_cache(cfg: ModelConfig, batch: int, capacity: int, words: bool = False) -> dict:
+    """A fresh cache for `batch` sequences at `capacity` positions (the model's init_cache); words: its
+    KV rows as the TPU kernels' word view (`Runtime.kv_words`, `model.cache.cache_form`)."""
+    return init_cache(cfg.replace(max_seq_len=capacity), batch, words)
 
 
 def capacity_of(cfg: ModelConfig, cache: dict) -> int:

@@ -49,8 +49,8 @@ def abstract_params(cfg: ModelConfig):
     return nnx.split(abstract_model(cfg))
 
 
-def abstract_cache(cfg: ModelConfig, batch: int, capacity: int):
-    return jax.eval_shape(lambda: empty_cache(cfg, batch, capacity))
+def abstract_cache(cfg: ModelConfig, batch: int, capacity: int, words: bool = False):
+    return jax.eval_shape(lambda: empty_cache(cfg, batch, capacity, words))
 
 
 def engram_spec(cfg: ModelConfig, batch: int, T: int):

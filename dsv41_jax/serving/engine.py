@@ -185,7 +185,7 @@ class Engine:
 
     def empty(self, batch: int) -> dict:
         """An empty cache for `batch` sequences at the engine's capacity, placed (`placed`)."""
-        return self.placed(empty_cache(self.cfg, batch, self.capacity))
+        return self.placed(empty_cache(self.cfg, batch, self.capacity, self.runtime.kv_words()))
 
     def grow(self, needed: int):
         """The batch cache at the capacity bucket that holds `needed` positions (never smaller)."""

@@ -197,8 +197,10 @@ def _global_arrays(cfg: ModelConfig, cache: dict, row: int, n: int) -> dict[str,
         for part, container in (("compressed", cache["compressed"].get(key)), ("index_keys", cache["index_keys"].get(key))):
             if container is None:
                 continue
-            for name, a in zip(container._fields, container):
-                out[f"{part}.{key}.{name}"] = _rows(a, row, g)
+            # files hold bytes, whatever form the cache keeps (the rows converted on the host side)
+            rows = kv_layout.bytes_of(type(container)(*(jnp.asarray(_rows(a, row, g)) for a in container)))
+            for name, a in zip(rows._fields, rows):
+                out[f"{part}.{key}.{name}"] = np.asarray(a)
         if key in cache["compressor"]:
             for name, a in cache["compressor"][key].items():
                 out[f"compressor.{key}.{name}"] = _host(a)[row]

@@ -29,7 +29,10 @@ import numpy as np
 _GATHERS = {"gather", "dynamic_slice"}  # rows picked by data (routing, a row's expert)
 _CONSUMERS = {"dot_general", "ragged_dot", "ragged_dot_general", "conv_general_dilated"}
 _KERNELS = {"pallas_call"}
+# rows written into an array (a cache's new rows): the array itself as updated in place, no copy
+_UPDATES = {"scatter", "dynamic_update_slice"}
 _SAME = {"stop_gradient"}  # the operand itself (no copy): e.g. the indexer's query weights, which take no gradient
+# (and same-width bitcasts, `_same_bytes`)
 
 
 @dataclasses.dataclass
@@ -104,7 +107,11 @@ def follow(jaxpr, tainted: dict) -> None:
             continue
         if prim in _CONSUMERS:
             continue  # the dot that uses the (dequantized) weight
-        if prim in _SAME:
+        if prim in _UPDATES and eqn.invars[0] in tainted and all(
+                v not in tainted for v in eqn.invars[1:] if is_var(v)):
+            tainted[eqn.outvars[0]] = tainted[eqn.invars[0]]  # rows written into the array itself (a cache)
+            continue
+        if prim in _SAME or _same_bytes(eqn):
             for v, o in zip(eqn.invars, eqn.outvars):
                 if is_var(v) and v in tainted:
                     tainted[o] = tainted[v]
@@ -132,6 +139,15 @@ def follow(jaxpr, tainted: dict) -> None:
             elif dequant and not t.rows:
                 t.use.dequantized.append((tuple(o.aval.shape), prim))
             tainted[o] = t._replace(itself=False, counted=t.counted or dequant)
+
+
+def _same_bytes(eqn) -> bool:
+    """A bitcast between types of one width (uint32 -> int32, float8 -> uint8): the operand's own
+    bytes in their own layout, no copy."""
+    if eqn.primitive.name != "bitcast_convert_type":
+        return False
+    i, o = eqn.invars[0].aval, eqn.outvars[0].aval
+    return i.shape == o.shape and i.dtype.itemsize == o.dtype.itemsize
 
 
 class Taint(NamedTuple):
@@ -182,3 +198,21 @@ def traffic(uses: list[WeightUse], *, rows: int | None = None) -> dict:
         relayout += 2 * u.relayout_bytes
     return {"read": read, "dequantized": dequant, "relayout": relayout, "total": read + dequant + relayout,
             "by_use": by_use}
+
+
+KV_PARTS = ("window", "compressed", "index_keys")  # a serving cache's KV rows (`model.cache.init_cache`)
+
+
+def kv_cache_uses(closed, first: int, cache: dict) -> list[WeightUse]:
+    """The KV caches' uses in a traced step whose inputs from `first` on are the cache's leaves (a
+    jitted step's `.trace(params, tokens, cache, ...)`: first = params' leaves + 1): each KV array
+    followed as a weight is, rows written into it (an in-place update) keeping it itself.
+    `relayout_bytes` > 0: a copy of the array made for a kernel outside it (e.g. the 8-bit rows
+    regrouped into the TPU kernels' 32-bit words on every call)."""
+    out = {}
+    for i, (path, leaf) in enumerate(jax.tree_util.tree_leaves_with_path(cache)):
+        if isinstance(path[0], jax.tree_util.DictKey) and path[0].key in KV_PARTS:
+            nbytes = int(np.prod(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
+            out[first + i] = WeightUse(jax.tree_util.keystr(path), tuple(leaf.shape), nbytes, nbytes)
+    follow(closed.jaxpr, {closed.jaxpr.invars[i]: Taint(u, True, u.elements) for i, u in out.items()})
+    return list(out.values())

@@ -153,7 +153,7 @@ class FakeQuantStore:
         truncate = self.replay_start is not None and self.cfg.roles[l].half == "decoder"
         idx = _window_slots(T, self.cfg.window_size, self.seg_start, self.replay_start, truncate)
         # the kernel's rows: before quantization (it quantizes them as fake_fp8_act does, bit for bit)
-        return self._q(quant.fake_fp8_act, raw, 32), idx, raw if self.act_quant else None
+        return self._q(quant.fake_fp8_act, raw, 32), idx, (raw, idx) if self.act_quant else None
 
     def visible(self, span, m: int):
         B, T = span.positions.shape

@@ -26,10 +26,11 @@ def _validate(q_packed, q_scale, keys, weights, compress_len, pool_mask) -> None
         raise ValueError(f"indexer_scores: index head dim {Di} must be a multiple of 32 (one E8M0 scale per 32)")
     if q_scale.shape != (B, S, Hi, Di // 32):
         raise ValueError(f"indexer_scores: q_scale must be [{B}, {S}, {Hi}, {Di // 32}], got {q_scale.shape}")
-    if not isinstance(keys, kv_layout.IndexKeys):
-        raise TypeError(f"indexer_scores: keys must be a kv_layout.IndexKeys, got {type(keys).__name__}")
-    if keys.packed.ndim != 3 or keys.packed.shape[0] != B or keys.packed.shape[2] != half:
-        raise ValueError(f"indexer_scores: keys.packed must be [B={B}, G, Di/2={half}], got {keys.packed.shape}")
+    if not isinstance(keys, (kv_layout.IndexKeys, kv_layout.IndexKeyWords)):
+        raise TypeError(f"indexer_scores: keys must be a kv_layout.IndexKeys or IndexKeyWords, got {type(keys).__name__}")
+    if keys.packed.ndim != 3 or keys.packed.shape[0] != B or kv_layout.dim_of(keys) != Di:
+        raise ValueError(f"indexer_scores: keys must be [B={B}, G, Di={Di}] rows, got "
+                         f"{keys.packed.shape[:2] + (kv_layout.dim_of(keys),)}")
     if weights.shape != (B, S, Hi):
         raise ValueError(f"indexer_scores: weights must be [{B}, {S}, {Hi}], got {weights.shape}")
     if compress_len.shape != (B, S):
@@ -56,7 +57,8 @@ def indexer_scores(
     """I[b, s, g] = sum_h weights[b,s,h] * ReLU(q[b,s,h] . k[b,g]) as f32 [B, S, G] (docs/REFERENCE.md §3).
 
     q_packed uint8 [B, S, Hi, Di/2] + q_scale uint8 E8M0 [B, S, Hi, Di/32] (MXFP4 queries, as
-    `quant.quant_fp4_mx` makes them); keys: IndexKeys [B, G, Di]; weights f32 [B, S, Hi];
+    `quant.quant_fp4_mx` makes them); keys: IndexKeys [B, G, Di] (or the TPU kernel's word view
+    `kv_layout.IndexKeyWords`, read as it is); weights f32 [B, S, Hi];
     compress_len int32 [B, S]: entry g is visible iff g < compress_len; pool_mask bool [B, S, G]
     or None. Invisible or out-of-pool entries are -inf. bf16_rounding: round at the reference's
     bf16 storage points (see reference.py). impl / interpret / platform: as in

@@ -97,8 +97,10 @@ def indexer_scores_tpu(q_packed, q_scale, keys, weights, compress_len, pool_mask
     lens = jnp.pad(compress_len.astype(jnp.int32), ((0, 0), (0, Sp - S)))[..., None]  # [B, Sp, 1]
     words = kv_layout.index_key_words(keys)
     as_i32 = lambda a: jax.lax.bitcast_convert_type(a, jnp.int32)  # noqa: E731
-    kp = jnp.pad(as_i32(words.packed), ((0, 0), (0, Gp - G), (0, 0)))
-    ks = jnp.pad(as_i32(words.scales), ((0, 0), (0, Gp - G), (0, 0)))
+    # padded only when the key tile does not divide G (a cache's capacity buckets are powers of two:
+    # then the keys enter as stored, with no copy)
+    pad = (lambda a: a) if Gp == G else (lambda a: jnp.pad(a, ((0, 0), (0, Gp - G), (0, 0))))  # noqa: E731
+    kp, ks = pad(as_i32(words.packed)), pad(as_i32(words.scales))
 
     args = [q, w, lens]
     in_specs = [

@@ -71,19 +71,22 @@ def _validate(q, window, compressed, window_idx, compressed_idx, sink) -> None:
     if sink.shape != (H,):
         raise ValueError(f"sparse_sink_attention: sink must be [H] = [{H}], got shape {sink.shape}")
     if window is not None:
-        if not isinstance(window, kv_layout.WindowKV):
-            raise TypeError(f"sparse_sink_attention: window must be a kv_layout.WindowKV, got {type(window).__name__}")
-        if window.values.ndim != 3 or window.values.shape[0] != B or window.values.shape[2] != D:
-            raise ValueError(f"sparse_sink_attention: window values must be [B={B}, Nw, D={D}], got {window.values.shape}")
+        if not isinstance(window, (kv_layout.WindowKV, kv_layout.WindowWords)):
+            raise TypeError(f"sparse_sink_attention: window must be a kv_layout.WindowKV or WindowWords, got "
+                            f"{type(window).__name__}")
+        if window[0].ndim != 3 or window[0].shape[0] != B or kv_layout.dim_of(window) != D:
+            raise ValueError(f"sparse_sink_attention: window rows must be [B={B}, Nw, D={D}], got "
+                             f"{window[0].shape[:2] + (kv_layout.dim_of(window),)}")
         if window_idx is None or window_idx.shape[:2] != (B, S):
             raise ValueError(f"sparse_sink_attention: window_idx must be [B={B}, S={S}, Kw], got "
                              f"{None if window_idx is None else window_idx.shape}")
     if compressed is not None:
-        if not isinstance(compressed, kv_layout.CompressedKV):
-            raise TypeError(f"sparse_sink_attention: compressed must be a kv_layout.CompressedKV, got {type(compressed).__name__}")
-        if compressed.packed.ndim != 3 or compressed.packed.shape[0] != B or compressed.packed.shape[2] * 2 != D:
-            raise ValueError(f"sparse_sink_attention: compressed packed must be [B={B}, G, D/2={D // 2}], got "
-                             f"{compressed.packed.shape}")
+        if not isinstance(compressed, (kv_layout.CompressedKV, kv_layout.CompressedWords)):
+            raise TypeError(f"sparse_sink_attention: compressed must be a kv_layout.CompressedKV or CompressedWords, "
+                            f"got {type(compressed).__name__}")
+        if compressed.packed.ndim != 3 or compressed.packed.shape[0] != B or kv_layout.dim_of(compressed) != D:
+            raise ValueError(f"sparse_sink_attention: compressed rows must be [B={B}, G, D={D}], got "
+                             f"{compressed.packed.shape[:2] + (kv_layout.dim_of(compressed),)}")
         if compressed_idx is None or compressed_idx.shape[:2] != (B, S):
             raise ValueError(f"sparse_sink_attention: compressed_idx must be [B={B}, S={S}, Kc], got "
                              f"{None if compressed_idx is None else compressed_idx.shape}")
@@ -108,7 +111,8 @@ def sparse_sink_attention(
     """Attention of each query row over its window slots, then its compressed slots (K = V).
 
     q [B, S, H, D] bf16; window: WindowKV [B, Nw, D] (E4M3 + E8M0 per 32); compressed:
-    CompressedKV [B, G, D] (E2M1 + E4M3 per 16) or None; window_idx [B, S, Kw] / compressed_idx
+    CompressedKV [B, G, D] (E2M1 + E4M3 per 16) or None; either also as the TPU kernel's word view
+    (`kv_layout.WindowWords` / `CompressedWords`, which it reads as they are, with no relayout); window_idx [B, S, Kw] / compressed_idx
     [B, S, Kc] int32 row indices, -1 = empty slot (indices must be < Nw / G; the kernels clamp
     larger ones); sink [H] f32 logits; scale the softmax scale. Returns [B, S, H, D] in q.dtype:
     o_h = sum_j e^{s_j} v_j / (sum_j e^{s_j} + e^{sink_h}), s_j = scale * q_h . k_j, and 0 for a

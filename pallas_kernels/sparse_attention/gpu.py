@@ -144,7 +144,7 @@ def sparse_sink_attention_gpu(
     in_specs = [pl.BlockSpec((1, hb, D), lambda r, h, s: (r, h, 0)), pl.BlockSpec((hb,), lambda r, h, s: (h,))]
     full = pl.BlockSpec()
     n_win_blocks = n_comp_blocks = 0
-    if window is not None and window_idx is not None and window_idx.shape[-1] and window.values.shape[1]:
+    if window is not None and window_idx is not None and window_idx.shape[-1] and window[0].shape[1]:
         widx = _pad_last(window_idx.reshape(R, -1).astype(jnp.int32), block_k, -1)
         n_win_blocks = widx.shape[-1] // block_k
         args += [widx, *kv_layout.window_bytes(window)]

@@ -246,7 +246,7 @@ def sparse_sink_attention_tpu(
     B, S, H, D = q.shape
     R = B * S
     D8 = D // 8
-    k_win = int(window_idx.shape[-1]) if window is not None and window.values.shape[1] > 0 else 0
+    k_win = int(window_idx.shape[-1]) if window is not None and window[0].shape[1] > 0 else 0
     k_comp = (
         int(compressed_idx.shape[-1])
         if compressed is not None and compressed_idx is not None and compressed.packed.shape[1] > 0

@@ -5,8 +5,10 @@ Oracle: the jaxpr of the engine's own jitted decode step (`Engine.steps.decode`,
 engine runs), followed by the weight-traffic tracker (`serving.weight_traffic`, as bench/decode.py
 --stored-weights reports it): every stored FP8/FP4 weight enters a kernel as the params hold it (the
 word views `kernel_params` made at load, placed like the stored bytes), none is dequantized or
-relaid out outside a kernel; and every kernel call runs inside a `shard_map` (GSPMD cannot split a
-Mosaic call: on a TPU mesh a kernel outside one does not compile). Nothing is compiled or run.
+relaid out outside a kernel; every kernel call runs inside a `shard_map` (GSPMD cannot split a
+Mosaic call: on a TPU mesh a kernel outside one does not compile); and every KV cache (window rings,
+compressed KV, index keys) enters its kernel as the step holds it (`weight_traffic.kv_cache_uses`:
+rows written into it, no copy, no regrouping into the kernels' 32-bit words). Nothing is compiled or run.
 """
 from __future__ import annotations
 
@@ -52,3 +54,8 @@ def test_mesh_decode_reads_each_weight_in_its_kernel_per_device():
     calls = _kernel_calls(traced.jaxpr)
     assert {name for name, _ in calls} >= {"fp8_block_gemm_tpu", "grouped_fp4_gemm_tpu", "sparse_sink_attention_tpu"}
     assert all(inside for _, inside in calls), sorted({name for name, inside in calls if not inside})
+    kv = wt.kv_cache_uses(traced, len(jax.tree_util.tree_leaves(eng.params)) + 1, eng.cache)
+    # the window rings of both layers, the compressed KV and index keys of the source (two arrays each at least)
+    assert len(kv) >= 8 and all(u.kernels for u in kv), [u.name for u in kv if not u.kernels]
+    copied = [(u.name, u.relayout_bytes) for u in kv if u.relayout_bytes]
+    assert copied == [], f"KV caches relaid out for a kernel on every step: {copied[:4]}"

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.model.cache import cache_form
 from dsv41_jax.model.transformer import Transformer, make_step
 from dsv41_jax.runtime import Runtime
 from dsv41_jax.serving import buckets, prefix_cache, sampling
@@ -682,15 +683,17 @@ def test_engine_steps_on_the_kernels_equal_xla_in_exact_mode(micro):
             eng = Engine(micro["model"], slots=2, exact_prefill=True, runtime=Runtime(mode="exact", impl=impl))
             assert eng.decode_plan.kernel_mode == ("exact" if impl == "pallas" else None)
             whole = lambda n: jnp.full((2,), n, jnp.int32)  # noqa: E731 - every token real (no padding)
-            logits, cache, _ = eng.steps.prefill(eng.params, tokens, buckets.empty_cache(cfg, 2, cfg.max_seq_len),
-                                                 None, None, None, whole(N))
+            # the cache as the engine keeps it: the kernels' word view with impl "pallas"
+            assert eng.runtime.kv_words() == (impl == "pallas")
+            empty = buckets.empty_cache(cfg, 2, cfg.max_seq_len, eng.runtime.kv_words())
+            logits, cache, _ = eng.steps.prefill(eng.params, tokens, empty, None, None, None, whole(N))
             r_logits, cache = eng.steps.replay(eng.params, tokens[:, -W:], sp.drop_window(cache), None, None, whole(W))
             steps, nxt = [logits, r_logits], tokens[:, :1]
             for _ in range(2):
                 logits, cache, _ = eng.steps.decode(eng.params, nxt, cache, None, jnp.ones(2, bool), None)
                 steps.append(logits)
                 nxt = jnp.argmax(logits, -1)[:, None].astype(jnp.int32)
-            out[impl] = (steps, cache)
+            out[impl] = (steps, cache_form(cache, False))
     assert same(out["xla"], out["pallas"])
     assert not same(out["xla"][0][2], out["xla"][0][3])  # the steps differ (a test that can fail)
 
