@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dsv41_jax.layers.engram import Engram
 from dsv41_jax.model.param_names import flat_params
+from dsv41_jax.model.stack import blocks
 from dsv41_jax.model.transformer import engram_table_rows
 from dsv41_jax.numerics import quant
 from sharding.compat import on_host, shard_map
@@ -111,7 +112,7 @@ def with_sharded_engram(model, mesh: Mesh, preset="inference"):
     graphdef, state = nnx.split(model)
     copy = nnx.merge(graphdef, state)
     axes = table_axes(mesh, preset)
-    for block in copy.layers:
+    for block in blocks(copy):  # a stack of layers (`LayerStack`) once
         if block.engram is not None:
             block.engram = ShardedEngram(block.engram, mesh, axes)
     return copy

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.model.kernel_weights import kernel_params
 from dsv41_jax.model.plan import Plan
-from dsv41_jax.model.transformer import engram_table_rows, init_cache, Transformer
+from dsv41_jax.model.transformer import engram_table_rows, init_cache, stack_layers, Transformer
 from dsv41_jax.runtime import Runtime
 from sharding.mesh import format_mesh_spec, make_mesh
 from sharding.plan import mesh_sizes, plan_context, table_shards
@@ -73,17 +73,23 @@ def compile_one_layer(cfg: ModelConfig, mesh_spec, *, batch: int, context: int, 
             "collectives": {k: v for k, v in counts.items() if v}}
 
 
-def abstract_step_args(cfg: ModelConfig, mesh, preset, *, batch: int, tokens: int, runtime: Runtime = Runtime()):
+def abstract_step_args(cfg: ModelConfig, mesh, preset, *, batch: int, tokens: int, runtime: Runtime = Runtime(),
+                       taps: bool | None = None):
     """(abstract model, [params, tokens, cache(, engram ids)]) as sharded ShapeDtypeStructs. The params
-    are those `runtime`'s plan reads: for the TPU kernels the word views made at load (`kernel_params`),
-    laid out like the stored weights (each device holds its own experts' views)."""
+    are those `runtime`'s plan reads, as the engine holds them: for the TPU kernels the word views made
+    at load (`kernel_params`), laid out like the stored weights (each device holds its own experts'
+    views), and each scanned run of layers stacked (`stack_layers`; taps: the steps tap DSpark's
+    layers, default `forward`'s: when the config has the drafter); the abstract model is the stacked one."""
     from flax import nnx
 
     shards = table_shards(dict(zip(mesh.axis_names, mesh.devices.shape)), preset)
     rows = tuple(-(-r // shards) * shards for r in engram_table_rows(cfg)) if cfg.engram_layer_ids else None
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=0, engram_rows=rows))
     graphdef, state = nnx.split(abstract)
-    state = jax.eval_shape(lambda s: kernel_params(graphdef, s, Plan.resolve(runtime)), state)
+    plan = Plan.resolve(runtime)
+    state = jax.eval_shape(lambda s: kernel_params(graphdef, s, plan), state)
+    graphdef, state = stack_layers(graphdef, state, plan, cfg.has_dspark if taps is None else taps)
+    abstract = nnx.merge(graphdef, state)
 
     def sds(a, s):
         return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)

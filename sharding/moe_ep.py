@@ -29,6 +29,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 from dsv41_jax.layers.moe import MoE
+from dsv41_jax.model.stack import blocks
 from sharding.compat import has_ragged_all_to_all, shard_map
 
 DISPATCH = ("auto", "dense", "ragged", "ragged-emulated")
@@ -260,6 +261,6 @@ def with_expert_parallel(model, mesh: Mesh, *, expert_axis: str = "expert", disp
     """
     graphdef, state = nnx.split(model)
     copy = nnx.merge(graphdef, state)
-    for block in copy.layers:
+    for block in blocks(copy):  # a stack of layers (`LayerStack`) once
         block.ffn = ExpertParallelMoE(block.ffn, mesh, expert_axis, dispatch)
     return copy

@@ -282,13 +282,20 @@ def param_specs(model_or_state, mesh: Mesh | Mapping[str, int], preset: str | Ru
 
     def one(jax_path, leaf):
         path = path_tuple(jax_path)
+        if path[:1] == ("layers",) and path[2:3] == ("stacked",):
+            # a run of layers held stacked (`dsv41_jax.model.stack`): split like one layer's, the
+            # layer axis whole (a scan slices it)
+            return PartitionSpec(None, *spec(path[:2] + path[3:], tuple(leaf.shape[1:]), leaf.dtype))
+        return spec(path, tuple(leaf.shape), leaf.dtype)
+
+    def spec(path, shape, dtype):
         axes = param_logical_axes(path)
-        if len(leaf.shape) == len(axes) + 1 and leaf.dtype == jnp.int32:
+        if len(shape) == len(axes) + 1 and dtype == jnp.int32:
             # the FP8 kernel's word view of a dense weight, [2, N, Kp/8] (model.kernel_weights): a plane
             # axis in front, N and K's words laid out as the weight's N and K
             axes = (None,) + axes
-        axes = param_logical_axes(path, len(leaf.shape)) if len(axes) != len(leaf.shape) else axes
-        r = resolve(axes, tuple(leaf.shape), rules, sizes)
+        axes = param_logical_axes(path, len(shape)) if len(axes) != len(shape) else axes
+        r = resolve(axes, shape, rules, sizes)
         if report is not None and r.dropped:
             report[".".join(map(str, path))] = r.dropped
         return r.spec

@@ -20,6 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dsv41_jax.model.kernel_weights import kernel_params
+from dsv41_jax.model.transformer import stack_layers
 from sharding.engram_shard import compact_params, pad_tables, split_host_tables, unpadded_tables
 from sharding.load import table_row_shards
 from sharding.mesh import format_mesh_spec, mesh_shape
@@ -35,19 +36,22 @@ class MeshPlacement:
         self.mesh, self.preset = mesh, preset
         self.replicated = NamedSharding(mesh, PartitionSpec())
 
-    def load(self, model, plan=None, host_tables: bool = False):
+    def load(self, model, plan=None, host_tables: bool = False, taps: bool = False):
         """(graphdef of the distributed model, params placed by the preset, params as stored).
         host_tables: the model's Engram tables are empty placeholders (`HostTables`); each step
         brings its compact tables replicated, so the lookups stay plain gathers. The weights are
         placed as `plan`'s TPU kernels read them (`kernel_params`' word views, made once here, as
         on one device), each split like its stored bytes: a device holds its own experts' views,
-        which the FP4 kernel reads inside the expert-parallel MoE."""
+        which the FP4 kernel reads inside the expert-parallel MoE. The runs of layers `plan`'s steps
+        scan are stacked before placement (`stack_layers`; taps: a speculating engine's), each
+        stacked parameter split like one layer's, its layer axis whole."""
         graphdef, state = nnx.split(model)
         state = pad_tables(state, table_row_shards(self.mesh, self.preset))  # no-op when already padded / divisible
         # the fingerprint is the stored bytes', the same on a mesh as on one device, so prefix-cache
         # files move between them
         stored = unpadded_tables(state, model.cfg)
-        state = state if plan is None else kernel_params(graphdef, state, plan)
+        if plan is not None:
+            graphdef, state = stack_layers(graphdef, kernel_params(graphdef, state, plan), plan, taps)
         self.param_shardings = param_shardings(state, self.mesh, self.preset)
         params = jax.device_put(state, self.param_shardings)
         graphdef, _ = nnx.split(distribute(nnx.merge(graphdef, params), self.mesh, self.preset,

@@ -35,6 +35,7 @@ from dsv41_jax.layers.indexer import candidate_pool, select_topk
 from dsv41_jax.layers.mhc_site import collapse, expand
 from dsv41_jax.layers.rope import apply_rope, cos_sin, layer_rope
 from dsv41_jax.model.cache import oracle_column_order
+from dsv41_jax.model import stack
 from dsv41_jax.model.plan import Plan, Span
 from dsv41_jax.model.probe import (NO_PROBE, AttnSeen, EngramSeen, FfnSeen, FinalSeen, PoolSeen, Probe, ScoresSeen,
                                    SourceSeen, merge_records)
@@ -379,7 +380,7 @@ def run_layers(model, state: LayerState, span: Span, plan: Plan, layers, probe: 
     with fp8_linears(plan):
         for run in layer_runs(model, layers, plan, probe, probe_inputs):
             if len(run) == 1:
-                state, rec = block_step(model.layers[run[0]], state, span, plan, probe, probe_inputs)
+                state, rec = block_step(stack.layer(model, run[0]), state, span, plan, probe, probe_inputs)
                 recs = {run[0]: rec}
             else:
                 state, recs = scan_run(model, state, span, plan, run, probe, probe_inputs)
@@ -400,10 +401,11 @@ def layer_runs(model, layers, plan: Plan, probe: Probe = NO_PROBE, probe_inputs=
     `Runtime.scan_layers` False every layer is a run of one."""
     def kind(l):
         block, role = model.layers[l], model.cfg.roles[l]
-        if (not plan.runtime.scan_layers or block.engram is not None or role.is_kv_source or role.is_index_source
+        engram = not isinstance(block, stack.LayerStack) and block.engram is not None
+        if (not plan.runtime.scan_layers or engram or role.is_kv_source or role.is_index_source
                 or probe.follows(l, probe_inputs)):
             return None
-        shapes = jax.tree.map(lambda a: (a.shape, a.dtype), nnx.state(block))
+        shapes = stack.layer_shapes(model, l)
         return dataclasses.replace(role, layer=0), jax.tree.structure(shapes), jax.tree.leaves(shapes)
 
     runs: list[list[int]] = []
@@ -421,19 +423,19 @@ def layer_runs(model, layers, plan: Plan, probe: Probe = NO_PROBE, probe_inputs=
 def scan_run(model, state: LayerState, span: Span, plan: Plan, run, probe: Probe = NO_PROBE,
              probe_inputs=None) -> tuple[LayerState, dict]:
     """`block_step` over a run of `layer_runs` as one `jax.lax.scan`: the run's first module with each
-    layer's parameters (stacked here, per program), the store seeing each layer's own part (its
-    window, `Store.stacked`) as the first layer's. The run's layers write nothing else and leave the
+    layer's parameters (`stack.run_params`: a slice of the stack the engine holds, made once at load,
+    else stacked here, per program), the store seeing each layer's own part (its window,
+    `Store.stacked`) as the first layer's. The run's layers write nothing else and leave the
     carry as it is, so the rest of the store and the carry are the scan's constants.
     Returns (the state after the run, {layer: records})."""
     l0 = run[0]
-    graphdef, _ = nnx.split(model.layers[l0])
-    params = jax.tree.map(lambda *a: jnp.stack(a), *(nnx.state(model.layers[l]) for l in run))
+    graphdef, params = stack.run_params(model, run)
     h, pre, store, carry = state
 
     def one(stream, x):
         p, part = x
-        out, rec = block_step(nnx.merge(graphdef, p), LayerState(*stream, store.at_layer(l0, part), carry), span, plan,
-                              probe, probe_inputs)
+        inputs = LayerState(*stream, store.at_layer(l0, part), carry)
+        out, rec = block_step(stack.at_layer(graphdef, p, l0, model.cfg), inputs, span, plan, probe, probe_inputs)
         return (out.h, out.pre), (out.store.written(l0), rec)
 
     (h, pre), (parts, recs) = jax.lax.scan(one, (h, pre), (params, store.stacked(run)))

@@ -26,9 +26,10 @@ from dsv41_jax.layers.moe import MoE
 from dsv41_jax.runtime import COMPILER_OPTIONS, Runtime
 from dsv41_jax.vision.tower import Aligner, ViT
 from dsv41_jax.model import block as body
+from dsv41_jax.model import stack
 from dsv41_jax.model.cache import init_cache  # noqa: F401 (re-exported: the drivers' import)
 from dsv41_jax.model.dspark import build_stages
-from dsv41_jax.model.probe import GoldenProbe, Probes, TapProbe
+from dsv41_jax.model.probe import NO_PROBE, GoldenProbe, Probes, TapProbe
 
 
 class Block(nnx.Module):
@@ -119,6 +120,28 @@ def forward(model: Transformer, tokens: jax.Array, cache: dict, *, runtime: Runt
     if "tap" in rec:  # DSpark: the stream entering each target layer, after its Engram
         aux["main_hidden"] = TapProbe.hidden(rec)
     return logits, new_cache, aux
+
+
+def stack_layers(graphdef, params, plan: body.Plan, taps: bool = False):
+    """(graphdef, params) of the same model with each run of layers that `plan`'s steps scan held
+    stacked (`stack.LayerStack`): made once, at load (`serving.placement`), so each step slices its
+    argument instead of stacking the run's weights per call. taps: the steps tap DSpark's target
+    layers (`forward` for a config with the drafter, a speculating engine's steps), which run on
+    their own, so they are left out of the stacks. Pure (params in, params out); works on abstract
+    params; unchanged when the plan scans nothing (`Runtime.scan_layers` off)."""
+    model = nnx.merge(graphdef, params, copy=True)  # fresh Variables (the same arrays): params stay as they are
+    cfg = model.cfg
+    probe = TapProbe(cfg.dspark_target_layer_ids) if taps else NO_PROBE
+    runs = [r for r in body.layer_runs(model, range(cfg.n_layers), plan, probe) if len(r) > 1]
+    if not runs:
+        return graphdef, params
+    for run in runs:
+        first = model.layers[run[0]]
+        nnx.update(first, jax.tree.map(stack.stack_leaves, *(nnx.state(model.layers[l]) for l in run)))
+        held = stack.LayerStack(first, run)
+        for l in run:
+            model.layers[l] = held
+    return nnx.split(model)
 
 
 # ------------------------------------------------------------------------------- host-side API

@@ -127,7 +127,8 @@ class Engine:
         self.placement, self.tables = placement or OneDevice(), tables or DeviceTables()
         self.decode_plan = decode_plan(s.runtime)  # the decode step's plan, compiled into it
         model, full = self.tables.prepare(model)
-        self.graphdef, self.params, stored = self.placement.load(model, self.decode_plan, host_tables=full is not None)
+        self.graphdef, self.params, stored = self.placement.load(model, self.decode_plan, host_tables=full is not None,
+                                                                   taps=bool(self.K))
         self.fingerprint = fingerprint or prefix_cache.model_fingerprint(stored if full is None else full)
         self.replicated = self.placement.replicated  # where inputs every device reads go (`placed`)
         self.banned = jnp.asarray(banned_mask(cfg.vocab_size, s.banned_ids))

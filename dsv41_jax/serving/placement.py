@@ -3,8 +3,10 @@ outputs, and where the Engram tables are read from. The engine holds one of each
 which it has.
 
 A placement answers:
-- `load(model, plan, host_tables)` -> (graphdef, params, stored): the graphdef the steps merge, the
-  params as the steps read them, and the params as stored (what the model's fingerprint hashes);
+- `load(model, plan, host_tables, taps)` -> (graphdef, params, stored): the graphdef the steps merge,
+  the params as the steps read them (the kernels' word views, `kernel_params`, and each run of layers
+  the steps scan held stacked, `stack_layers`; taps: the steps tap DSpark's layers, a speculating
+  engine), and the params as stored (what the model's fingerprint hashes);
 - `place(tree)`: a cache, buffer or stored conversation committed where the steps run (jit
   compiles a program once for an uncommitted and once for a committed input, so everything that
   enters a step is placed first: every piece of a prompt then runs one program per shape);
@@ -28,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from dsv41_jax.model.kernel_weights import kernel_params
+from dsv41_jax.model.transformer import stack_layers
 
 
 class OneDevice:
@@ -35,15 +38,16 @@ class OneDevice:
 
     replicated = None
 
-    def load(self, model, plan, host_tables: bool = False):
+    def load(self, model, plan, host_tables: bool = False, taps: bool = False):
         graphdef, params = nnx.split(model)
         home = next(leaf.sharding for leaf in jax.tree.leaves(params) if isinstance(leaf, jax.Array))
         self.replicated = (jax.sharding.NamedSharding(home.mesh, jax.sharding.PartitionSpec())
                            if isinstance(home, jax.sharding.NamedSharding) else home)
         # the layers' weights as the decode plan's TPU kernels read them (32-bit word views), made
         # once here, replacing the stored bytes (every step shares the runtime, so its kernel
-        # choice); unchanged for exact mode, impl "xla" and the GPU kernels
-        return graphdef, kernel_params(graphdef, params, plan), params
+        # choice); unchanged for exact mode, impl "xla" and the GPU kernels. Then the scanned runs
+        # stacked (new arrays: until the caller drops `model`, the runs' weights are held twice)
+        return (*stack_layers(graphdef, kernel_params(graphdef, params, plan), plan, taps), params)
 
     def place(self, tree):
         return jax.device_put(tree, self.replicated)

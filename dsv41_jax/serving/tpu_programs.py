@@ -49,7 +49,8 @@ def compile_programs(cfg: ModelConfig, topology: str, mesh_spec, *, what: str, b
     k = cfg.dspark_block_size if k is None else k
     tail = cfg.window_size
     rows, tokens = (1, min(chunk, run_cfg.max_seq_len)) if what == "prefill" else (batch, k + 1)
-    abstract, args = abstract_step_args(run_cfg, mesh, preset, batch=rows, tokens=tokens, runtime=runtime)
+    abstract, args = abstract_step_args(run_cfg, mesh, preset, batch=rows, tokens=tokens, runtime=runtime,
+                                        taps=what == "verify")
     params, toks, cache, ids = (*args, None)[:4]
     graphdef, _ = nnx.split(distribute(abstract, mesh, preset))
     steps = build_steps(graphdef, runtime, decode_plan(runtime), tail, placement.constrain, k if what == "verify" else 0,

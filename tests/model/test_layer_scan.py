@@ -9,9 +9,10 @@ from flax import nnx
 
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.model import block as body
+from dsv41_jax.model import stack
 from dsv41_jax.model.cache import init_cache
 from dsv41_jax.model.probe import GoldenProbe, TapProbe
-from dsv41_jax.model.transformer import Transformer
+from dsv41_jax.model.transformer import Transformer, forward, stack_layers
 from dsv41_jax.runtime import Runtime
 
 
@@ -38,6 +39,12 @@ def test_runs_of_the_released_stack():
     assert all(len(r) == 1 for r in body.layer_runs(model, range(40), plan, GoldenProbe(collect=True)))
     unrolled = body.Plan.resolve(Runtime(scan_layers=False))
     assert all(len(r) == 1 for r in body.layer_runs(model, range(40), unrolled))
+    # the engine's stacks (`stack_layers`): these runs; with DSpark's taps (a speculating engine,
+    # `forward` on this config) the tapped layers 37-39 stay per layer
+    for taps, last in ((False, 37), (True, 33)):
+        held = nnx.merge(*stack_layers(*nnx.split(model), plan, taps))
+        stacks = {b.run for b in held.layers if isinstance(b, stack.LayerStack)}
+        assert stacks == {r for r in runs if len(r) > 1 and r[0] <= last}, taps
 
 
 def _eqns(jaxpr) -> int:
@@ -123,3 +130,74 @@ def test_scan_computes_what_the_unrolled_layers_compute_prefill_decode_verify(mo
         chunks = [("all", 13, {}), ("all", 1, {"pool_scoring": True, "packed_scoring": mode == "fast"}),
                   ("pending", 3, {})]
         _compare(cfg, nnx.split(Transformer(cfg, rngs=1)), mode, chunks, cache)
+
+
+def _prims(closed) -> dict:
+    """{primitive name: count} over a jaxpr and every jaxpr inside it (scan bodies, jit calls)."""
+    counts: dict = {}
+
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            counts[e.primitive.name] = counts.get(e.primitive.name, 0) + 1
+            for v in e.params.values():
+                for sub in (v if isinstance(v, (list, tuple)) else [v]):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(closed.jaxpr)
+    return counts
+
+
+def _held(cfg, abstract=False):
+    make = lambda: Transformer(cfg, rngs=1)  # noqa: E731
+    gd, params = nnx.split(nnx.eval_shape(make) if abstract else make())
+    plan = body.Plan.resolve(Runtime())
+    return (gd, params), stack_layers(gd, params, plan), plan
+
+
+def _fwd(g, collect=False):
+    return lambda p, t, c: forward(nnx.merge(g, p), t, c, collect=collect)
+
+
+def test_runs_held_stacked_are_sliced_not_stacked_per_call():
+    """`stack_layers` (what the engine holds, made at load): each run of the scan one `LayerStack`
+    (its parameters once, on a leading axis, at layers.{first}.stacked; each layer's slice is the
+    layer's own), and the forward over it stacks no parameters in the program (the `stack`
+    equations left are the window rings' and the records')."""
+    cfg = _cfg(2)
+    (gd, params), (sgd, sparams), plan = _held(cfg, abstract=True)
+    held = nnx.merge(sgd, sparams)
+    runs = [(0, 1), (3, 4), (7, 8)]
+    assert [r for r in body.layer_runs(held, range(cfg.n_layers), plan) if len(r) > 1] == runs
+    for run in runs:
+        assert all(held.layers[l] is held.layers[run[0]] for l in run)
+        assert isinstance(held.layers[run[0]], stack.LayerStack) and held.layers[run[0]].run == run
+    flat = dict(nnx.to_flat_state(sparams))
+    assert ("layers", 1, "attn", "wo_a", "weight") not in flat
+    assert flat[("layers", 0, "stacked", "attn", "wo_a", "weight")].shape[0] == 2
+    tokens, cache = jnp.zeros((2, 5), jnp.int32), init_cache(cfg, 2)
+    per_layer = len(jax.tree.leaves(params["layers"][0]))
+    stacks = [_prims(jax.make_jaxpr(_fwd(g))(p, tokens, cache)).get("stack", 0)
+              for g, p in ((gd, params), (sgd, sparams))]
+    assert stacks[0] - stacks[1] == per_layer * len(runs)
+    # a plan that scans nothing holds nothing stacked
+    assert stack_layers(gd, params, body.Plan.resolve(Runtime(scan_layers=False)))[1] is params
+
+
+@pytest.mark.slow
+def test_runs_held_stacked_compute_what_the_layers_compute():
+    """A forward over the stacked runs equals the per-layer model's, bit for bit, scanned and with
+    every layer taken out of its run (golden's collect: each layer reads its slice of the stack,
+    which is the layer's own)."""
+    cfg = _cfg(2)
+    (gd, params), (sgd, sparams), _ = _held(cfg)
+    for l in (3, 4):
+        one = stack.layer(nnx.merge(sgd, sparams), l)
+        assert (one.layer, one.role) == (l, cfg.roles[l])
+        _same(nnx.state(one), params["layers"][l], f"layer {l}")
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
+    cache = init_cache(cfg, 2)
+    for collect in (False, True):
+        _same(jax.jit(_fwd(sgd, collect))(sparams, tokens, cache), jax.jit(_fwd(gd, collect))(params, tokens, cache),
+              f"stacked, collect={collect}")

@@ -812,3 +812,26 @@ def test_split_prefill_on_golden_configs(golden_root):
         diff = float(jnp.max(jnp.abs(sl[0, -1] - el[0, -1])))
         assert 0.0 < diff < 0.2 * float(jnp.max(jnp.abs(el[0, -1]))), (gc.name, diff)
     assert checked, f"no golden folder with a prefill case under {golden_root}"
+
+
+def _runs_config():
+    """SWA x2, Full r2, Reuse r2 x2, Full r1 (pool), Reindex r1, Reuse r1 x2: runs (0, 1), (3, 4), (7, 8)."""
+    return ModelConfig.tiny(n_layers=9, compress_ratios=(0, 0, 2, 2, 2, 1, 1, 1, 1), kv_source_layers=(2, 5),
+                            index_source_layers=(2, 5, 6), candidate_source_layer=5, engram_layer_ids=(),
+                            hc_sinkhorn_iters=2, max_seq_len=32)
+
+
+def test_engine_holds_the_scanned_runs_stacked():
+    """The engine's params hold each run its steps scan stacked (`stack_layers` at load); the
+    params as stored, which the prefix-cache fingerprint hashes, stay per layer (the same
+    fingerprint as an engine that stacks nothing); scan_layers off stacks nothing."""
+    from dsv41_jax.model.stack import LayerStack
+    from dsv41_jax.serving.engine import Engine
+
+    model = random_model(_runs_config(), seed=1)
+    held, flat = (Engine(model, slots=2, min_capacity=32, prefill_chunk=8, runtime=Runtime(scan_layers=scan))
+                  for scan in (True, False))
+    assert {b.run for b in nnx.merge(held.graphdef, held.params).layers if isinstance(b, LayerStack)} == {
+        (0, 1), (3, 4), (7, 8)}
+    assert not any(isinstance(b, LayerStack) for b in nnx.merge(flat.graphdef, flat.params).layers)
+    assert held.fingerprint == flat.fingerprint

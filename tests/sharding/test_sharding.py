@@ -482,3 +482,40 @@ def test_two_process_distributed_on_loopback():
         results.append(json.loads(out.strip().splitlines()[-1]))
     assert sorted(r["process"] for r in results) == [0, 1]
     assert all(r["ok"] and r["devices"] == 4 and r["local_devices"] == 2 for r in results)
+
+
+def _runs_config() -> ModelConfig:
+    """SWA x2, Full r2 (the KV and index source), Reuse r2 x3: two runs, (0, 1) and (3, 4, 5)."""
+    return ModelConfig.tiny(n_layers=6, compress_ratios=(0, 0, 2, 2, 2, 2), kv_source_layers=(2,),
+                            index_source_layers=(2,), candidate_source_layer=-1, engram_layer_ids=(),
+                            n_routed_experts=8, max_seq_len=32)
+
+
+def test_stacked_runs_split_like_their_layers():
+    """The engine's stacked runs (`stack_layers`) on a mesh: each stacked parameter is split like
+    one layer's, its layer axis whole; the expert-parallel MoE goes on a stack's Block once, and
+    every layer of the run sees it."""
+    from dsv41_jax.model import block as body
+    from dsv41_jax.model.stack import LayerStack
+    from dsv41_jax.model.transformer import stack_layers
+    from sharding.step import distribute
+
+    cfg = _runs_config()
+    gd, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=0)))
+    sgd, stacked = stack_layers(gd, state, body.Plan.resolve(Runtime()))
+    sizes = {"expert": 4, "tensor": 2}
+    per_layer, held = nnx.to_flat_state(param_specs(state, sizes)), dict(nnx.to_flat_state(param_specs(stacked, sizes)))
+    assert {p[:3] for p in held if p[2:3] == ("stacked",)} == {("layers", 0, "stacked"), ("layers", 3, "stacked")}
+    for path, spec in per_layer:
+        if path[:2] in (("layers", 0), ("layers", 3)):
+            assert held[(*path[:2], "stacked", *path[2:])] == P(None, *spec), path
+        elif path[:2] not in (("layers", 1), ("layers", 4), ("layers", 5)):
+            assert held[path] == spec, path
+    assert any(s[1:] for s in held.values() if s and s[0] is None)  # splits the stacks keep
+    model = distribute(nnx.merge(sgd, stacked), make_mesh("expert=4,tensor=2"))
+    for run in ((0, 1), (3, 4, 5)):
+        held_run = model.layers[run[0]]
+        assert isinstance(held_run, LayerStack) and held_run.run == run
+        assert all(model.layers[l] is held_run for l in run)
+        assert isinstance(held_run.stacked.ffn, ExpertParallelMoE)
+    assert isinstance(model.layers[2].ffn, ExpertParallelMoE)
