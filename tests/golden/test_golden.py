@@ -51,6 +51,9 @@ def test_short_prefills_free_and_forced(fp8_runner, case_name):
     assert entries[1].topk_sets_equal is True
 
 
+# slow (57 s on 2 cores: a program per replayed layer): `golden-check` runs the same replay entries
+# (main_fp8's `[replay L*]` rows), and the default suite's budget is spent
+@pytest.mark.slow
 def test_single_layer_replays(fp8_runner):
     case = next(c for c in fp8_runner.gc.cases if c.get("has_intermediates"))
     with jax.enable_x64(True):
