@@ -18,31 +18,16 @@ import time
 import numpy as np
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.model.transformer import init_cache, make_step
 from dsv41_jax.runtime import Runtime
 from dsv41_jax.serving import sampling
 from dsv41_jax.serving.engine import Engine, Request
 from dsv41_jax.serving.random_weights import random_model
-from dsv41_jax.serving.steps import pieces
+from dsv41_jax.serving.steps import forward_logprob_rows
 
 CHUNK, NEW = 1024, 3
-
-
-def _forward(graphdef, params, cfg, mode, prompt, generated):
-    step = make_step(graphdef, Runtime(mode=mode))
-    cache, start, rows = init_cache(cfg, 1), 0, []
-    for n in pieces(len(prompt), CHUNK, padded=False):
-        logits, cache, _ = step(params, jnp.asarray([prompt[start:start + n]], jnp.int32), cache, None)
-        start += n
-    rows.append(logits[0, -1])
-    for tok in generated[:-1]:
-        logits, cache, _ = step(params, jnp.asarray([[tok]], jnp.int32), cache, None)
-        rows.append(logits[0, -1])
-    return [np.asarray(jax.nn.log_softmax(r.astype(jnp.float32))) for r in rows]
 
 
 def main(argv=None) -> int:
@@ -66,9 +51,9 @@ def main(argv=None) -> int:
                        for i, p in enumerate(prompts)])
     out = []
     for i, (prompt, res) in enumerate(zip(prompts, results)):
-        fast = _forward(graphdef, params, cfg, "fast", prompt, res.tokens)
+        fast = forward_logprob_rows(graphdef, params, cfg, Runtime(mode="fast"), prompt, res.tokens, CHUNK)
         with jax.enable_x64(True):
-            exact = _forward(graphdef, params, cfg, "exact", prompt, res.tokens)
+            exact = forward_logprob_rows(graphdef, params, cfg, Runtime(mode="exact"), prompt, res.tokens, CHUNK)
         out.append({"prompt": lengths[i], "tokens": res.tokens,
                     "tokens_are_forward_argmax": res.tokens == [int(np.argmax(r)) for r in fast],
                     "engine_vs_forward_fast": [float(np.abs(a - b).max()) for a, b in zip(seen[i], fast)],

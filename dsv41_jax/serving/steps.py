@@ -40,6 +40,7 @@ import numpy as np
 from flax import nnx
 
 from dsv41_jax.model import dspark
+from dsv41_jax.model.transformer import init_cache, make_step
 from dsv41_jax.runtime import COMPILER_OPTIONS
 from dsv41_jax.serving import speculation
 from dsv41_jax.serving.split_prefill import commit, decode_step, decoder_pass, encoder_pass, exact_prefill, replay_window
@@ -80,6 +81,24 @@ def pieces(n: int, chunk: int, padded: bool = True) -> list[int]:
         if padded and r and (size - r < smaller or not smaller):
             return out + [size]
     return out
+
+
+def forward_logprob_rows(graphdef, params, cfg, runtime, prompt: list[int], generated: list[int],
+                         chunk: int) -> list[np.ndarray]:
+    """What the engine's logprob rows must equal: log_softmax of `model.forward`'s logits (one sequence,
+    no engine) for the prompt's last token and each generated token but the last, the prompt fed in the
+    exact prefill's unpadded pieces of `chunk` (exact numerics pick their elementwise kernels by a call's
+    length), then one token a call."""
+    step = make_step(graphdef, runtime)
+    cache, start, rows = init_cache(cfg, 1), 0, []
+    for n in pieces(len(prompt), chunk, padded=False):
+        logits, cache, _ = step(params, jnp.asarray([prompt[start:start + n]], jnp.int32), cache, None)
+        start += n
+    rows.append(logits[0, -1])
+    for tok in generated[:-1]:
+        logits, cache, _ = step(params, jnp.asarray([[tok]], jnp.int32), cache, None)
+        rows.append(logits[0, -1])
+    return [np.asarray(jax.nn.log_softmax(jax.device_get(r.astype(jnp.float32)))) for r in rows]
 
 
 def span_rows(spans, lo: int, hi: int, size: int | None = None):

@@ -16,15 +16,13 @@ import numpy as np
 import pytest
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.model.transformer import init_cache, make_step
 from dsv41_jax.runtime import Runtime
 from dsv41_jax.serving import sampling
 from dsv41_jax.serving.random_weights import random_model
-from dsv41_jax.serving.steps import pieces
+from dsv41_jax.serving.steps import forward_logprob_rows
 
 CHUNK, NEW = 1024, 3  # prompts of whole chunks: one prefill program per side
 
@@ -36,21 +34,6 @@ def long_config(max_seq_len: int, **over) -> ModelConfig:
                 kv_source_layers=(1, 2), index_source_layers=(1, 2, 3), candidate_source_layer=2,
                 hc_sinkhorn_iters=3, n_routed_experts=4, vocab_size=256)
     return ModelConfig.tiny(**{**base, **over})
-
-
-def _forward_logprobs(graphdef, params, cfg, prompt, generated):
-    """log_softmax rows of model.forward's logits for the prompt's last token and each generated
-    token but the last: the rows the engine reports with its tokens."""
-    step = make_step(graphdef, Runtime(mode="exact"))
-    cache, start, rows = init_cache(cfg, 1), 0, []
-    for n in pieces(len(prompt), CHUNK, padded=False):
-        logits, cache, _ = step(params, jnp.asarray([prompt[start:start + n]], jnp.int32), cache, None)
-        start += n
-    rows.append(logits[0, -1])
-    for tok in generated[:-1]:
-        logits, cache, _ = step(params, jnp.asarray([[tok]], jnp.int32), cache, None)
-        rows.append(logits[0, -1])
-    return [np.asarray(jax.nn.log_softmax(jax.device_get(r.astype(jnp.float32)))) for r in rows]
 
 
 # (prompt lengths, mesh spec or None for one device, config overrides)
@@ -93,7 +76,7 @@ def test_engine_equals_forward_at_long_context(case):
         assert eng.capacity >= max(lengths)  # the cache grew through its buckets to hold them
         for i, (prompt, res) in enumerate(zip(prompts, results)):
             assert res.tokens == [t for t, _ in seen[i]] and len(res.tokens) == NEW
-            want = _forward_logprobs(graphdef, params, cfg, prompt, res.tokens)
+            want = forward_logprob_rows(graphdef, params, cfg, Runtime(mode="exact"), prompt, res.tokens, CHUNK)
             for j, ((tok, lp), ref) in enumerate(zip(seen[i], want)):
                 assert np.array_equal(lp, ref), (lengths[i], j, float(np.max(np.abs(lp - ref))))
                 assert tok == int(np.argmax(ref))  # greedy: the forward's own argmax
