@@ -286,3 +286,62 @@ def test_warm_only_fills_the_cache_and_a_restart_compiles_nothing(tmp_path):
         assert "dsv41_compiles_after_ready_total 0.0" in metrics, metrics
     finally:
         stop(procs)
+
+
+@pytest.mark.slow
+def test_warm_vision_server_compiles_only_the_tower_for_a_new_image_grid(tmp_path):
+    """After /ready on a model with a vision tower, image prompts (chat with one image, two images,
+    the image's conversation resumed: its replayed window holds image positions) compile nothing but
+    the tower's program for a patch grid not seen before (the tower is one program per grid, by
+    design): the prefill and replay pieces with span operands are the warm-up's. A second image of
+    the same grid compiles nothing at all."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from dsv41_jax.serving.http.images import ImageOptions
+    from dsv41_jax.vision.sources import ImageLimits
+
+    def image(color, size):
+        buf = io.BytesIO()
+        Image.new("RGB", size, color).save(buf, "PNG")
+        url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+        return {"type": "image_url", "image_url": {"url": url}}
+
+    max_len = 160
+    cfg = ModelConfig.tiny_vision(n_layers=1, compress_ratios=(0,), kv_source_layers=(), index_source_layers=(),
+                                  candidate_source_layer=-1, engram_layer_ids=(), n_routed_experts=4,
+                                  max_seq_len=max_len, max_batch_size=2)
+    tokenizer = load_tokenizer(ByteTokenizer().save_json(tmp_path / "tokenizer.json", image_token=True))
+    app, worker = build(synthetic_model(cfg, seed=3), tokenizer,
+                        ServeOptions(model_name="tiny-vl", warm=True, cache_dir=str(tmp_path / "conv"),
+                                     engine=EngineSettings(slots=2, max_seq_len=max_len, prefill_chunk=16,
+                                                           exact_prefill=True),
+                                     images=ImageOptions(ImageLimits(max_images=2))))
+    srv = BackgroundServer(app, worker).start()
+
+    def chat(http, *turns):
+        messages = [{"role": ("user", "assistant")[i % 2], "content": c} for i, c in enumerate(turns)]
+        r = http.post("/v1/chat/completions", json={"model": "tiny-vl", "max_tokens": 2, "temperature": 0,
+                                                    "messages": messages})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    try:
+        with httpx.Client(base_url=srv.url, timeout=600) as http:
+            assert worker.ready.wait(600) and http.get("/ready").json()["status"] == "ready"
+            tower = worker.engine.steps.image
+            with count_compiles() as first:
+                chat(http, [{"type": "text", "text": "what is it?"}, image((220, 20, 20), (12, 9))])
+            assert tower._cache_size() == 1 and len(first) == 1, f"{len(first)} programs compiled (tower: 1)"
+            with count_compiles() as seen:
+                asked = [image((20, 20, 220), (12, 9)), {"type": "text", "text": "and this one, longer text?"}]
+                reply = chat(http, asked)["choices"][0]["message"]["content"]
+                chat(http, [image((9, 200, 9), (12, 9)), {"type": "text", "text": "two"}, image((1, 2, 3), (12, 9))])
+                # the conversation resumed from its cache file: its replayed window holds image positions
+                resumed = chat(http, asked, reply, "more")
+            assert resumed["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, resumed["usage"]
+            assert seen == [] and tower._cache_size() == 1, f"{len(seen)} programs compiled after /ready"
+    finally:
+        srv.close()

@@ -835,3 +835,31 @@ def test_engine_holds_the_scanned_runs_stacked():
         (0, 1), (3, 4), (7, 8)}
     assert not any(isinstance(b, LayerStack) for b in nnx.merge(flat.graphdef, flat.params).layers)
     assert held.fingerprint == flat.fingerprint
+
+
+@pytest.mark.slow
+def test_engine_over_stacked_runs_equals_the_unrolled_engine():
+    """Requests of several lengths (prefill pieces, decode) in one batch: the engine over stacked
+    runs (scanned) gives the same tokens and every sampled position's logits, bit for bit, as the
+    engine with every layer unrolled (`Runtime(scan_layers=False)`)."""
+    from dsv41_jax.serving.engine import Engine, Request
+
+    class Recording(Engine):
+        def _emit(self, req, drawn, token, logits, row):
+            self.seen.setdefault(req.request_id, []).append(np.asarray(jax.device_get(logits[row])))
+            return super()._emit(req, drawn, token, logits, row)
+
+    model = random_model(_runs_config(), seed=1)
+    rng = np.random.default_rng(5)
+    prompts = [list(map(int, rng.integers(0, model.cfg.vocab_size, n))) for n in (3, 11, 20)]
+    out = []
+    for scan in (True, False):
+        eng = Recording(model, slots=2, min_capacity=32, prefill_chunk=8, runtime=Runtime(scan_layers=scan))
+        eng.seen = {}
+        res = eng.run([Request(p, sampling.SamplingParams(max_tokens=4), request_id=f"r{i}")
+                       for i, p in enumerate(prompts)])
+        out.append(([r.tokens for r in res], eng.seen))
+    assert out[0][0] == out[1][0] and out[0][1].keys() == out[1][1].keys()
+    for rid, rows in out[0][1].items():
+        for a, b in zip(rows, out[1][1][rid], strict=True):
+            np.testing.assert_array_equal(a, b)

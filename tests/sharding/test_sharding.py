@@ -519,3 +519,30 @@ def test_stacked_runs_split_like_their_layers():
         assert all(model.layers[l] is held_run for l in run)
         assert isinstance(held_run.stacked.ffn, ExpertParallelMoE)
     assert isinstance(model.layers[2].ffn, ExpertParallelMoE)
+
+
+@pytest.mark.slow
+def test_stacked_runs_on_a_mesh_equal_one_device():
+    """A prefill and a decode step over the stacked runs, placed by the preset on expert=4,tensor=2
+    (`param_shardings` of the stacked tree), equal the per-layer model on one device bit for bit
+    (exact numerics): logits and cache."""
+    from dsv41_jax.model import block as body
+    from dsv41_jax.model.transformer import stack_layers
+    from sharding.rules import param_shardings
+
+    cfg = _runs_config()
+    with jax.enable_x64(True):
+        gd, state = nnx.split(Transformer(cfg, rngs=0))
+        sgd, stacked = stack_layers(gd, state, body.Plan.resolve(EXACT))
+        mesh = make_mesh("expert=4,tensor=2")
+        step = make_sharded_step(nnx.merge(sgd, stacked), mesh, "inference", EXACT)
+        params = jax.device_put(stacked, param_shardings(stacked, mesh))
+        one = make_step(gd, EXACT)
+        tokens = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 6)), jnp.int32)
+        cache, ref = shard_cache(init_cache(cfg, 2), mesh), init_cache(cfg, 2)
+        for t in (tokens, tokens[:, :1]):
+            logits, cache, _ = step(params, t, cache)
+            want, ref, _ = one(state, t, ref)
+            np.testing.assert_array_equal(np.asarray(logits), np.asarray(want))
+            for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(ref)):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
