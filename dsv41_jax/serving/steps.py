@@ -110,7 +110,14 @@ def span_rows(spans, lo: int, hi: int, size: int | None = None):
     pad = (size or len(types)) - len(types)
     rows = np.concatenate([rows, np.zeros((pad, *rows.shape[1:]), rows.dtype)])
     types = np.concatenate([types, np.full(pad, -1, types.dtype)])
-    return jnp.asarray(rows[None]), jnp.asarray(types[None], jnp.int32)
+    return span_operands(rows[None], types[None])
+
+
+def span_operands(rows, types):
+    """(rows [B, T, dim] bf16, token types [B, T] int32) on the device as a step takes them, cast on
+    the host: `jnp.asarray` would cast on the device, one small program per new piece shape that no
+    warm-up runs (an image prompt's first piece of a shape compiled twice after ready)."""
+    return jax.device_put(np.asarray(rows, jnp.bfloat16)), jax.device_put(np.asarray(types, np.int32))
 
 
 @dataclass

@@ -40,13 +40,14 @@ from collections.abc import Callable
 import filelock
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dsv41_jax.serving import prefix_cache
 from dsv41_jax.serving.engine import Engine, Request
 from dsv41_jax.serving.prefill import prefill_buffers, row_state
 from dsv41_jax.serving.prompt_logprobs import prompt_logprobs
 from dsv41_jax.serving.sampling import SamplingParams
-from dsv41_jax.serving.steps import piece_set, pieces
+from dsv41_jax.serving.steps import piece_set, pieces, span_operands
 
 
 def piece_sizes(lo: int, hi: int, chunk: int, padded: bool = True) -> list[int]:
@@ -94,10 +95,11 @@ def program_list(engine: Engine, *, replay: bool = False, echo: bool = False) ->
 
 
 def _spans(engine: Engine, n: int, on: bool):
-    """Span operands of n positions, all outside a span (a piece of an image prompt passes them), or None."""
+    """Span operands of n positions, all outside a span, made as a request's piece makes them
+    (`steps.span_operands`), or None."""
     if not on:
         return None
-    return jnp.zeros((1, n, engine.cfg.dim), jnp.bfloat16), jnp.full((1, n), -1, jnp.int32)
+    return span_operands(np.zeros((1, n, engine.cfg.dim), np.float32), np.full((1, n), -1))
 
 
 def _conversation(engine: Engine, n: int):

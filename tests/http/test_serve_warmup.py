@@ -290,8 +290,9 @@ def test_warm_only_fills_the_cache_and_a_restart_compiles_nothing(tmp_path):
 
 @pytest.mark.slow
 def test_warm_vision_server_compiles_only_the_tower_for_a_new_image_grid(tmp_path):
-    """After /ready on a model with a vision tower, image prompts (chat with one image, two images,
-    the image's conversation resumed: its replayed window holds image positions) compile nothing but
+    """After /ready on a model with a vision tower, image prompts of several lengths (chat with one
+    image, two images, an image inside a longer prompt, the image's conversation resumed: its
+    replayed window holds image positions) compile nothing but
     the tower's program for a patch grid not seen before (the tower is one program per grid, by
     design): the prefill and replay pieces with span operands are the warm-up's. A second image of
     the same grid compiles nothing at all."""
@@ -339,6 +340,8 @@ def test_warm_vision_server_compiles_only_the_tower_for_a_new_image_grid(tmp_pat
                 asked = [image((20, 20, 220), (12, 9)), {"type": "text", "text": "and this one, longer text?"}]
                 reply = chat(http, asked)["choices"][0]["message"]["content"]
                 chat(http, [image((9, 200, 9), (12, 9)), {"type": "text", "text": "two"}, image((1, 2, 3), (12, 9))])
+                # a longer prompt (several pieces): the image inside a full piece, text on both sides
+                chat(http, [{"type": "text", "text": "x" * 60}, image((7, 7, 7), (12, 9)), {"type": "text", "text": "y" * 30}])
                 # the conversation resumed from its cache file: its replayed window holds image positions
                 resumed = chat(http, asked, reply, "more")
             assert resumed["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, resumed["usage"]
