@@ -11,7 +11,8 @@ request, one at a time, and records each one's latency (`max_tokens` 16). Then, 
 caches on (`--prefix-cache-dir`), a 1,500-token prompt (stored), the same prompt plus 40 tokens
 (resumed from the stored file: load and replay, then the 40) and another prompt of the same
 1,540 tokens from scratch, one output token each. Prints a table; `--json` also writes the
-figures. `dsv41 demo --out OUT` makes the checkpoint.
+figures and each start's log lines stamped with their seconds since launch (where a start spends
+its time: imports, the checkpoint load, each warm-up program). `dsv41 demo --out OUT` makes the checkpoint.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 TOOLS = [{"type": "function", "function": {
@@ -75,12 +77,15 @@ def one_start(checkpoint: str, cache: str, timeout: float) -> dict:
 
     port = _port()
     url = f"http://127.0.0.1:{port}"
-    log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe would stall the server
     t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "dsv41_jax.cli.main", "serve", "--checkpoint", checkpoint,
                              "--port", str(port), "--compile-cache", cache, "--max-batch", "2",
                              "--prefix-cache-dir", tempfile.mkdtemp(prefix="dsv41-conversations-")],
-                            stdout=log, stderr=log, text=True, env=dict(os.environ))
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+    log = []  # (seconds since launch, line): where a start spends its time (read at once: a full pipe stalls)
+    reader = threading.Thread(target=lambda: log.extend((round(time.monotonic() - t0, 2), ln.rstrip())
+                                                        for ln in proc.stdout), daemon=True)
+    reader.start()
     try:
         alive = _wait(url, "/health", proc, t0 + timeout) - t0
         ready = _wait(url, "/ready", proc, t0 + timeout) - t0
@@ -101,11 +106,10 @@ def one_start(checkpoint: str, cache: str, timeout: float) -> dict:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        log.seek(0)
-        lines = [ln for ln in log.read().splitlines() if "dsv41 serve: warm-up" in ln]
-        log.close()
+        reader.join(30)
+    lines = [ln for _, ln in log if "dsv41 serve: warm-up" in ln]
     return {"alive_s": alive, "ready_s": ready, "first_requests": first, "programs": len(lines),
-            "conversation": conversation}
+            "conversation": conversation, "log": log}
 
 
 def main(argv=None) -> int:

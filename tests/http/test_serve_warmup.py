@@ -341,7 +341,8 @@ def test_warm_vision_server_compiles_only_the_tower_for_a_new_image_grid(tmp_pat
                 reply = chat(http, asked)["choices"][0]["message"]["content"]
                 chat(http, [image((9, 200, 9), (12, 9)), {"type": "text", "text": "two"}, image((1, 2, 3), (12, 9))])
                 # a longer prompt (several pieces): the image inside a full piece, text on both sides
-                chat(http, [{"type": "text", "text": "x" * 60}, image((7, 7, 7), (12, 9)), {"type": "text", "text": "y" * 30}])
+                chat(http, [{"type": "text", "text": "x" * 60}, image((7, 7, 7), (12, 9)),
+                            {"type": "text", "text": "y" * 30}])
                 # the conversation resumed from its cache file: its replayed window holds image positions
                 resumed = chat(http, asked, reply, "more")
             assert resumed["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, resumed["usage"]
