@@ -3,7 +3,8 @@
 A request that reaches a cold server pays for compiling the prefill pieces its prompt length
 needs, the CED split's Graph B, the decode step, the sampler and the slot insert: on the demo
 checkpoint that was 70-83 s for a first chat request and as much again for each new prompt
-shape. `warm` runs each of those programs once on dummy inputs, at the one cache
+shape. `warm` compiles each of those programs for dummy inputs (the prefill, Graph B and
+replay pieces without running them: `_compile`; the rest by running them once), at the one cache
 capacity the server keeps (the bucket that holds `max_seq_len`; a request without `max_tokens`
 reserves that much, so a server reaches that bucket at its first request anyway), so that after
 it no request compiles, whatever its length:
@@ -121,32 +122,38 @@ def _run(engine: Engine, kind: str, n: int):
     steps, valid = engine.steps, jnp.asarray([n], jnp.int32)
     kind, spans = kind.removesuffix("+spans"), _spans(engine, n, kind.endswith("+spans"))
     if kind == "exact":
-        out = steps.prefill(params, tokens, engine.empty(1), row_state(engine), ids, spans, valid)
+        _compile(steps.prefill, params, tokens, engine.empty(1), row_state(engine), ids, spans, valid)
     elif kind == "graph_a":
-        out = steps.encode(params, tokens, engine.empty(1), prefill_buffers(engine), ids, spans, valid)
+        _compile(steps.encode, params, tokens, engine.empty(1), prefill_buffers(engine), ids, spans, valid)
     elif kind == "graph_b":
-        out = steps.finish(params, prefill_buffers(engine), engine.empty(1), row_state(engine),
-                           jnp.full((1,), 0, jnp.int32), ids, None if spans is None else spans[1] >= 0)
+        _compile(steps.finish, params, prefill_buffers(engine), engine.empty(1), row_state(engine),
+                 jnp.full((1,), 0, jnp.int32), ids, None if spans is None else spans[1] >= 0)
     elif kind == "replay" and spans is not None:
-        out = steps.replay(params, tokens, engine.empty(1), ids, spans, valid)
+        _compile(steps.replay, params, tokens, engine.empty(1), ids, spans, valid)
     elif kind == "replay":  # a conversation's round trip: stored by the engine, resumed, stored again
         _conversation(engine, n)
-        return
     elif kind == "echo":
-        out = prompt_logprobs(engine, [0] * n)
+        jax.block_until_ready(prompt_logprobs(engine, [0] * n))
     elif kind == "speculate":  # K + 3 tokens: speculating steps, then the plain step near max_tokens;
         # greedy (greedy drafts), then at T = 1 (sampled drafts and rejection sampling)
         for t in (0.0, 1.0):
             engine.run([Request([0], SamplingParams(max_tokens=engine.K + 3, temperature=t),
                                 request_id=f"dsv41-warmup-spec-{t:g}", want_logprobs=True,
                                 on_token=lambda token, logprobs: None)])
-        return
     else:  # one request through admit, the samplers, insert, decode and logprobs
         req = Request([0], SamplingParams(max_tokens=2), request_id="dsv41-warmup", want_logprobs=True,
                       on_token=lambda token, logprobs: None)
         engine.run([req])
-        return
-    jax.block_until_ready(out)
+
+
+def _compile(step, *args) -> None:
+    """Compile `step` for these arguments (or load it from the persistent cache) without running it:
+    a later call with arguments of the same shapes, dtypes and placement finds the executable in
+    the jit's own cache. Running a prefill piece at the server's full cache capacity only to throw
+    its result away adds its run time to every start (a cached one most: it compiles nothing), and
+    running it compiles nothing more (the warm-up's request through the engine runs what a request
+    does with a piece's outputs)."""
+    step.lower(*args).compile()
 
 
 def warm(engine: Engine, *, replay: bool = False, echo: bool = False,
