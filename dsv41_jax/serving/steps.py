@@ -43,7 +43,8 @@ from dsv41_jax.model import dspark
 from dsv41_jax.model.transformer import init_cache, make_step
 from dsv41_jax.runtime import COMPILER_OPTIONS
 from dsv41_jax.serving import speculation
-from dsv41_jax.serving.split_prefill import commit, decode_step, decoder_pass, encoder_pass, exact_prefill, replay_window
+from dsv41_jax.serving.split_prefill import (commit, decode_step, decoder_pass, drop_window, encoder_pass, exact_prefill,
+                                             make_replay, replay_window)
 from dsv41_jax.vision.merge import encode_image
 
 
@@ -84,13 +85,29 @@ def pieces(n: int, chunk: int, padded: bool = True) -> list[int]:
 
 
 def forward_logprob_rows(graphdef, params, cfg, runtime, prompt: list[int], generated: list[int],
-                         chunk: int) -> list[np.ndarray]:
+                         chunk: int, resumed: tuple[list[int], list[int]] | None = None) -> list[np.ndarray]:
     """What the engine's logprob rows must equal: log_softmax of `model.forward`'s logits (one sequence,
     no engine) for the prompt's last token and each generated token but the last, the prompt fed in the
     exact prefill's unpadded pieces of `chunk` (exact numerics pick their elementwise kernels by a call's
-    length), then one token a call."""
+    length), then one token a call.
+
+    resumed: (prompt, generated) of an earlier turn saved as a conversation (`Request.save_to`): fed
+    first the same way, then its window rings dropped and its last window replayed (`replay_window`,
+    unpadded), as `Request.resume_from` restores it; `prompt` then starts with that turn's last token
+    (which never went through the model). Only this turn's rows are returned."""
     step = make_step(graphdef, runtime)
-    cache, start, rows = init_cache(cfg, 1), 0, []
+    cache = init_cache(cfg, 1)
+    if resumed is not None:
+        _, cache = _feed(step, params, cache, *resumed, chunk)
+        held = list(resumed[0]) + list(resumed[1][:-1])
+        n = min(cfg.window_size, len(held))
+        _, cache = make_replay(graphdef, runtime)(params, jnp.asarray([held[-n:]], jnp.int32), drop_window(cache))
+    return _feed(step, params, cache, prompt, generated, chunk)[0]
+
+
+def _feed(step, params, cache, prompt, generated, chunk):
+    """(log_softmax rows, cache) of `prompt` in unpadded pieces then `generated[:-1]` one a call."""
+    start, rows = 0, []
     for n in pieces(len(prompt), chunk, padded=False):
         logits, cache, _ = step(params, jnp.asarray([prompt[start:start + n]], jnp.int32), cache, None)
         start += n
@@ -98,7 +115,7 @@ def forward_logprob_rows(graphdef, params, cfg, runtime, prompt: list[int], gene
     for tok in generated[:-1]:
         logits, cache, _ = step(params, jnp.asarray([[tok]], jnp.int32), cache, None)
         rows.append(logits[0, -1])
-    return [np.asarray(jax.nn.log_softmax(jax.device_get(r.astype(jnp.float32)))) for r in rows]
+    return [np.asarray(jax.nn.log_softmax(jax.device_get(r.astype(jnp.float32)))) for r in rows], cache
 
 
 def span_rows(spans, lo: int, hi: int, size: int | None = None):
