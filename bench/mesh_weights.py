@@ -2,13 +2,16 @@
 --stored-weights --mesh SPEC`): traced on fake CPU devices, nothing compiled or allocated.
 
 The step is the serving engine's own (`serving.steps.build_steps` with `sharding.serving.MeshPlacement`'s
-layout and trace context), on abstract params laid out by the preset. Two versions:
+layout and trace context), on abstract params laid out by the preset. Three versions:
 - "stored": the params as stored and the steps traced outside the mesh's kernel context (the engine
   on a mesh before it made the kernels' word views at load and traced its steps per device): the
-  kernels' wrappers relayout every FP8 weight into 32-bit words on each call;
-- "engine": what `MeshPlacement` holds now: `kernel_params`' word views, made once at load and split
-  like the stored bytes, and the steps traced inside `kernels_on` (each kernel per device); the
-  cache as the engine keeps it for the TPU kernels (`Runtime.kv_words`: its KV rows as their word views).
+  kernels' wrappers relayout every FP8 weight into 32-bit words on each call, from a byte cache;
+- "layers": `kernel_params`' word views, made once at load and split like the stored bytes, each
+  scanned run of layers' weights stacked at load (`stack_layers`), the steps traced inside the
+  placement's kernel context (each kernel per device), the cache's KV rows as the kernels' word views
+  (`Runtime.kv_words`), but one window ring per layer: each scanned run stacks its rings per call;
+- "engine": what `MeshPlacement` and the engine hold now: as "layers", with each scanned run's
+  window rings held stacked in the cache (`model.cache.RingStack`), read and written in place.
 Bytes per device: a weight's use counts its shard (its sharding's shard shape); a relayout is
 counted at the kernel's operand, which inside `shard_map` is the device's own.
 """
@@ -23,7 +26,9 @@ def rows(cfg, context: int, mesh_spec: str, preset: str = "inference", batches=(
     import numpy as np
     from flax import nnx
 
+    from dsv41_jax.model import stack
     from dsv41_jax.model.kernel_weights import kernel_params
+    from dsv41_jax.model.transformer import stack_layers
     from dsv41_jax.runtime import Runtime
     from dsv41_jax.serving import cost, split_prefill, weight_traffic
     from dsv41_jax.serving.steps import build_steps
@@ -43,16 +48,20 @@ def rows(cfg, context: int, mesh_spec: str, preset: str = "inference", batches=(
     stored = jax.eval_shape(lambda p: pad_tables(p, table_row_shards(mesh, preset)), stored)
     sds = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)  # noqa: E731
     out = []
-    for version in ("stored", "engine"):
-        held = stored if version == "stored" else jax.eval_shape(lambda p: kernel_params(gd, p, plan), stored)
+    for version in ("stored", "layers", "engine"):
+        gd_v, held, runs = gd, stored, ()
+        if version != "stored":  # as `MeshPlacement.load` holds them
+            gd_v, held = stack_layers(gd, jax.eval_shape(lambda p: kernel_params(gd, p, plan), stored), plan)
+        if version == "engine":
+            runs = stack.held_runs(nnx.merge(gd_v, held))
         params = jax.tree.map(sds, held, param_shardings(held, mesh, preset))
-        graphdef, _ = nnx.split(distribute(nnx.merge(gd, params), mesh, preset))
-        trace = placement.trace if version == "engine" else contextlib.nullcontext
+        graphdef, _ = nnx.split(distribute(nnx.merge(gd_v, params), mesh, preset))
+        trace = placement.trace if version != "stored" else contextlib.nullcontext
         steps = build_steps(graphdef, rt, plan, cfg.window_size, placement.constrain, 0, trace)
         fraction = [int(np.prod(s.sharding.shard_shape(s.shape))) / max(1, int(np.prod(s.shape)))
                     for s in jax.tree_util.tree_leaves(params)]
         for batch in batches:
-            cache = cost.abstract_cache(cfg, batch, context, version == "engine" and rt.kv_words())
+            cache = cost.abstract_cache(cfg, batch, context, version != "stored" and rt.kv_words(), runs)
             cache = jax.tree.map(sds, cache, cache_shardings(cache, mesh, preset))
             tokens = jax.ShapeDtypeStruct((batch, 1), jnp.int32, sharding=batch_sharding(mesh, (batch, 1), preset))
             active = jax.ShapeDtypeStruct((batch,), jnp.bool_, sharding=batch_sharding(mesh, (batch,), preset))

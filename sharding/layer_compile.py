@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.model.kernel_weights import kernel_params
 from dsv41_jax.model.plan import Plan
+from dsv41_jax.model.stack import held_runs
 from dsv41_jax.model.transformer import engram_table_rows, init_cache, stack_layers, Transformer
 from dsv41_jax.runtime import Runtime
 from sharding.mesh import format_mesh_spec, make_mesh
@@ -95,7 +96,8 @@ def abstract_step_args(cfg: ModelConfig, mesh, preset, *, batch: int, tokens: in
         return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
 
     params = jax.tree.map(sds, state, param_shardings(state, mesh, preset))
-    cache_abs = jax.eval_shape(lambda: init_cache(cfg, batch, runtime.kv_words()))  # as the engine keeps it
+    # as the engine keeps it: the kernels' words, the scanned runs' window rings stacked
+    cache_abs = jax.eval_shape(lambda: init_cache(cfg, batch, runtime.kv_words(), held_runs(abstract)))
     cache = jax.tree.map(sds, cache_abs, cache_shardings(cache_abs, mesh, preset))
     args = [params, jax.ShapeDtypeStruct((batch, tokens), jnp.int32,
                                          sharding=batch_sharding(mesh, (batch, tokens), preset)), cache]

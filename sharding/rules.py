@@ -159,6 +159,10 @@ def cache_logical_axes(path: tuple, ndim: int | None = None) -> tuple[str, ...]:
     axes = _CACHE_AXES.get(str(path[0]))
     if axes is None:
         raise ShardingRuleError(f"no logical axes for cache entry {'/'.join(map(str, path))}; add it to _CACHE_AXES")
+    if path[:1] == ("window",) and "rings" in path[2:3]:
+        # a run's window rings held stacked (`dsv41_jax.model.cache.RingStack`): split like one
+        # layer's ring, the layer axis whole (a scan reads and writes its layers in place)
+        axes = (None,) + axes
     if ndim is not None and ndim != len(axes):
         raise ShardingRuleError(f"cache entry {'/'.join(map(str, path))} has {ndim} dims, logical axes {axes}")
     return axes

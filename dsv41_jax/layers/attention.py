@@ -52,7 +52,8 @@ class Attention(nnx.Module):
         """Sparse sink attention through the Pallas kernel (impl="pallas"), reading the quantized caches.
 
         window: kv_layout.WindowKV [B, W + T, D] (or its word view), the ring followed by this chunk's
-        entries, or in decode the ring as written (what window_idx points into); compressed: kv_layout.CompressedKV [B, G, D] or None, with
+        entries, or in decode the ring as written (what window_idx points into; a `kv_layout.LayerRing`
+        when the layer's ring is one of a stack, read where it lies); compressed: kv_layout.CompressedKV [B, G, D] or None, with
         compressed_idx [B, T, K] (-1 = empty). Same math as the xla path's `sparse_attention` over
         the dequantized rows (window slots first): bit-exact in exact mode (interpreted, float64),
         f32-rounding close in fast mode. Gradients reach q and the sink through the kernel's
@@ -65,7 +66,7 @@ class Attention(nnx.Module):
         mode = runtime.kernel_mode()
         if mode is None:
             raise ValueError(f"attend_pallas: {runtime} does not run the attention kernel")
-        if not isinstance(window, (kv_layout.WindowKV, kv_layout.WindowWords)):
+        if not isinstance(window, (kv_layout.WindowKV, kv_layout.WindowWords, kv_layout.LayerRing)):
             # training: rows before quantization (the kernel quantizes them as the fake quantization
             # does) and gradients for them too (the values-in custom_vjp)
             if mode != "fast":

@@ -424,23 +424,27 @@ def scan_run(model, state: LayerState, span: Span, plan: Plan, run, probe: Probe
              probe_inputs=None) -> tuple[LayerState, dict]:
     """`block_step` over a run of `layer_runs` as one `jax.lax.scan`: the run's first module with each
     layer's parameters (`stack.run_params`: a slice of the stack the engine holds, made once at load,
-    else stacked here, per program), the store seeing each layer's own part (its window,
-    `Store.stacked`) as the first layer's. The run's layers write nothing else and leave the
-    carry as it is, so the rest of the store and the carry are the scan's constants.
-    Returns (the state after the run, {layer: records})."""
+    else stacked here, per program), the store seeing each layer's own part (its window) as the
+    first layer's: the layers' parts stacked (`Store.stacked`: the stack the engine's cache holds,
+    else stacked here) are the scan's carry, each layer writing its own slice in place. The run's
+    layers write nothing else and leave the carry as it is, so the rest of the store and the carry
+    are the scan's constants. Returns (the state after the run, {layer: records})."""
     l0 = run[0]
     graphdef, params = stack.run_params(model, run)
     h, pre, store, carry = state
 
     def one(stream, x):
-        p, part = x
-        inputs = LayerState(*stream, store.at_layer(l0, part), carry)
+        h, pre, parts = stream
+        p, i = x
+        inputs = LayerState(h, pre, store.at_layer(l0, parts, i), carry)
         out, rec = block_step(stack.at_layer(graphdef, p, l0, model.cfg), inputs, span, plan, probe, probe_inputs)
-        return (out.h, out.pre), (out.store.written(l0), rec)
+        parts, kept = out.store.written(l0)
+        return (out.h, out.pre, parts), (kept, rec)
 
-    (h, pre), (parts, recs) = jax.lax.scan(one, (h, pre), (params, store.stacked(run)))
+    (h, pre, parts), (kept, recs) = jax.lax.scan(one, (h, pre, store.stacked(run)),
+                                                 (params, jnp.arange(len(run), dtype=jnp.int32)))
     per_layer = {l: jax.tree.map(lambda a, i=i: a[i], recs) for i, l in enumerate(run)}
-    return LayerState(h, pre, store.unstacked(run, parts), carry), per_layer
+    return LayerState(h, pre, store.unstacked(run, parts, kept), carry), per_layer
 
 
 def fp8_linears(plan: Plan):

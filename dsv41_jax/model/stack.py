@@ -67,6 +67,16 @@ def run_params(model, run):
     return graphdef, jax.tree.map(lambda *a: jnp.stack(a), *(nnx.state(layer(model, l)) for l in run))
 
 
+def held_runs(model) -> tuple:
+    """The runs of layers the model holds stacked, in order (the engine's cache holds the same
+    runs' window rings stacked: `model.cache.RingStack`)."""
+    out: list = []
+    for b in model.layers:
+        if isinstance(b, LayerStack) and b.run not in out:
+            out.append(b.run)
+    return tuple(out)
+
+
 def blocks(model) -> list:
     """Each Block module of the model once (a stack's stacked Block once): what a pass that swaps
     a layer's sub-modules (expert-parallel MoE, row-sharded Engram) walks."""

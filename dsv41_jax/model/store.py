@@ -15,7 +15,8 @@ import jax.numpy as jnp
 
 from dsv41_jax.layers import compressor
 from dsv41_jax.layers.indexer import index_key_container
-from dsv41_jax.model.cache import index_keys_for, scatter_container, window_indices, write_ring
+from dsv41_jax.model.cache import (RingStack, index_keys_for, ring_at, scatter_container, window_indices, with_ring,
+                                   write_ring)
 from dsv41_jax.model.plan import Plan, Span
 from dsv41_jax.numerics import kv_layout
 
@@ -82,19 +83,21 @@ class Store(Protocol):
     def topk_width(self, src: int) -> int:
         """How many compressed positions a top-k over the source selects."""
 
-    # A run of layers that write nothing global (`block.layer_runs`) runs as one scan: each layer's own
-    # part of the store (what `window` reads and writes) goes in stacked and comes out stacked.
+    # A run of layers that write nothing global (`block.layer_runs`) runs as one scan: the layers' own
+    # parts of the store (what `window` reads and writes), stacked on a leading layer axis, are the
+    # scan's carry, each layer reading and writing its own slice of them in place.
     def stacked(self, layers) -> object:
-        """The layers' own parts (a pytree, leaves stacked on a new leading axis; () if none are kept)."""
+        """The layers' own parts (a pytree, leaves on a leading layer axis; () if none are kept)."""
 
-    def at_layer(self, l: int, part) -> "Store":
-        """A copy whose layer l's own part is `part` (one slice of `stacked`)."""
+    def at_layer(self, l: int, parts, i) -> "Store":
+        """A copy whose layer l's own part is slice i (traced) of `parts` (as `stacked` gave them)."""
 
-    def written(self, l: int) -> object:
-        """What the body wrote into layer l's own part (the scan's per-layer output)."""
+    def written(self, l: int) -> tuple:
+        """(the parts as the body left them (the scan's carry), what layer l wrote that the store
+        keeps per layer (the scan's per-layer output))."""
 
-    def unstacked(self, layers, parts) -> "Store":
-        """A copy with the `written` parts of `layers` (stacked on a leading axis) put in place."""
+    def unstacked(self, layers, parts, outputs) -> "Store":
+        """A copy with the `written` parts of `layers` and their per-layer outputs (stacked) in place."""
 
 
 class QuantStore:
@@ -128,21 +131,24 @@ class QuantStore:
 
         The kernel reads [ring ++ chunk] at idx, except for one token (decode): then it reads the ring
         as written, at the same rows: the new row sits in slot start % W, whose old row (position
-        start - W) no query of the chunk sees, so no ring is copied per step."""
+        start - W) no query of the chunk sees, so no ring is copied per step (a layer of stacked
+        rings, `LayerRing`, is read where it lies)."""
         W, T = self.cfg.window_size, span.positions.shape[1]
-        ring = self.cache["window"][l]
+        held = ring_at(self.cache["window"], l)
+        ring = kv_layout.ring_rows(held)
         new = kv_layout.quantize_window(raw)
         rows = jnp.concatenate([kv_layout.dequantize_window(ring), kv_layout.dequantize_window(new)], 1)
         idx = window_indices(span.start, T, W)
         if span.floor is not None:
             p = span.positions[..., None] - (W - 1) + jnp.arange(W)
             idx = jnp.where(p >= span.floor[:, None, None], idx, -1)
-        self.cache["window"][l] = write_ring(ring, new, span.start, W)
+        written = write_ring(held, new, span.start, W)
+        self.cache["window"] = with_ring(self.cache["window"], l, written)
         if self.pending is not None:
             self.pending["window"][l] = new
         if T == 1:
             ring_idx = jnp.where(idx >= W, (span.start[:, None, None] + idx - W) % W, idx)
-            return rows, idx, (self.cache["window"][l], ring_idx)
+            return rows, idx, (written, ring_idx)
         return rows, idx, (kv_layout.concat_rows(ring, new), idx)
 
     def visible(self, span: Span, m: int) -> jax.Array:
@@ -230,8 +236,9 @@ class QuantStore:
         for l, new in pending["window"].items():
             j = jnp.arange(new.values.shape[1])[None]
             keep = (j < n[:, None]) & (j >= n[:, None] - W)  # a chunk of n keeps its last min(n, W) rows
-            out.cache["window"][l] = scatter_container(out.cache["window"][l], new,
-                                                       jnp.where(keep, (start[:, None] + j) % W, -1))
+            slots = jnp.where(keep, (start[:, None] + j) % W, -1)
+            ring = scatter_container(ring_at(out.cache["window"], l), new, slots)
+            out.cache["window"] = with_ring(out.cache["window"], l, ring)
         for src in sorted(pending["sources"]):  # in layer order: the last producer publishes
             p = pending["sources"][src]
             m = cfg.compress_ratios[src]
@@ -249,23 +256,39 @@ class QuantStore:
         return min(self.cfg.index_topk, int(self.cache["compressed"][f"layer{src}"].packed.shape[1]))
 
     def stacked(self, layers):
-        """The layers' window rings, stacked."""
-        return jax.tree.map(lambda *a: jnp.stack(a), *(self.cache["window"][l] for l in layers))
+        """The layers' window rings on a leading layer axis: the cache's own stack when it holds these
+        layers stacked (`RingStack`: no copy), else stacked here (a copy per call)."""
+        layers = tuple(layers)
+        w = self.cache["window"][layers[0]]
+        if isinstance(w, RingStack) and w.run == layers:
+            return w.rings
+        rings = (kv_layout.ring_rows(ring_at(self.cache["window"], l)) for l in layers)
+        return jax.tree.map(lambda *a: jnp.stack(a), *rings)
 
-    def at_layer(self, l: int, part) -> "QuantStore":
+    def at_layer(self, l: int, parts, i) -> "QuantStore":
         out = self.copy()
-        out.cache["window"][l] = part
+        out.cache["window"][l] = kv_layout.LayerRing(parts, i)
         return out
 
     def written(self, l: int):
-        """(layer l's ring, the chunk's new rows a pending store keeps, or None)."""
-        return self.cache["window"][l], None if self.pending is None else self.pending["window"][l]
+        """(the stacked rings as written, the chunk's new rows of layer l a pending store keeps, or None)."""
+        return self.cache["window"][l].rings, None if self.pending is None else self.pending["window"][l]
 
-    def unstacked(self, layers, parts) -> "QuantStore":
+    def unstacked(self, layers, parts, outputs) -> "QuantStore":
         out = self.copy()
-        rings, new = parts
-        for i, l in enumerate(layers):
-            out.cache["window"][l] = jax.tree.map(lambda a: a[i], rings)
-            if out.pending is not None:
-                out.pending["window"][l] = jax.tree.map(lambda a: a[i], new)
+        layers = tuple(layers)
+        w = out.cache["window"][layers[0]]
+        if isinstance(w, RingStack) and w.run == layers:
+            out.cache["window"][layers[0]] = RingStack(parts, layers)
+        else:
+            for i, l in enumerate(layers):
+                ring = jax.tree.map(lambda a, i=i: a[i], parts)
+                held = ring_at(out.cache["window"], l)
+                if isinstance(held, kv_layout.LayerRing):  # part of a run the cache holds stacked: put back there
+                    put = lambda a, r, i=held.layer: jax.lax.dynamic_update_index_in_dim(a, r, i, 0)  # noqa: E731
+                    ring = kv_layout.LayerRing(jax.tree.map(put, held.rings, ring), held.layer)
+                out.cache["window"] = with_ring(out.cache["window"], l, ring)
+        if out.pending is not None:
+            for i, l in enumerate(layers):
+                out.pending["window"][l] = jax.tree.map(lambda a, i=i: a[i], outputs)
         return out

@@ -109,6 +109,23 @@ def row_bytes(container: tuple) -> int:
 # GPU view ("bytes"): the raw bytes as uint8, row-major, which Triton gathers directly.
 
 
+class LayerRing(NamedTuple):
+    """Layer `layer` (a traced index) of window rings held on a leading layer axis (each leaf of
+    `rings` [L, B, W, ...]): one layer's ring, read and written where it lies (a scanned run of
+    layers carries its rings stacked, `model.cache.RingStack`; the attention kernel reads its layer
+    of them in place)."""
+
+    rings: tuple  # a window container (`WindowKV` or `WindowWords`), stacked
+    layer: jax.Array
+
+
+def ring_rows(ring):
+    """A window container's rows [B, W, ...]: a `LayerRing`'s layer sliced out (a copy), else itself."""
+    if isinstance(ring, LayerRing):
+        return type(ring.rings)(*(jax.lax.dynamic_index_in_dim(a, ring.layer, keepdims=False) for a in ring.rings))
+    return ring
+
+
 class WindowWords(NamedTuple):
     """Window rows as uint32: low/high [..., D/8] (elements 8j..8j+3 / 8j+4..8j+7), scales [..., ceil(D/128)]."""
 

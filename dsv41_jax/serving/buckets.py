@@ -32,10 +32,11 @@ def capacity_for(cfg: ModelConfig, n_tokens: int, minimum: int = 256, maximum: i
     return cap
 
 
-def empty_cache(cfg: ModelConfig, batch: int, capacity: int, words: bool = False) -> dict:
+def empty_cache(cfg: ModelConfig, batch: int, capacity: int, words: bool = False, runs=()) -> dict:
     """A fresh cache for `batch` sequences at `capacity` positions (the model's init_cache); words: its
-    KV rows as the TPU kernels' word view (`Runtime.kv_words`, `model.cache.cache_form`)."""
-    return init_cache(cfg.replace(max_seq_len=capacity), batch, words)
+    KV rows as the TPU kernels' word view (`Runtime.kv_words`, `model.cache.cache_form`); runs: the
+    runs of layers whose window rings it holds stacked (`model.cache.RingStack`)."""
+    return init_cache(cfg.replace(max_seq_len=capacity), batch, words, runs)
 
 
 def capacity_of(cfg: ModelConfig, cache: dict) -> int:

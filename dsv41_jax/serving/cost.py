@@ -49,8 +49,8 @@ def abstract_params(cfg: ModelConfig):
     return nnx.split(abstract_model(cfg))
 
 
-def abstract_cache(cfg: ModelConfig, batch: int, capacity: int, words: bool = False):
-    return jax.eval_shape(lambda: empty_cache(cfg, batch, capacity, words))
+def abstract_cache(cfg: ModelConfig, batch: int, capacity: int, words: bool = False, runs=()):
+    return jax.eval_shape(lambda: empty_cache(cfg, batch, capacity, words, runs))
 
 
 def engram_spec(cfg: ModelConfig, batch: int, T: int):

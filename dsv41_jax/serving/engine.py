@@ -32,8 +32,10 @@ from dataclasses import dataclass, replace
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from dsv41_jax.model import dspark
+from dsv41_jax.model import dspark, stack
+from dsv41_jax.model.cache import cache_form
 from dsv41_jax.runtime import Runtime
 from dsv41_jax.serving import prefix_cache, speculation
 from dsv41_jax.serving.buckets import capacity_for, empty_cache, resize_cache
@@ -130,6 +132,9 @@ class Engine:
         self.graphdef, self.params, stored = self.placement.load(model, self.decode_plan, host_tables=full is not None,
                                                                    taps=bool(self.K))
         self.fingerprint = fingerprint or prefix_cache.model_fingerprint(stored if full is None else full)
+        # the runs of layers the steps scan, held stacked: their window rings are held stacked too
+        # (`model.cache.RingStack`), so a scan reads and writes them in place
+        self.ring_runs = stack.held_runs(nnx.merge(self.graphdef, self.params))
         self.replicated = self.placement.replicated  # where inputs every device reads go (`placed`)
         self.banned = jnp.asarray(banned_mask(cfg.vocab_size, s.banned_ids))
         self.mask_words = mask_words(cfg.vocab_size)
@@ -186,7 +191,12 @@ class Engine:
 
     def empty(self, batch: int) -> dict:
         """An empty cache for `batch` sequences at the engine's capacity, placed (`placed`)."""
-        return self.placed(empty_cache(self.cfg, batch, self.capacity, self.runtime.kv_words()))
+        return self.placed(empty_cache(self.cfg, batch, self.capacity, self.runtime.kv_words(), self.ring_runs))
+
+    def cache_form(self, cache: dict) -> dict:
+        """A cache with one ring per layer and byte rows (a file's, any other driver's) in the form the
+        engine keeps (`model.cache.cache_form`: the kernels' words, the scanned runs' rings stacked)."""
+        return cache_form(cache, self.runtime.kv_words(), self.ring_runs)
 
     def grow(self, needed: int):
         """The batch cache at the capacity bucket that holds `needed` positions (never smaller)."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from dsv41_jax.model import dspark
-from dsv41_jax.model.cache import cache_form
 from dsv41_jax.serving import prefix_cache
 from dsv41_jax.serving.request import Request
 from dsv41_jax.serving.steps import pieces, span_rows
@@ -48,7 +47,7 @@ def resume(engine, req: Request):
     (padded to the window in fast numerics: one replay shape)."""
     cache, stored = prefix_cache.load_prefix(req.resume_from, engine.cfg, capacity=engine.capacity,
                                              fingerprint=engine.fingerprint)
-    cache = engine.placed(cache_form(cache, engine.runtime.kv_words()))  # a file holds bytes
+    cache = engine.placed(engine.cache_form(cache))  # a file holds bytes, one ring per layer
     tokens = [int(t) for t in stored]
     n = min(engine.cfg.window_size, len(tokens))
     W = engine.cfg.window_size if engine.padded else n

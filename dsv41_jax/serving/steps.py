@@ -40,6 +40,7 @@ import numpy as np
 from flax import nnx
 
 from dsv41_jax.model import dspark
+from dsv41_jax.model.cache import insert_row
 from dsv41_jax.model.transformer import init_cache, make_step
 from dsv41_jax.runtime import COMPILER_OPTIONS
 from dsv41_jax.serving import speculation
@@ -246,8 +247,7 @@ def build_steps(graphdef, runtime, plan, tail: int, constrain, k: int, trace=con
 
     @functools.partial(jax.jit, donate_argnums=(0,))
     def insert(table, row, slot):
-        return constrain(jax.tree.map(
-            lambda a, r: jax.lax.dynamic_update_index_in_dim(a, r[0].astype(a.dtype), slot, 0), table, row))
+        return constrain(insert_row(table, row, slot))
 
     @functools.partial(jit, static_argnums=(2, 3))
     def image(params, patches, n_vit_h, n_vit_w):

@@ -189,13 +189,13 @@ class FakeQuantStore:
     def stacked(self, layers):
         return ()
 
-    def at_layer(self, l: int, part) -> "FakeQuantStore":
+    def at_layer(self, l: int, parts, i) -> "FakeQuantStore":
         return self.copy()
 
     def written(self, l: int):
-        return ()
+        return (), ()
 
-    def unstacked(self, layers, parts) -> "FakeQuantStore":
+    def unstacked(self, layers, parts, outputs) -> "FakeQuantStore":
         return self.copy()
 
     def index_inputs(self, x, qr):

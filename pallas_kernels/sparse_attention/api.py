@@ -37,18 +37,24 @@ def _kernel_for(kind: str):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _kernel_with_reference_vjp(kind, interpret, scale, mode, q, window, compressed, window_idx, compressed_idx, sink):
+def _kernel_with_reference_vjp(kind, interpret, scale, mode, q, window, compressed, window_idx, compressed_idx, sink,
+                               layer=None):
     extra = {"exact": True} if mode == "exact" else {}
+    if layer is not None:
+        extra["window_layer"] = layer
     return _kernel_for(kind)(q, window, compressed, window_idx, compressed_idx, sink, scale, interpret=interpret, **extra)
 
 
-def _fwd(kind, interpret, scale, mode, q, window, compressed, window_idx, compressed_idx, sink):
-    out = _kernel_with_reference_vjp(kind, interpret, scale, mode, q, window, compressed, window_idx, compressed_idx, sink)
-    return out, (q, window, compressed, window_idx, compressed_idx, sink)
+def _fwd(kind, interpret, scale, mode, q, window, compressed, window_idx, compressed_idx, sink, layer=None):
+    out = _kernel_with_reference_vjp(kind, interpret, scale, mode, q, window, compressed, window_idx, compressed_idx,
+                                     sink, layer)
+    return out, (q, window, compressed, window_idx, compressed_idx, sink, layer)
 
 
 def _bwd(kind, interpret, scale, mode, residuals, g):
-    q, window, compressed, window_idx, compressed_idx, sink = residuals
+    q, window, compressed, window_idx, compressed_idx, sink, layer = residuals
+    if layer is not None:
+        window = kv_layout.ring_rows(kv_layout.LayerRing(window, layer))
 
     def reference(q_, sink_):
         return sparse_sink_attention_reference(q_, window, compressed, window_idx, compressed_idx, sink_, scale,
@@ -56,7 +62,7 @@ def _bwd(kind, interpret, scale, mode, residuals, g):
 
     _, vjp = jax.vjp(reference, q, sink)
     dq, dsink = vjp(g)
-    return dq, None, None, None, None, dsink
+    return dq, None, None, None, None, dsink, None
 
 
 _kernel_with_reference_vjp.defvjp(_fwd, _bwd)
@@ -71,9 +77,11 @@ def _validate(q, window, compressed, window_idx, compressed_idx, sink) -> None:
     if sink.shape != (H,):
         raise ValueError(f"sparse_sink_attention: sink must be [H] = [{H}], got shape {sink.shape}")
     if window is not None:
+        if isinstance(window, kv_layout.LayerRing):
+            window = jax.eval_shape(kv_layout.ring_rows, window)
         if not isinstance(window, (kv_layout.WindowKV, kv_layout.WindowWords)):
-            raise TypeError(f"sparse_sink_attention: window must be a kv_layout.WindowKV or WindowWords, got "
-                            f"{type(window).__name__}")
+            raise TypeError(f"sparse_sink_attention: window must be a kv_layout.WindowKV or WindowWords (or a "
+                            f"LayerRing of them), got {type(window).__name__}")
         if window[0].ndim != 3 or window[0].shape[0] != B or kv_layout.dim_of(window) != D:
             raise ValueError(f"sparse_sink_attention: window rows must be [B={B}, Nw, D={D}], got "
                              f"{window[0].shape[:2] + (kv_layout.dim_of(window),)}")
@@ -112,7 +120,9 @@ def sparse_sink_attention(
 
     q [B, S, H, D] bf16; window: WindowKV [B, Nw, D] (E4M3 + E8M0 per 32); compressed:
     CompressedKV [B, G, D] (E2M1 + E4M3 per 16) or None; either also as the TPU kernel's word view
-    (`kv_layout.WindowWords` / `CompressedWords`, which it reads as they are, with no relayout); window_idx [B, S, Kw] / compressed_idx
+    (`kv_layout.WindowWords` / `CompressedWords`, which it reads as they are, with no relayout); the
+    window also as one layer of rings held stacked (`kv_layout.LayerRing`: the TPU kernel reads that
+    layer where it lies, the others read a copy of it); window_idx [B, S, Kw] / compressed_idx
     [B, S, Kc] int32 row indices, -1 = empty slot (indices must be < Nw / G; the kernels clamp
     larger ones); sink [H] f32 logits; scale the softmax scale. Returns [B, S, H, D] in q.dtype:
     o_h = sum_j e^{s_j} v_j / (sum_j e^{s_j} + e^{sink_h}), s_j = scale * q_h . k_j, and 0 for a
@@ -131,24 +141,32 @@ def sparse_sink_attention(
         raise ValueError(f"sparse_sink_attention: mode must be 'fast' or 'exact', got {mode!r}")
     _validate(q, window, compressed, window_idx, compressed_idx, sink)
     choice = resolve(impl, interpret, platform)
+    layer = None
+    if isinstance(window, kv_layout.LayerRing):
+        if choice.kind == "tpu":  # the kernel reads the layer where it lies
+            window, layer = window.rings, window.layer.reshape(1).astype(jnp.int32)
+        else:
+            window = kv_layout.ring_rows(window)
     if choice.kind == "xla":
         return sparse_sink_attention_reference(q, window, compressed, window_idx, compressed_idx, sink, scale, mode=mode)
     if mode == "exact" and (choice.kind != "tpu" or not choice.interpret):
         raise ValueError("sparse_sink_attention(mode='exact') with a kernel needs platform='tpu' (the default on "
                          f"CPU) and interpret=True, got platform={choice.kind!r}, interpret={choice.interpret}")
     kernel = functools.partial(_kernel_with_reference_vjp, choice.kind, choice.interpret, float(scale), mode)
-    return _per_device(kernel, q, window, compressed, window_idx, compressed_idx, sink)
+    return _per_device(kernel, q, window, compressed, window_idx, compressed_idx, sink, layer=layer)
 
 
-def _per_device(kernel, q, window, compressed, window_idx, compressed_idx, sink, heads=True):
+def _per_device(kernel, q, window, compressed, window_idx, compressed_idx, sink, heads=True, layer=None):
     """`kernel` on a mesh (`partition.per_device`): rows split over the batch axes, the query heads
     (and their sinks) over the head axes; each head attends on its own, so the split changes no bit.
-    heads False: the heads stay whole (the values-in kernel's gradients for the shared rows)."""
+    heads False: the heads stay whole (the values-in kernel's gradients for the shared rows). layer:
+    the window holds stacked rings (a leading layer axis, whole on every device) and this is the one read."""
     h = "heads" if heads else None
     b = ("batch",)
-    return per_device(kernel, (q, window, compressed, window_idx, compressed_idx, sink),
-                      (("batch", None, h), b, b, b, b, (h,)), ("batch", None, h),
-                      batch=q.shape[0], heads=q.shape[2] if heads else None)
+    args, dims = (q, window, compressed, window_idx, compressed_idx, sink), (("batch", None, h), b, b, b, b, (h,))
+    if layer is not None:
+        args, dims = args + (layer,), dims[:1] + ((None, "batch"),) + dims[2:] + ((),)
+    return per_device(kernel, args, dims, ("batch", None, h), batch=q.shape[0], heads=q.shape[2] if heads else None)
 
 
 # ------------------------------------------------------------------------- training (values in)

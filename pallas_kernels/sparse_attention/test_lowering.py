@@ -28,3 +28,18 @@ def test_lowers(platform, B, S, G):
 
     text = lower_for(platform, f, *_shapes(B, S, G))
     assert TARGET[platform] in custom_call_targets(text)
+
+
+def test_a_layer_of_stacked_rings_lowers_for_tpu():
+    """Decode over one layer of a scanned run's stacked rings (word views, the layer a traced scalar)."""
+    B, G, L = 8, 2048, 3
+    q, wv, ws, cp, cs, widx, cidx, sink = _shapes(B, 1, G)
+    rings = jax.eval_shape(lambda v, s: jax.tree.map(lambda a: jnp.stack([a] * L),
+                                                     kv_layout.words_of(kv_layout.WindowKV(v, s))), wv, ws)
+
+    def f(q, rings, layer, cp, cs, widx, cidx, sink):
+        return sparse_sink_attention(q, kv_layout.LayerRing(rings, layer), kv_layout.CompressedKV(cp, cs), widx, cidx,
+                                     sink, FLASH["head_dim"] ** -0.5, impl="pallas", interpret=False, platform="tpu")
+
+    text = lower_for("tpu", f, q, rings, sds((), jnp.int32), cp, cs, widx, cidx, sink)
+    assert TARGET["tpu"] in custom_call_targets(text)

@@ -180,3 +180,25 @@ def test_exact_mode_needs_the_interpreted_tpu_kernel():
     for kw in (dict(platform="gpu", interpret=True), dict(platform="tpu", interpret=False)):
         with pytest.raises(ValueError, match="exact"):
             sparse_sink_attention(*args, impl="pallas", mode="exact", **kw)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_a_layer_of_stacked_rings_is_read_as_that_ring(platform):
+    """A window given as one layer of rings stacked on a leading axis (`kv_layout.LayerRing`, a traced
+    layer: what a scanned run of layers reads, the TPU kernel in place) gives the bits of that ring
+    given alone, in bytes and as the word view; the reference (impl "xla") too."""
+    rng = np.random.default_rng(5)
+    rings = [make_inputs(rng, **SHAPE)[1] for _ in range(3)]
+    q, _, compressed, widx, cidx, sink = make_inputs(rng, **SHAPE)
+    for form in (lambda w: w, kv_layout.words_of):
+        stacked = jax.tree.map(lambda *a: jnp.stack(a), *(form(r) for r in rings))
+        layered = jax.jit(lambda st, i: sparse_sink_attention(
+            q, kv_layout.LayerRing(st, i), compressed, jnp.asarray(widx), jnp.asarray(cidx), jnp.asarray(sink), SCALE,
+            impl="pallas", interpret=True, platform=platform))(stacked, jnp.int32(1))
+        alone = _run(platform, q, form(rings[1]), compressed, widx, cidx, sink, SCALE)
+        np.testing.assert_array_equal(np.asarray(layered, np.float32), np.asarray(alone, np.float32))
+    ref = sparse_sink_attention(q, kv_layout.LayerRing(stacked, jnp.int32(2)), compressed, jnp.asarray(widx),
+                                jnp.asarray(cidx), jnp.asarray(sink), SCALE, impl="xla")
+    np.testing.assert_array_equal(np.asarray(ref, np.float32), np.asarray(sparse_sink_attention(
+        q, kv_layout.words_of(rings[2]), compressed, jnp.asarray(widx), jnp.asarray(cidx), jnp.asarray(sink), SCALE,
+        impl="xla"), np.float32))

@@ -112,7 +112,7 @@ def _attend_exact(q_planes, parts, sink, scale):
     return [jnp.where(any_valid, true_divide(a, denom), f32(0.0)) for a in acc]
 
 
-def _kernel(*refs, rows_per_batch, n_rows, n_win_rows, n_comp_rows, k_win, k_comp, scale, exact=False):
+def _kernel(*refs, rows_per_batch, n_rows, n_win_rows, n_comp_rows, k_win, k_comp, scale, exact=False, layered=False):
     """One query row: wait for its gathered rows, prefetch the next row's, attend.
 
     Longer than 80 lines on purpose: the DMA waits, the prefetch of the next row and the attention
@@ -121,6 +121,7 @@ def _kernel(*refs, rows_per_batch, n_rows, n_win_rows, n_comp_rows, k_win, k_com
     """
     has_win, has_comp = k_win > 0, k_comp > 0
     it = iter(refs)
+    layer_ref = next(it) if layered else None  # the window's layer, when it holds stacked rings
     win_cur = next(it) if has_win else None
     win_next = next(it) if has_win else None
     comp_cur = next(it) if has_comp else None
@@ -141,8 +142,9 @@ def _kernel(*refs, rows_per_batch, n_rows, n_win_rows, n_comp_rows, k_win, k_com
     def copies(idx_ref, hbm, bufs, sem0, n_src, batch, buf_slot, j):
         """The DMAs of slot j: one per cache array (values, scales), same shapes for start and wait."""
         row = jnp.minimum(idx_ref[0, 0, j], n_src - 1)
+        at = lambda src: src.at[layer_ref[0], batch] if layered and sem0 == 0 else src.at[batch]  # noqa: E731
         return [
-            pltpu.make_async_copy(src.at[batch, pl.ds(row, 1)], buf.at[buf_slot, pl.ds(j, 1)], sems.at[sem0 + a, buf_slot])
+            pltpu.make_async_copy(at(src).at[pl.ds(row, 1)], buf.at[buf_slot, pl.ds(j, 1)], sems.at[sem0 + a, buf_slot])
             for a, (src, buf) in enumerate(zip(hbm, bufs))
         ]
 
@@ -227,11 +229,13 @@ def sparse_sink_attention_tpu(
     *,
     interpret: bool = False,
     exact: bool = False,
+    window_layer: jax.Array | None = None,
 ) -> jax.Array:
     """Mosaic TPU kernel; shapes and semantics as `pallas_kernels.sparse_sink_attention`.
 
     exact: the oracle's numerics in float64 (see the module docstring); needs interpret=True and
-    `jax.enable_x64(True)`.
+    `jax.enable_x64(True)`. window_layer: int32 [1]: the window holds rings stacked on a leading
+    layer axis ([L, B, Nw, ...]) and the kernel gathers from this layer's, in place.
 
     Longer than 80 lines on purpose: the refusals, the grid, the block specs and the scratch
     shapes of one pallas_call read the same derived sizes, and kept together each spec can be
@@ -246,7 +250,8 @@ def sparse_sink_attention_tpu(
     B, S, H, D = q.shape
     R = B * S
     D8 = D // 8
-    k_win = int(window_idx.shape[-1]) if window is not None and window[0].shape[1] > 0 else 0
+    layered = window_layer is not None
+    k_win = int(window_idx.shape[-1]) if window is not None and window[0].shape[1 + layered] > 0 else 0
     k_comp = (
         int(compressed_idx.shape[-1])
         if compressed is not None and compressed_idx is not None and compressed.packed.shape[1] > 0
@@ -264,6 +269,10 @@ def sparse_sink_attention_tpu(
     hbm = pl.BlockSpec(memory_space=pl.ANY)
 
     args, in_specs, scratch = [], [], []
+    layered = layered and k_win > 0
+    if layered:
+        args.append(window_layer.reshape(1).astype(jnp.int32))
+        in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
     if k_win:
         widx = window_idx.reshape(R, 1, k_win).astype(jnp.int32)
         args += [widx, widx]
@@ -284,7 +293,7 @@ def sparse_sink_attention_tpu(
     n_win_rows = n_comp_rows = 0
     if k_win:
         words = kv_layout.window_words(window)
-        n_win_rows = int(words.low.shape[1])
+        n_win_rows = int(words.low.shape[1 + layered])
         for a in words:
             args.append(as_i32(a))
             in_specs.append(hbm)
@@ -308,6 +317,7 @@ def sparse_sink_attention_tpu(
         k_comp=k_comp,
         scale=float(scale),
         exact=bool(exact),
+        layered=layered,
     )
     # per query row: H heads score and weigh every gathered key (k_win + k_comp) over D dims, one exp
     # per score (and the sink); it gathers its rows of the window (FP8 + scales) and compressed cache

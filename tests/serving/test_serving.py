@@ -822,9 +822,10 @@ def _runs_config():
 
 
 def test_engine_holds_the_scanned_runs_stacked():
-    """The engine's params hold each run its steps scan stacked (`stack_layers` at load); the
-    params as stored, which the prefix-cache fingerprint hashes, stay per layer (the same
-    fingerprint as an engine that stacks nothing); scan_layers off stacks nothing."""
+    """The engine's params hold each run its steps scan stacked (`stack_layers` at load), and its
+    cache those runs' window rings; the params as stored, which the prefix-cache fingerprint hashes,
+    stay per layer (the same fingerprint as an engine that stacks nothing); scan_layers off stacks
+    nothing."""
     from dsv41_jax.model.stack import LayerStack
     from dsv41_jax.serving.engine import Engine
 
@@ -835,13 +836,18 @@ def test_engine_holds_the_scanned_runs_stacked():
         (0, 1), (3, 4), (7, 8)}
     assert not any(isinstance(b, LayerStack) for b in nnx.merge(flat.graphdef, flat.params).layers)
     assert held.fingerprint == flat.fingerprint
+    # the same runs' window rings held stacked in the engine's cache (and only there)
+    assert held.ring_runs == ((0, 1), (3, 4), (7, 8)) and flat.ring_runs == ()
+    assert [type(w).__name__ for w in held.cache["window"][:5]] == ["RingStack", "NoneType", "WindowKV", "RingStack",
+                                                                     "NoneType"]
 
 
 @pytest.mark.slow
 def test_engine_over_stacked_runs_equals_the_unrolled_engine():
     """Requests of several lengths (prefill pieces, decode) in one batch: the engine over stacked
-    runs (scanned) gives the same tokens and every sampled position's logits, bit for bit, as the
-    engine with every layer unrolled (`Runtime(scan_layers=False)`)."""
+    runs (scanned; their weights and window rings held stacked, read and written in place) gives the
+    same tokens and every sampled position's logits, bit for bit, as the engine with every layer
+    unrolled (`Runtime(scan_layers=False)`)."""
     from dsv41_jax.serving.engine import Engine, Request
 
     class Recording(Engine):
@@ -856,6 +862,7 @@ def test_engine_over_stacked_runs_equals_the_unrolled_engine():
     for scan in (True, False):
         eng = Recording(model, slots=2, min_capacity=32, prefill_chunk=8, runtime=Runtime(scan_layers=scan))
         eng.seen = {}
+        assert len(eng.ring_runs) == (3 if scan else 0)
         res = eng.run([Request(p, sampling.SamplingParams(max_tokens=4), request_id=f"r{i}")
                        for i, p in enumerate(prompts)])
         out.append(([r.tokens for r in res], eng.seen))

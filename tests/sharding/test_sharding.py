@@ -524,9 +524,12 @@ def test_stacked_runs_split_like_their_layers():
 @pytest.mark.slow
 def test_stacked_runs_on_a_mesh_equal_one_device():
     """A prefill and a decode step over the stacked runs, placed by the preset on expert=4,tensor=2
-    (`param_shardings` of the stacked tree), equal the per-layer model on one device bit for bit
-    (exact numerics): logits and cache."""
+    (`param_shardings` of the stacked tree), the runs' window rings held stacked too (`RingStack`,
+    split like one layer's ring), equal the per-layer model on one device bit for bit (exact
+    numerics): logits and cache (one ring per layer again)."""
     from dsv41_jax.model import block as body
+    from dsv41_jax.model.cache import RingStack, cache_form
+    from dsv41_jax.model.stack import held_runs
     from dsv41_jax.model.transformer import stack_layers
     from sharding.rules import param_shardings
 
@@ -539,10 +542,12 @@ def test_stacked_runs_on_a_mesh_equal_one_device():
         params = jax.device_put(stacked, param_shardings(stacked, mesh))
         one = make_step(gd, EXACT)
         tokens = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 6)), jnp.int32)
-        cache, ref = shard_cache(init_cache(cfg, 2), mesh), init_cache(cfg, 2)
+        runs = held_runs(nnx.merge(sgd, stacked))
+        cache, ref = shard_cache(init_cache(cfg, 2, runs=runs), mesh), init_cache(cfg, 2)
+        assert runs and all(isinstance(cache["window"][run[0]], RingStack) for run in runs)
         for t in (tokens, tokens[:, :1]):
             logits, cache, _ = step(params, t, cache)
             want, ref, _ = one(state, t, ref)
             np.testing.assert_array_equal(np.asarray(logits), np.asarray(want))
-            for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(ref)):
+            for a, b in zip(jax.tree.leaves(cache_form(cache, False)), jax.tree.leaves(ref)):
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
