@@ -42,6 +42,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from dsv41_jax.checkpoint.hf_writer import save_hf_checkpoint  # noqa: E402
 from dsv41_jax.checkpoint.synthetic import synthetic_model  # noqa: E402
 from dsv41_jax.config import ModelConfig  # noqa: E402
+from dsv41_jax.serving.http.worker import HOLD_ENV  # noqa: E402
 from dsv41_jax.train.data import ByteTokenizer  # noqa: E402
 from tests.support.serve_process import launch, reserve_port, stop, wait_ready  # noqa: E402
 from test_serve_mesh import LETTERS, MESH  # noqa: E402
@@ -89,9 +90,10 @@ def checkpoint(tmp_path_factory):
     return root
 
 
-def _env(devices: int) -> dict:
+def _env(devices: int, hold=None) -> dict:
+    """hold: the file that holds a full batch (`worker.HOLD_ENV`) while it exists."""
     return {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", HOLD_ENV: str(hold or "")}
 
 
 def _cmd(root, name, port, *extra):
@@ -113,7 +115,7 @@ class Fleet:
             log = self.root / f"{name}.log"
             if processes == 1:
                 start = lambda port: subprocess.Popen(_cmd(self.root, name, port, *flags, *extra),  # noqa: E731
-                                                      env=_env(devices), stderr=open(log, "w"))
+                                                      env=_env(devices, self.hold(name)), stderr=open(log, "w"))
             else:
                 coordinator, lock = reserve_port()
                 self.procs[name + "-lock"] = lock
@@ -121,7 +123,7 @@ class Fleet:
                 def start(port):
                     procs = [subprocess.Popen(_cmd(self.root, name, port, *flags, *extra, "--coordinator",
                                                    f"127.0.0.1:{coordinator}", "--num-processes", str(processes),
-                                                   "--process-id", str(i)), env=_env(devices),
+                                                   "--process-id", str(i)), env=_env(devices, self.hold(name)),
                                               stderr=open(f"{log}.{i}" if i else log, "w"), stdout=subprocess.DEVNULL)
                              for i in range(processes)]
                     for i, p in enumerate(procs[1:], 1):
@@ -130,6 +132,10 @@ class Fleet:
             launch({name: start}, self.procs, self.urls)
             wait_ready({name: self.procs[name]}, {name: self.urls[name]}, {name: log})
         return self.urls[name]
+
+    def hold(self, name: str):
+        """The file whose existence holds deployment `name`'s full batch (`worker.HOLD_ENV`)."""
+        return self.root / f"{name}.hold"
 
     def close(self):
         locks = [self.procs.pop(k) for k in [k for k in self.procs if k.endswith("-lock")]]
@@ -310,11 +316,16 @@ def test_new_features_across_two_processes(fleet):
 @pytest.mark.slow
 def test_a_killed_follower_fails_open_image_constrained_and_speculative_requests(fleet):
     """Process 1 is killed while process 0 streams an image reply, a constrained reply and a speculated
-    reply (the batch holds two; the third waits): each stream ends with the error naming process 1, and
-    process 0 exits non-zero (the test bounds that it ends, generously, not how fast)."""
+    reply (the batch holds two: the image, which starts first, and one of the others; the third waits):
+    each stream ends with the error naming process 1, and process 0 exits non-zero (the test bounds
+    that it ends, generously, not how fast). Process 0 holds its full batch with a request waiting
+    (`worker.HOLD_ENV`) until the kill, so no request can finish before it."""
     import signal
     import threading
     import time
+
+    hold = fleet.hold("kill")
+    hold.touch()  # before the deployment starts: the batch is held as soon as it is full
 
     client = openai.OpenAI(base_url=fleet.url("kill") + "/v1", api_key="none", max_retries=0, timeout=900)
     kw = dict(model="ckpt", temperature=0, logit_bias=LETTERS, max_tokens=200, stream=True)
@@ -334,13 +345,22 @@ def test_a_killed_follower_fails_open_image_constrained_and_speculative_requests
         except openai.APIError as e:
             errors[name] = str(e)
 
-    threads = [threading.Thread(target=run, args=(name,)) for name in bodies]
-    for t in threads:
-        t.start()
+    threads = {name: threading.Thread(target=run, args=(name,)) for name in bodies}
+    threads["image"].start()  # running first: the batch holds it when the other two arrive
     assert started.wait(600), (fleet.root / "kill.log").read_text()[-3000:]
+    for name in ("speculated", "constrained"):
+        threads[name].start()
+    held = hold.with_name(hold.name + ".held")
+    deadline = time.monotonic() + 600
+    while not held.exists():  # process 0 holds its full batch: two requests running, the third waiting
+        assert time.monotonic() < deadline and fleet.procs["kill"].poll() is None, \
+            (fleet.root / "kill.log").read_text()[-3000:]
+        time.sleep(0.1)
     fleet.procs["kill-1"].send_signal(signal.SIGKILL)
-    for t in threads:
+    hold.unlink()  # the next step meets the dead process (or the watchdog answers first)
+    for t in threads.values():
         t.join(600)
+    assert set(errors) == set(bodies), errors
     for name, err in errors.items():
         assert err is not None and "process 1" in err and "stopped answering" in err, (name, err)
     t0 = time.monotonic()

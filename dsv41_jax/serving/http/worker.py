@@ -13,12 +13,19 @@ With `warm` (serving/warmup.py) the thread first compiles every program the engi
 requests submitted meanwhile wait in the inbox, and `readiness()` (the server's /ready) reports
 the progress until it is done. `compiles_after_ready()` counts the programs the thread compiled
 (or loaded from the persistent cache) after that: a complete warm-up leaves it at 0.
+
+Test hook: with the environment variable `DSV41_TEST_HOLD_FULL_BATCH=PATH`, the thread, before a step
+with every batch slot busy and a request waiting for one, waits while the file PATH exists (having
+created PATH.held): a test holds those requests open while it kills a process, so none can finish
+first (no race).
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import itertools
+import os
+import pathlib
 import queue
 import sys
 import threading
@@ -50,6 +57,9 @@ class Job:
 
 class QueueFull(Exception):
     pass
+
+
+HOLD_ENV = "DSV41_TEST_HOLD_FULL_BATCH"  # tests only (module doc)
 
 
 class EngineWorker:
@@ -236,6 +246,16 @@ class EngineWorker:
             return 0
         return warmup.compiles(self.thread.ident) - self._compiles_at_ready
 
+    def _hold(self):
+        """The test hook of the module doc (`HOLD_ENV`): nothing unless it is set and the file exists."""
+        path = os.environ.get(HOLD_ENV)
+        full = all(st is not None for st in self.engine.table) and bool(self.engine.waiting)
+        if not path or not full or not os.path.exists(path):
+            return
+        pathlib.Path(path + ".held").touch()
+        while os.path.exists(path) and not self._stop.is_set():
+            time.sleep(0.05)
+
     def _run(self):
         warmup.count_compiles()
         if self.warm is not None:
@@ -250,6 +270,7 @@ class EngineWorker:
             self._gauges()
             if self.engine.idle():
                 continue
+            self._hold()
             try:
                 finished = self.engine.step()
             except Exception as e:  # noqa: BLE001 - the step's requests fail, the server stays up
