@@ -10,8 +10,8 @@ state-dict names, FP8/E8M0/FP4 as raw bytes with `logical_dtypes`; random values
 `checkpoint.synthetic`, seeded), `cases.json`, and one tensor file per case computed by the oracle
 (`harness.py run`, DeepSeek's reference with the oracle's CPU kernels; it needs the oracle installed,
 docs/NUMERICS.md "Rebuilding the oracle"). EXTENSIONS (one DSpark, one vision folder) instead run the
-oracle's own generators on a backbone written here. FULL_WIDTH (the released per-layer shapes,
-gigabytes of weights) is made only when named with --only. Every oracle run goes through
+oracle's own generators on a backbone written here. FULL_WIDTH and FULL_WIDTH_EXTENSIONS (the
+released per-layer shapes, gigabytes of weights) are made only when named with --only. Every oracle run goes through
 `oracle_host` (the AMD host's MKL sqrt and exp on any CPU). `MADE_BY.txt` records the command. Check a folder with
 `dsv41 golden-check OUT_DIR --only <name>` (tests/golden/test_golden_sweep.py).
 """
@@ -171,6 +171,19 @@ EXTENSIONS = {
                      SMALL, 114, ["--vision-seed", "124", "--pixel-seed", "224", "--token-seed", "214",
                                   "--cases", "vl_prefill_L24_i3x4x5", "vl_decode_P20_S4_i2x3x3"]),
 }
+# Extensions at full width, made only when named with --only like FULL_WIDTH (the tower's weights are
+# ~60 MB: they stay outside the repository). "vision_wide": the released vision tower's per-layer
+# shapes (width 1024, 16 heads x 64, MLP 2816, patches of 14, 3x3 aligner downsample, RoPE theta
+# 10000) in 2 of its 32 layers, on the small backbone; one prompt with two images of different grids
+# (12 x 18 patches, and 10 x 17, which the aligner pads to 12 x 18 cells of 3 x 3)
+FULL_WIDTH_EXTENSIONS = {
+    "vision_wide": ("vision_golden", "VISION_ARGS",
+                    dict(vision_n_layers=2, vision_dim=1024, vision_n_heads=16, vision_inter_dim=2816,
+                         vision_patch_size=14, vision_rope_theta=10000.0, vision_downsample_ratio=3,
+                         image_token_id=127),
+                    SMALL, 115, ["--vision-seed", "125", "--pixel-seed", "225", "--token-seed", "215",
+                                 "--cases", "vl_prefill_L120_i3x12x18_i60x10x17"]),
+}
 ALL = sorted(CONFIGS) + sorted(EXTENSIONS)
 
 # runs one generator of the oracle folder with its arguments dict updated (argv: module, attribute,
@@ -255,7 +268,7 @@ def write_extension(out: pathlib.Path, name: str, oracle: pathlib.Path, python: 
     """A DSpark or vision folder: our backbone weights in a scratch folder, then the oracle's generator."""
     import tempfile
 
-    module, attr, replace, over, wseed, opts = EXTENSIONS[name]
+    module, attr, replace, over, wseed, opts = {**EXTENSIONS, **FULL_WIDTH_EXTENSIONS}[name]
     d = out / name
     d.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -279,7 +292,7 @@ def write_extension(out: pathlib.Path, name: str, oracle: pathlib.Path, python: 
 
 
 def write_folder(out: pathlib.Path, name: str, oracle: pathlib.Path, python: str) -> None:
-    if name in EXTENSIONS:
+    if name in EXTENSIONS or name in FULL_WIDTH_EXTENSIONS:
         return write_extension(out, name, oracle, python)
     over, wseed, tseed, cases = spec(name)
     args = model_args(name)
@@ -338,7 +351,7 @@ def main(argv=None) -> None:
     ap.add_argument("out")
     ap.add_argument("--oracle", required=True, help="the oracle folder (harness.py)")
     ap.add_argument("--python", required=True, help="the oracle venv's python (torch 2.14.1)")
-    ap.add_argument("--only", action="append", choices=ALL + sorted(FULL_WIDTH))
+    ap.add_argument("--only", action="append", choices=ALL + sorted(FULL_WIDTH) + sorted(FULL_WIDTH_EXTENSIONS))
     a = ap.parse_args(argv)
     for name in a.only or ALL:
         write_folder(pathlib.Path(a.out), name, pathlib.Path(a.oracle).resolve(), a.python)

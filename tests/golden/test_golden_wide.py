@@ -6,10 +6,12 @@ The folders' weights are gigabytes, so none is in the repository:
   the top-k selects and the last rows' attention spans two 64-column blocks).
   tests/data/wide/wide_r1_short holds the oracle's tensors and the folder's config; the weights are
   regenerated here from the config's seed and must hash to the sha256 the oracle saw.
-- slow: `wide_full_r1` (a 520-token prompt: the released top-k of 512 selects) and `wide_roles`
+- slow: `wide_full_r1` (a 520-token prompt: the released top-k of 512 selects), `wide_roles`
   (one layer of each role, a 1040-token prompt with the candidate pool restricting, 4 decode
-  steps), from $DSV41_WIDE_GOLDEN_DIR, made by `python -m dsv41_jax.golden.sweep DIR --only NAME`
-  (docs/NUMERICS.md "At the released width"); their files must match tests/data/wide/full_width.sha256.
+  steps) and `vision_wide` (the released vision tower's per-layer shapes in 2 layers, two images of
+  different patch grids in one prompt), from $DSV41_WIDE_GOLDEN_DIR, made by
+  `python -m dsv41_jax.golden.sweep DIR --only NAME` (docs/NUMERICS.md "At the released width");
+  their files must match tests/data/wide/full_width.sha256.
 """
 import hashlib
 import json
@@ -56,8 +58,15 @@ def _checksums() -> dict[str, str]:
     return {path: sha for sha, path in (line.split() for line in lines if line.strip())}
 
 
+# vision_wide at width: image0 (12 x 18 patches) gives other ViT outputs than the oracle's (55,666 of
+# 221,184 values, up to 0.031) while image1 (10 x 17) is equal bit for bit; not localized yet
+# (docs/NUMERICS.md "At the released width"): a known difference, held as a strict xfail
+VISION_WIDE_DIFFERS = pytest.mark.xfail(strict=True, reason="vision tower differs from the oracle at width 1024 "
+                                        "on a 12 x 18 patch grid (docs/NUMERICS.md)")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["wide_full_r1", "wide_roles"])
+@pytest.mark.parametrize("name", ["wide_full_r1", "wide_roles", pytest.param("vision_wide", marks=VISION_WIDE_DIFFERS)])
 def test_wide_folder_bit_exact(name):
     root = pathlib.Path(os.environ.get("DSV41_WIDE_GOLDEN_DIR", "")) if os.environ.get("DSV41_WIDE_GOLDEN_DIR") else None
     if root is None or not (root / name / "cases.json").is_file():
