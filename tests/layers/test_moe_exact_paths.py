@@ -21,7 +21,11 @@ def _moe(expert_dtype, dtype="fp8"):
     return MoE(cfg, rngs=nnx.Rngs(3))
 
 
-@pytest.mark.parametrize("expert_dtype,dtype", [("fp4", "fp8"), (None, "fp8"), (None, "bf16")])
+# FP4 experts are slow here (34 s of the default suite: the exact FP4 GEMM per row and per chunk in
+# float64); the default suite's FP4 per-expert path is held bit for bit to the oracle end to end by
+# tests/golden/test_golden_wide.py (wide_r1_short: "MoE per-expert, 6 of 8 experts", FP4)
+@pytest.mark.parametrize("expert_dtype,dtype", [pytest.param("fp4", "fp8", marks=pytest.mark.slow), (None, "fp8"),
+                                                (None, "bf16")])
 def test_per_expert_equals_per_row(expert_dtype, dtype):
     m = _moe(expert_dtype, dtype)
     assert m.experts.kind == {"fp4": "fp4", None: "fp8" if dtype == "fp8" else "dense"}[expert_dtype]
