@@ -44,8 +44,8 @@ from dsv41_jax.numerics import gemm, kv_layout, quant
 from dsv41_jax.numerics.sparse_attention import sparse_attention
 
 # The drivers build the body's inputs as body.Plan, body.Span and body.QuantStore.
-__all__ = ["Carry", "LayerState", "Plan", "QuantStore", "Span", "Store", "block_step", "layer_runs", "run_layers",
-           "scan_run"]
+__all__ = ["Carry", "LayerState", "Plan", "QuantStore", "Span", "Store", "block_step", "layer_runs", "remat_step",
+           "run_layers", "scan_run"]
 
 
 class Carry(NamedTuple):
@@ -372,18 +372,21 @@ def _pool_select(scores, positions, visible, k: int):
 
 
 def run_layers(model, state: LayerState, span: Span, plan: Plan, layers, probe: Probe = NO_PROBE,
-               probe_inputs=None) -> tuple[LayerState, dict]:
+               probe_inputs=None, remat: bool = False) -> tuple[LayerState, dict]:
     """`block_step` over `layers` (the one loop): (the state after the last, records) with
     records = {kind: {layer: value}} and the probes' traces merged into records["trace"]. Each run of
-    `layer_runs` longer than one layer is one `jax.lax.scan` of the same body (`scan_run`)."""
+    `layer_runs` longer than one layer is one `jax.lax.scan` of the same body (`scan_run`).
+
+    remat: each layer under `jax.checkpoint` (`remat_step`), for a driver that differentiates the loop."""
     records: dict = {}
+    step = remat_step if remat else block_step
     with fp8_linears(plan):
         for run in layer_runs(model, layers, plan, probe, probe_inputs):
             if len(run) == 1:
-                state, rec = block_step(stack.layer(model, run[0]), state, span, plan, probe, probe_inputs)
+                state, rec = step(stack.layer(model, run[0]), state, span, plan, probe, probe_inputs)
                 recs = {run[0]: rec}
             else:
-                state, recs = scan_run(model, state, span, plan, run, probe, probe_inputs)
+                state, recs = scan_run(model, state, span, plan, run, probe, probe_inputs, step)
             for l, rec in recs.items():
                 for k, v in rec.items():
                     if k == "trace":
@@ -420,15 +423,25 @@ def layer_runs(model, layers, plan: Plan, probe: Probe = NO_PROBE, probe_inputs=
     return [tuple(r) for r in runs]
 
 
+def remat_step(block, state: LayerState, span: Span, plan: Plan, probe: Probe = NO_PROBE,
+               probe_inputs=None) -> tuple[LayerState, dict]:
+    """`block_step` under `jax.checkpoint`, saving nothing inside the layer: the backward recomputes
+    the layer from its input state. Without it a differentiated loop keeps every layer's
+    intermediates to the backward at once, the weights as each GEMM read them among them
+    (fake-quantized, gathered over the FSDP axis). The store must be a pytree (training's is)."""
+    return jax.checkpoint(lambda s: block_step(block, s, span, plan, probe, probe_inputs))(state)
+
+
 def scan_run(model, state: LayerState, span: Span, plan: Plan, run, probe: Probe = NO_PROBE,
-             probe_inputs=None) -> tuple[LayerState, dict]:
+             probe_inputs=None, step=block_step) -> tuple[LayerState, dict]:
     """`block_step` over a run of `layer_runs` as one `jax.lax.scan`: the run's first module with each
     layer's parameters (`stack.run_params`: a slice of the stack the engine holds, made once at load,
     else stacked here, per program), the store seeing each layer's own part (its window) as the
     first layer's: the layers' parts stacked (`Store.stacked`: the stack the engine's cache holds,
     else stacked here) are the scan's carry, each layer writing its own slice in place. The run's
     layers write nothing else and leave the carry as it is, so the rest of the store and the carry
-    are the scan's constants. Returns (the state after the run, {layer: records})."""
+    are the scan's constants. `step`: `block_step` or `remat_step`.
+    Returns (the state after the run, {layer: records})."""
     l0 = run[0]
     graphdef, params = stack.run_params(model, run)
     h, pre, store, carry = state
@@ -437,7 +450,7 @@ def scan_run(model, state: LayerState, span: Span, plan: Plan, run, probe: Probe
         h, pre, parts = stream
         p, i = x
         inputs = LayerState(h, pre, store.at_layer(l0, parts, i), carry)
-        out, rec = block_step(stack.at_layer(graphdef, p, l0, model.cfg), inputs, span, plan, probe, probe_inputs)
+        out, rec = step(stack.at_layer(graphdef, p, l0, model.cfg), inputs, span, plan, probe, probe_inputs)
         parts, kept = out.store.written(l0)
         return (out.h, out.pre, parts), (kept, rec)
 

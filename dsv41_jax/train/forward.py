@@ -45,12 +45,17 @@ class ForwardOptions:
       kernel for selection (no gradient: top-k); the indexer KL keeps the XLA scoring it trains
       through, and the GEMMs stay XLA (the QAT masters are dense, not packed: the FP8 and expert
       kernels read packed weights). Needs act_quant (the kernels read quantized rows).
+    remat: each layer under `jax.checkpoint` (`body.remat_step`): the backward recomputes a layer from
+      its input, so a step holds one layer's intermediates at a time, not every layer's. The loss is
+      the same bit for bit; a few gradients differ in the last bits (XLA fuses the recomputed
+      forward differently: 1e-10 on mHC weights of ~1e-3 in the two-layer test model).
     """
 
     act_quant: bool = True
     kl_positions: int = 0
     impl: str = "xla"
     interpret: bool | None = None
+    remat: bool = True
 
 
 def _window_slots(T: int, W: int, seg_start, replay_start, truncate: bool):
@@ -121,6 +126,7 @@ def _kl(target, student_scores, allowed):
     return jnp.sum(jnp.where(has, kl, 0.0)), jnp.sum(has).astype(jnp.float32)
 
 
+@jax.tree_util.register_pytree_node_class
 class FakeQuantStore:
     """The training cache as the layer body (`dsv41_jax.model.block`) sees it: every row a whole
     (packed) sequence from position 0, nothing stored across calls, values fake-quantized in place
@@ -137,6 +143,19 @@ class FakeQuantStore:
         self.cfg, self.positions, self.replay_start, self.act_quant = cfg, positions, replay_start, act_quant
         self.seg_start = jnp.arange(positions.shape[1])[None] - positions  # where each token's document starts
         self.comp, self.comp_raw, self.ikeys, self.ikeys_raw, self.legal = {}, {}, {}, {}, {}
+
+    # a pytree, so a layer under `jax.checkpoint` takes and returns it (`body.remat_step`)
+    _ARRAYS = ("positions", "replay_start", "seg_start", "comp", "comp_raw", "ikeys", "ikeys_raw", "legal")
+
+    def tree_flatten(self):
+        return tuple(getattr(self, k) for k in self._ARRAYS), (self.cfg, self.act_quant)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        out = cls.__new__(cls)
+        out.cfg, out.act_quant = aux
+        out.__dict__.update(zip(cls._ARRAYS, children))
+        return out
 
     def copy(self) -> "FakeQuantStore":
         out = FakeQuantStore.__new__(FakeQuantStore)
@@ -288,7 +307,7 @@ def train_forward(model, batch: dict, opts: ForwardOptions = ForwardOptions(), *
         probe = body_probe.Probes(probe, body_probe.TapProbe(cfg.dspark_target_layer_ids))
     h, pre = body.embed(model, tokens)
     state, rec = body.run_layers(model, body.LayerState.first(h, pre, store), span, plan, range(cfg.n_layers), probe,
-                                 {"kl_pos": kl_pos})
+                                 {"kl_pos": kl_pos}, remat=opts.remat)
     logits = body.head(model, state.h, state.pre, plan.runtime.mode)[0]
     aux = {k: rec.get(k, {}) for k in ("experts", "gate_scores", "indexer_kl")}
     if taps:
