@@ -185,15 +185,19 @@ _INFERENCE: dict[str, tuple[str, ...]] = {
     "table_rows": ALL_AXES,
 }
 
+_FSDP = ("data", "expert")
+
 PRESETS: dict[str, dict[str, tuple[str, ...]]] = {
     # expert-parallel MoE, tensor-parallel attention heads and indexer heads
     "inference": dict(_INFERENCE),
     # the same with the indexer replicated: no all-reduce of index scores, more bytes per device
     "inference-indexer-replicated": {**_INFERENCE, "index_heads": ()},
-    # FSDP over the data axis (every weight's model dimension), EP over the expert axis,
-    # heads over tensor; the optimizer state follows the parameters
-    "training": {**_INFERENCE, "embed": ("data",), "hc_embed": ("data",), "q_lora": ("data",),
-                 "engram_out": ("data",)},
+    # FSDP over the axes the batch is split over (every weight's model dimension), EP over the
+    # expert axis, heads over tensor; the optimizer state follows the parameters. The attention runs
+    # data-parallel over the expert axis too, so its weights shard over it as well (an expert weight
+    # has the expert axis on its expert dimension: data only on the model dimension)
+    "training": {**_INFERENCE, **{name: _FSDP for name in ("embed", "hc_embed", "q_lora", "engram_out", "o_group_in",
+                                                      "vision_embed")}},
 }
 
 

@@ -2,7 +2,7 @@
 
 Meshes are named by a spec such as "data=2,tensor=4" (axes data / expert / tensor). When the
 project's `sharding` package is importable its mesh builder and "training" rule table are used
-(FSDP over data, experts over expert, heads over tensor); otherwise, and for any parameter the
+(FSDP over data and expert, experts over expert, heads over tensor); otherwise, and for any parameter the
 rules do not name (e.g. LoRA adapters), a shape rule splits the largest dimension divisible
 by the tensor axis. Optimizer moments take their parameter's sharding (matched by key and
 shape), so the whole state can be laid out for any mesh, which is how a checkpoint is

@@ -3,7 +3,7 @@
 
 The step is `dsv41 train`'s own (`train.step.make_train_step`: fake-quantized forward, loss,
 gradients, optimizer update) on the training mesh's layout (`train.mesh.state_shardings`: the
-`training` preset's rules, FSDP over `data`, experts over `expert`), with abstract state (fp32
+`training` preset's rules, FSDP over `data` and `expert`, experts over `expert`), with abstract state (fp32
 masters and the optimizer's moments, `jax.eval_shape`) and an abstract packed batch of `batch` rows
 of `seq_len` tokens; nothing is allocated. The figures are the compiler's, not measurements on a TPU.
 

@@ -105,7 +105,9 @@ def test_preset_specs():
     assert rep[("layers", 1, "attn", "indexer", "wq_b", "weight")] == P()
     train = {p: s for p, s in flat_params(param_specs(abstract, sizes, "training")).items()}
     assert train[("layers", 0, "ffn", "experts", "w1")] == P("expert", None, "data")  # EP + FSDP
-    assert train[("layers", 0, "attn", "wq_a", "weight")] == P("data")
+    # FSDP over both batch axes; an expert weight's expert dimension already takes the expert axis
+    assert train[("layers", 0, "attn", "wq_a", "weight")] == P(("data", "expert"))
+    assert train[("layers", 0, "attn", "wo_a", "weight")] == P("tensor", ("data", "expert"))
 
 
 # ------------------------------------------------------------------------------ expert-parallel MoE
