@@ -195,9 +195,11 @@ PRESETS: dict[str, dict[str, tuple[str, ...]]] = {
     # FSDP over the axes the batch is split over (every weight's model dimension), EP over the
     # expert axis, heads over tensor; the optimizer state follows the parameters. The attention runs
     # data-parallel over the expert axis too, so its weights shard over it as well (an expert weight
-    # has the expert axis on its expert dimension: data only on the model dimension)
-    "training": {**_INFERENCE, **{name: _FSDP for name in ("embed", "hc_embed", "q_lora", "engram_out", "o_group_in",
-                                                      "vision_embed")}},
+    # has the expert axis on its expert dimension: data only on the model dimension). wo_a's input
+    # dimension takes expert only: on a mesh without an expert axis its layout, and so the order of
+    # its contraction's sums, stays the data-only FSDP's (replicated)
+    "training": {**_INFERENCE, **{name: _FSDP for name in ("embed", "hc_embed", "q_lora", "engram_out", "vision_embed")},
+                 "o_group_in": ("expert",)},
 }
 
 

@@ -107,7 +107,7 @@ def test_preset_specs():
     assert train[("layers", 0, "ffn", "experts", "w1")] == P("expert", None, "data")  # EP + FSDP
     # FSDP over both batch axes; an expert weight's expert dimension already takes the expert axis
     assert train[("layers", 0, "attn", "wq_a", "weight")] == P(("data", "expert"))
-    assert train[("layers", 0, "attn", "wo_a", "weight")] == P("tensor", ("data", "expert"))
+    assert train[("layers", 0, "attn", "wo_a", "weight")] == P("tensor", "expert")
 
 
 # ------------------------------------------------------------------------------ expert-parallel MoE
