@@ -6,9 +6,10 @@ and serves nothing. Oracle: the same engine in one process over all 8 devices. A
 seeded temperature-1 request give the same tokens and the same top log-probabilities, bit for bit
 (fast numerics: the steps' logits are replicated, so the sampler sums whole rows either way; slow).
 
-`test_echo_constrained_image_and_speculated_requests_across_two_processes` (the default suite's): the
+`test_echo_constrained_image_and_speculated_requests_across_two_processes` (slow, 58 s): the
 features whose work used to run beside the lockstep (echo's scoring pass, the grammar matcher, the
-vision tower) and speculation, two processes of one device against one device, exact numerics.
+vision tower) and speculation, two processes of one device against one device (in the test's own
+process), exact numerics; the scenario is tests/support/lockstep_features.py.
 """
 from __future__ import annotations
 
@@ -113,125 +114,42 @@ def test_engine_across_two_processes_equals_one_process(tmp_path):
     assert follower["fingerprint"] == one["fingerprint"]
 
 
-FEATURES = r'''
-import argparse, base64, io, json, os, sys
-coordinator, pid, tmp = sys.argv[1], sys.argv[2], sys.argv[3]  # pid: "0", "1" or "one" (the oracle)
-if pid != "one":
-    from dsv41_jax.cli.distributed import join
-    join(argparse.Namespace(coordinator=coordinator, num_processes=2, process_id=int(pid)), "lockstep-features")
-import jax
-jax.config.update("jax_enable_x64", True)  # exact numerics: a mesh's split sums round as one device's
-import numpy as np
-from PIL import Image
-from dsv41_jax.config import ModelConfig
-from dsv41_jax.runtime import Runtime
-from dsv41_jax.serving.constraints import Grammars
-from dsv41_jax.serving.engine import Engine, Request
-from dsv41_jax.serving.generate import banned_ids
-from dsv41_jax.serving.http.images import ImageOptions, ImagePrompter
-from dsv41_jax.serving.lockstep import Channel, LeaderEngine, follow
-from dsv41_jax.serving.random_weights import random_model
-from dsv41_jax.serving.sampling import SamplingParams
-from dsv41_jax.text.tokenizer import load_tokenizer
-from sharding.mesh import make_mesh
-from sharding.serving import engine_strategies
-tok = load_tokenizer(os.path.join(tmp, "tokenizer.json"))
-cfg = ModelConfig.tiny_vision(n_layers=1, compress_ratios=(0,), kv_source_layers=(), index_source_layers=(),
-                              candidate_source_layer=-1, engram_layer_ids=(), n_routed_experts=4, max_seq_len=128,
-                              n_mtp_layers=1, dspark_block_size=2, dspark_noise_token_id=3,
-                              dspark_target_layer_ids=(0,), dspark_markov_rank=16, dspark_n_routed_experts=4,
-                              dspark_n_activated_experts=2)
-model = random_model(cfg, seed=7)
-settings = dict(slots=2, min_capacity=128, prefill_chunk=8, exact_prefill=True, speculative=2,
-                runtime=Runtime(mode="exact"), banned_ids=tuple(banned_ids(cfg, tok)))
-grammars = Grammars(tok, cfg.vocab_size)
-buf = io.BytesIO()
-Image.new("RGB", (12, 9), (220, 20, 20)).save(buf, "PNG")
-# "look at it" and the 12 x 9 image make a 24-token prompt: every prompt here is a whole number of
-# prefill pieces of 8 (exact numerics compiles a piece program per remainder length, `steps.piece_set`)
-look = [{"role": "user", "content": [{"type": "text", "text": "look at it"}, {"type": "image_url", "image_url": {
-    "url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()}}]}]
-
-
-def answers(eng):
-    """An echo's prompt logprobs, a constrained reply, an image reply and a speculated reply on `eng`."""
-    out, rows = {"echo": eng.prompt_logprobs([0, 70, 80, 90, 100, 110, 120, 121])}, {}
-    made = ImagePrompter(eng, ImageOptions()).build(tok, look, thinking=False)
-    assert len(made.tokens) == 24, len(made.tokens)
-    sp = lambda n: SamplingParams(max_tokens=n, stop_tokens=(tok.eos_id,))
-    regex = grammars.constraint(grammars.regex("[a-c]{2}x"))
-    reqs = [Request([0, 70, 80, 81, 82, 83, 84, 85], sp(6), request_id="regex", constraint=regex),
-            Request(made.tokens, sp(4), request_id="image", spans=made.spans),
-            Request([0, 71, 72, 73, 74, 75, 76, 77], sp(8), request_id="speculated")]
-    for r in reqs:
-        r.want_logprobs = True
-        r.on_token = (lambda rid: lambda t, lp: rows.setdefault(rid, []).append((t, float(lp[t]))))(r.request_id)
-        eng.submit(r)
-    while not eng.idle():  # the calls themselves (Engine.run would reach past a LeaderEngine's publishing)
-        eng.step()
-    for r in reqs:
-        out[r.request_id] = (eng.done[r.request_id].tokens, rows[r.request_id])
-    out["spec_stats"] = dict(eng.spec_stats)
-    return out
-
-
-try:
-    if pid == "one":  # one device, no collectives
-        print(json.dumps(answers(Engine(model, **settings))), flush=True)
-        os._exit(0)
-    mesh_engine = Engine(model, **settings, **engine_strategies(make_mesh("expert=2"), "inference"))
-    channel = Channel()
-    if pid == "1":
-        follow(mesh_engine, channel, grammars=lambda: grammars)
-        os._exit(0)
-    print(json.dumps(answers(LeaderEngine(mesh_engine, channel))), flush=True)
-    channel.publish(("stop",))
-    channel.drained(timeout=60)
-except BaseException:
-    import traceback
-    traceback.print_exc()
-    sys.stderr.flush()
-    os._exit(1)  # at once: jax.distributed.shutdown's barrier would wait minutes for the other process
-os._exit(0)
-'''
-
-
-# slow: three processes compiling every step kind in exact numerics on two cores took 117-266 s of the
-# default suite (over its budget, and it starves the other xdist worker meanwhile);
-# tests/serving/test_lockstep.py keeps the default suite's cross-process check of the lockstep itself
+# slow: 58 s alone on the 2-core machine (the oracle and process 0 compile at once), over the default
+# suite's budget; tests/serving/test_lockstep.py keeps the default suite's cross-process check of the lockstep
 @pytest.mark.slow
 def test_echo_constrained_image_and_speculated_requests_across_two_processes(tmp_path):
     """Two processes of one CPU device each, one mesh `expert=2` over both, driven in lockstep
     (`LeaderEngine` on process 0, `follow` on process 1): an echo's prompt logprobs (the scoring pass
-    published), a regex-constrained reply (each process runs its own matcher), an image reply (the
-    tower published, the span rows sent with the submit) and greedy speculation give the tokens and
-    logprobs (bitwise, exact numerics) and the drafter's counts of one device in a third process (the
-    oracle, run beside the pair: the two cores compile both at once). The default suite's cross-process
-    check of those features: one request each, every prompt a whole number of prefill pieces, so each
-    process compiles one program per step kind."""
-    from dsv41_jax.train.data import ByteTokenizer
+    published), an image prompt (the tower published, the span rows sent with the submit) with a
+    regex-constrained reply (each process runs its own matcher) and with a speculated one give the
+    tokens, logprobs (bitwise, exact numerics) and drafter counts of one device in this process (the
+    oracle, run while the pair runs). Process 1 loads process 0's compiled programs
+    (`jax_share_binary_between_hosts`) instead of compiling them again: the scenario is the same,
+    and the default suite's two cores compile each program twice, not three times."""
+    import jax
 
-    ByteTokenizer().save_json(tmp_path / "tokenizer.json", image_token=True)
+    from tests.support import lockstep_features as features
+
+    features.write_tokenizer(tmp_path)
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     port = _free_port()
-    procs = {pid: subprocess.Popen([sys.executable, "-c", FEATURES, f"127.0.0.1:{port}", pid, str(tmp_path)],
-                                   cwd=REPO, env=env, stdout=subprocess.PIPE, text=True,
-                                   stderr=open(tmp_path / f"err{pid}", "w"))
-             for pid in ("0", "1", "one")}
-    out = {}
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.support.lockstep_features", f"127.0.0.1:{port}", str(pid),
+                               str(tmp_path)], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True,
+                              stderr=open(tmp_path / f"err{pid}", "w"))
+             for pid in (0, 1)]
     try:
-        for pid in ("0", "one"):
-            stdout, _ = procs[pid].communicate(timeout=900)
-            assert procs[pid].returncode == 0, (tmp_path / f"err{pid}").read_text()[-3000:]
-            out[pid] = json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
-        assert procs["1"].wait(timeout=120) == 0, (tmp_path / "err1").read_text()[-3000:]
+        with jax.enable_x64(True):
+            one = features.answers(*features.engine(tmp_path))
+        stdout, _ = procs[0].communicate(timeout=900)
+        assert procs[0].returncode == 0, (tmp_path / "err0").read_text()[-3000:]
+        across = json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
+        assert procs[1].wait(timeout=120) == 0, (tmp_path / "err1").read_text()[-3000:]
     finally:
-        for p in procs.values():
+        for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    across, one = out["0"], out["one"]
-    assert re.fullmatch("[a-c]{2}x", bytes(t - 8 for t in across["regex"][0][:-1]).decode()), across["regex"]
-    assert across["spec_stats"]["drafted"] > 0 and len(across["echo"][0]) == 8
+    assert re.fullmatch("[a-c]{2}x", bytes(t - 8 for t in one["regex"][0][:-1]).decode()), one["regex"]
+    assert one["spec_stats"]["drafted"] > 0 and len(one["echo"][0]) == 8
     assert across == one
