@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.numerics import mkl_sincos
 from dsv41_jax.numerics.activations import gelu_erf, silu, softmax_lastdim
 from dsv41_jax.layers.basic import KeyStream, matmul, rms_norm, round_from_f64
 from dsv41_jax.layers.rope import rope_frequencies
@@ -67,14 +68,15 @@ class Norm(nnx.Module):
 
 def rope_2d(n_h: int, n_w: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
     """cos/sin [n_h * n_w, head_dim / 2]: per patch (row-major), hd/4 angles row * f_i then hd/4
-    angles column * f_i, f_i = theta^(-i / (hd/4)), in F32 as the reference's table."""
+    angles column * f_i, f_i = theta^(-i / (hd/4)), in F32 as the reference's table (cos/sin
+    rounded as torch's CPU kernels round them: `numerics.mkl_sincos`)."""
     freqs = rope_frequencies(head_dim // 2, theta)  # [hd/4] fp32, 1 / theta^(2i / (hd/2))
     rows = np.repeat(np.arange(n_h), n_w).astype(np.float32)
     cols = np.tile(np.arange(n_w), n_h).astype(np.float32)
     ang = np.concatenate([rows[:, None] * freqs, cols[:, None] * freqs], -1).astype(np.float32)
-    # cos/sin of F32 angles, correctly rounded (float64 then one rounding to F32)
-    return (jnp.asarray(np.cos(ang.astype(np.float64)).astype(np.float32)),
-            jnp.asarray(np.sin(ang.astype(np.float64)).astype(np.float32)))
+    # the reference's freqs.cos() / freqs.sin(): torch's CPU cos/sin are MKL's, not correctly rounded;
+    # a float64 cos rounded once differs on ~8 % of the angles, enough to flip bf16 q/k values
+    return jnp.asarray(mkl_sincos.cosf_mkl(ang)), jnp.asarray(mkl_sincos.sinf_mkl(ang))
 
 
 def apply_rope_half(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
