@@ -58,15 +58,8 @@ def _checksums() -> dict[str, str]:
     return {path: sha for sha, path in (line.split() for line in lines if line.strip())}
 
 
-# vision_wide at width: image0 (12 x 18 patches) gives other ViT outputs than the oracle's (55,666 of
-# 221,184 values, up to 0.031) while image1 (10 x 17) is equal bit for bit; not localized yet
-# (docs/NUMERICS.md "At the released width"): a known difference, held as a strict xfail
-VISION_WIDE_DIFFERS = pytest.mark.xfail(strict=True, reason="vision tower differs from the oracle at width 1024 "
-                                        "on a 12 x 18 patch grid (docs/NUMERICS.md)")
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["wide_full_r1", "wide_roles", pytest.param("vision_wide", marks=VISION_WIDE_DIFFERS)])
+@pytest.mark.parametrize("name", ["wide_full_r1", "wide_roles", "vision_wide"])
 def test_wide_folder_bit_exact(name):
     root = pathlib.Path(os.environ.get("DSV41_WIDE_GOLDEN_DIR", "")) if os.environ.get("DSV41_WIDE_GOLDEN_DIR") else None
     if root is None or not (root / name / "cases.json").is_file():
