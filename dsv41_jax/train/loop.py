@@ -139,7 +139,8 @@ def prepare(cfg: ModelConfig, tcfg: TrainConfig, *, mesh_spec: str | None = None
         init_master = {k: meshlib.global_from_host(mesh, k, v) for k, v in init_master.items()}
         state = jax.jit(lambda m: init_state(m, tcfg), out_shardings=shardings)(init_master)
     batch_sh = meshlib.batch_sharding(mesh)
-    step_fn = make_train_step(graphdef, formats, cfg, tcfg, state_shardings=shardings, batch_sharding=batch_sh)
+    step_fn = make_train_step(meshlib.step_graph(graphdef, master_shapes, mesh), formats, cfg, tcfg,
+                              state_shardings=shardings, batch_sharding=batch_sh)
     return Run(cfg, tcfg, formats, graphdef, mesh, state, shardings, batch_sh, step_fn, settings)
 
 

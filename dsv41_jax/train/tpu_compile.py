@@ -39,7 +39,8 @@ def compile_train(cfg: ModelConfig, topology: str, mesh_spec, *, batch: int, seq
     abstract = jax.eval_shape(lambda m: init_state(m, tcfg), master_shapes)
     shardings = meshlib.state_shardings(mesh, abstract, meshlib.param_shapes_of(abstract))
     rows = meshlib.batch_sharding(mesh)
-    step = make_train_step(graphdef, formats, cfg, tcfg, state_shardings=shardings, batch_sharding=rows)
+    step = make_train_step(meshlib.step_graph(graphdef, master_shapes, mesh), formats, cfg, tcfg,
+                           state_shardings=shardings, batch_sharding=rows)
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
     sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rows)  # noqa: E731
     data = {k: sds((batch, seq_len), jnp.int32) for k in ("tokens", "targets", "positions")}

@@ -1,15 +1,22 @@
-"""Training on 8 fake CPU devices: a sharded step equals the single-device step, and a
-checkpoint saved on one mesh layout restores onto another and continues the same run."""
+"""Training on 8 fake CPU devices: a sharded step (tensor-parallel, expert-parallel) equals the
+single-device step, and a checkpoint saved on one mesh layout restores onto another and continues
+the same run."""
 from __future__ import annotations
 
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
+from dsv41_jax.model.stack import blocks
+from dsv41_jax.train import mesh as meshlib
 from dsv41_jax.train.checkpoint import Checkpointer
 from dsv41_jax.train.loop import prepare, train
 from dsv41_jax.train.optim import OptimConfig
+from dsv41_jax.train.params import flatten_state, merge_model, serving_formats, serving_graph
+from dsv41_jax.train.qat_modules import build_training_model
 from dsv41_jax.train.step import TrainConfig
+from sharding.moe_ep import ExpertParallelMoE
 
 from tests.support.train_fixtures import micro_config, packed_data
 
@@ -43,14 +50,15 @@ def _sharded_over(state, axis: str) -> bool:
     return any(axis in str(v.sharding.spec) for v in state["master"].values())
 
 
-@pytest.mark.slow
-def test_sharded_step_equals_single_device_step():
+def _single_vs_mesh(spec: str, axis: str):
+    """Two steps on one device and on `spec` (laid out over `axis`) from the same init: the same
+    metrics within fp32 tolerance and the same parameter updates (`_assert_same_updates`)."""
     assert jax.device_count() == 8, "conftest sets 8 fake CPU devices"
     cfg, data = micro_config(T), packed_data(T, 8)
     single = prepare(cfg, TCFG, mesh_spec="data=1")
     before = jax.device_get(single.state)
-    sharded = prepare(cfg, TCFG, mesh_spec="data=2,tensor=4")
-    assert _sharded_over(sharded.state, "tensor") and len(sharded.state["master"]["embed"].sharding.device_set) == 8
+    sharded = prepare(cfg, TCFG, mesh_spec=spec)
+    assert _sharded_over(sharded.state, axis) and len(sharded.state["master"]["embed"].sharding.device_set) == 8
     h1 = train(single, data, progress=False, log_every=0)
     h8 = train(sharded, data, progress=False, log_every=0)
     for a, b in zip(h1, h8):
@@ -59,6 +67,18 @@ def test_sharded_step_equals_single_device_step():
         # a reordered fp32 sum occasionally rounds a bf16 activation the other way
         np.testing.assert_allclose(a["grad_norm"], b["grad_norm"], rtol=1e-4)
     _assert_same_updates(before, single.state, sharded.state)
+
+
+@pytest.mark.slow
+def test_sharded_step_equals_single_device_step():
+    _single_vs_mesh("data=2,tensor=4", "tensor")
+
+
+@pytest.mark.slow
+def test_expert_parallel_step_equals_single_device_step():
+    """The MoE runs expert-parallel on an expert axis (`train.mesh.step_graph`: each device its own
+    experts, the routed rows exchanged; its backward sends the rows' cotangents back the same way)."""
+    _single_vs_mesh("data=2,expert=4", "expert")
 
 
 @pytest.mark.slow
@@ -78,3 +98,16 @@ def test_restore_onto_a_different_mesh(tmp_path):
     hb = train(b, data, steps=2, progress=False, log_every=0)
     np.testing.assert_allclose(ha[-1]["loss"], hb[-1]["loss"], rtol=1e-5)
     _assert_same_updates(before, a.state, b.state)
+
+
+def test_step_graph_runs_the_moe_expert_parallel_on_an_expert_axis():
+    """On a mesh with an expert axis the step's MoE layers are serving's expert-parallel ones, with the
+    same parameter paths; without one the graph is the plain model's."""
+    cfg = micro_config(T)
+    formats = serving_formats(cfg, serving_graph(cfg)[1])
+    graphdef, shapes = build_training_model(cfg, formats, abstract=True)
+    assert meshlib.step_graph(graphdef, shapes, meshlib.make_mesh("data=2,tensor=4")) is graphdef
+    ep = meshlib.step_graph(graphdef, shapes, meshlib.make_mesh("data=2,expert=4"))
+    model = merge_model(ep, shapes)
+    assert all(isinstance(b.ffn, ExpertParallelMoE) and b.ffn.mesh.shape["expert"] == 4 for b in blocks(model))
+    assert set(flatten_state(model)) == set(shapes)
