@@ -6,7 +6,8 @@ project's `sharding` package is importable its mesh builder and "training" rule 
 rules do not name (e.g. LoRA adapters), a shape rule splits the largest dimension divisible
 by the tensor axis. Optimizer moments take their parameter's sharding (matched by key and
 shape), so the whole state can be laid out for any mesh, which is how a checkpoint is
-restored onto a different mesh. The batch is split over data (and expert).
+restored onto a different mesh. The batch is split over data (and expert); on an expert axis the
+step's MoE runs expert-parallel (`step_graph`).
 """
 from __future__ import annotations
 
