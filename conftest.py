@@ -48,7 +48,7 @@ _SHARED_UNIT = {"tests/model/test_model_pallas.py": "tests/model/test_model.py"}
 # `.ci/run` with PYTEST_ADDOPTS=--durations=0, less what was then moved to -m slow); only the
 # order matters, and files not listed go last in collection order.
 _FILE_SECONDS = {
-    "tests/sharding/test_sharding.py": 162, "tests/http/test_serve_mesh.py": 121, "tests/serving/test_engine_multihost.py": 58, "tests/model/test_model.py": 109,
+    "tests/sharding/test_sharding.py": 162, "tests/http/test_serve_mesh.py": 121, "tests/model/test_model.py": 109,
     "tests/golden/test_golden.py": 108, "tests/model/test_model_pallas.py": 88, "tests/train/test_train.py": 85,
     "tests/http/test_serve_images.py": 82, "pallas_kernels/expert_gemm/test_expert_gemm.py": 69,
     "tests/serving/test_serving.py": 66, "pallas_kernels/sparse_attention/test_sparse_attention.py": 64,

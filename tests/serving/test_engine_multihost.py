@@ -6,7 +6,7 @@ and serves nothing. Oracle: the same engine in one process over all 8 devices. A
 seeded temperature-1 request give the same tokens and the same top log-probabilities, bit for bit
 (fast numerics: the steps' logits are replicated, so the sampler sums whole rows either way; slow).
 
-`test_echo_constrained_image_and_speculated_requests_across_two_processes` (default, 58 s): the
+`test_echo_constrained_image_and_speculated_requests_across_two_processes` (slow, 58 s): the
 features whose work used to run beside the lockstep (echo's scoring pass, the grammar matcher, the
 vision tower) and speculation, two processes of one device against one device (in the test's own
 process), exact numerics; the scenario is tests/support/lockstep_features.py.
@@ -114,8 +114,10 @@ def test_engine_across_two_processes_equals_one_process(tmp_path):
     assert follower["fingerprint"] == one["fingerprint"]
 
 
-# the default suite's one cross-process cell for the features that used to run beside the lockstep
-# (58 s alone on the 2-core machine: the oracle and process 0 compile at once)
+# slow: 58 s alone on the 2-core machine (the oracle and process 0 compile at once), 85 s in the default
+# suite's clean-clone CI run (2026-12-04, where its three processes also slowed the other worker: the suite
+# went to 970.5 s of its 900); tests/serving/test_lockstep.py keeps the default suite's cross-process check
+@pytest.mark.slow
 def test_echo_constrained_image_and_speculated_requests_across_two_processes(tmp_path):
     """Two processes of one CPU device each, one mesh `expert=2` over both, driven in lockstep
     (`LeaderEngine` on process 0, `follow` on process 1): an echo's prompt logprobs (the scoring pass
