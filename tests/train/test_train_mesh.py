@@ -50,7 +50,18 @@ def _sharded_over(state, axis: str) -> bool:
     return any(axis in str(v.sharding.spec) for v in state["master"].values())
 
 
-def _single_vs_mesh(spec: str, axis: str):
+# On data=2,tensor=4 the partitioner splits fp32 contractions over the tensor axis even where no
+# parameter is split over it: the mHC mixes (x [.., hc*dim] @ fn.T, an f32 all-reduce over tensor).
+# Another fp32 order there moves the step's metrics far more than a last bit: the mixes go through
+# the Sinkhorn normalisations, then bf16 and FP8 (QAT) roundings and the indexer's top-k. Measured
+# (2026-12-04): one device with only that contraction summed as 4 (2) partial dots gives loss 3.5e-5
+# (3.6e-5) relative, as the mesh does; mesh vs one device: loss 3.5e-5 / 9.1e-5, ce 2.7e-5 / 3.0e-5,
+# indexer_kl 1.4e-4 / 8.2e-4, balance 2.7e-6 / 2.4e-6, grad_norm 9.5e-5 / 5.4e-5 (steps 1 / 2).
+# A lost shard or wrong rows move the loss by ~1e-2. data=8 and data=2,expert=4 split no contraction.
+SPLIT_RTOL = {"loss": 3e-4, "ce": 3e-4, "balance": 1e-5, "indexer_kl": 3e-3, "grad_norm": 3e-4}
+
+
+def _single_vs_mesh(spec: str, axis: str, rtol: dict | None = None):
     """Two steps on one device and on `spec` (laid out over `axis`) from the same init: the same
     metrics within fp32 tolerance and the same parameter updates (`_assert_same_updates`)."""
     assert jax.device_count() == 8, "conftest sets 8 fake CPU devices"
@@ -61,17 +72,20 @@ def _single_vs_mesh(spec: str, axis: str):
     assert _sharded_over(sharded.state, axis) and len(sharded.state["master"]["embed"].sharding.device_set) == 8
     h1 = train(single, data, progress=False, log_every=0)
     h8 = train(sharded, data, progress=False, log_every=0)
+    rel = [{k: f"{abs(b[k] - a[k]) / abs(a[k]):.1e}" for k in ("loss", "ce", "balance", "indexer_kl", "grad_norm")}
+           for a, b in zip(h1, h8)]
+    print(f"{spec} vs one device, relative per step:", rel)
     for a, b in zip(h1, h8):
         for k in ("loss", "ce", "balance", "indexer_kl"):
-            np.testing.assert_allclose(a[k], b[k], rtol=1e-5, err_msg=k)
+            np.testing.assert_allclose(a[k], b[k], rtol=(rtol or {}).get(k, 1e-5), err_msg=k)
         # a reordered fp32 sum occasionally rounds a bf16 activation the other way
-        np.testing.assert_allclose(a["grad_norm"], b["grad_norm"], rtol=1e-4)
+        np.testing.assert_allclose(a["grad_norm"], b["grad_norm"], rtol=(rtol or {}).get("grad_norm", 1e-4))
     _assert_same_updates(before, single.state, sharded.state)
 
 
 @pytest.mark.slow
 def test_sharded_step_equals_single_device_step():
-    _single_vs_mesh("data=2,tensor=4", "tensor")
+    _single_vs_mesh("data=2,tensor=4", "tensor", rtol=SPLIT_RTOL)
 
 
 @pytest.mark.slow
@@ -96,7 +110,7 @@ def test_restore_onto_a_different_mesh(tmp_path):
     assert b.step == 1 and _sharded_over(b.state, "tensor")
     assert all(tuple(v.sharding.mesh.shape.values()) == (2, 4) for v in b.state["master"].values())
     hb = train(b, data, steps=2, progress=False, log_every=0)
-    np.testing.assert_allclose(ha[-1]["loss"], hb[-1]["loss"], rtol=1e-5)
+    np.testing.assert_allclose(ha[-1]["loss"], hb[-1]["loss"], rtol=SPLIT_RTOL["loss"])  # measured 9.1e-5
     _assert_same_updates(before, a.state, b.state)
 
 
