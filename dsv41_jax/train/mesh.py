@@ -1,10 +1,9 @@
 """Device meshes and shardings for training.
 
-Meshes are named by a spec such as "data=2,tensor=4" (axes data / expert / tensor). When the
-project's `sharding` package is importable its mesh builder and "training" rule table are used
-(FSDP over data and expert, experts over expert, heads over tensor); otherwise, and for any parameter the
-rules do not name (e.g. LoRA adapters), a shape rule splits the largest dimension divisible
-by the tensor axis. Optimizer moments take their parameter's sharding (matched by key and
+Meshes are named by a spec such as "data=2,tensor=4" (axes data / expert / tensor), built by the
+project's `sharding` mesh builder, and laid out by its "training" rule table (FSDP over data and
+expert, experts over expert, heads over tensor); for a parameter the rules do not name (e.g. LoRA
+adapters) a shape rule splits the largest dimension divisible by the tensor axis. Optimizer moments take their parameter's sharding (matched by key and
 shape), so the whole state can be laid out for any mesh, which is how a checkpoint is
 restored onto a different mesh. The batch is split over data (and expert); on an expert axis the
 step's MoE runs expert-parallel (`step_graph`).
@@ -19,6 +18,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dsv41_jax.train.params import key_path, merge_model
+from sharding import rules
+from sharding.mesh import make_mesh as project_mesh
 from sharding.moe_ep import with_expert_parallel
 
 AXES = ("data", "expert", "tensor")
@@ -48,10 +49,6 @@ def make_mesh(spec: str | None = None, devices=None) -> Mesh:
     devices = list(jax.devices() if devices is None else devices)
     shape = _parse(spec, len(devices))
     devices = devices[: math.prod(shape.values())]
-    try:
-        from sharding.mesh import make_mesh as project_mesh  # the project's mesh builder where importable
-    except ImportError:
-        return Mesh(np.asarray(devices).reshape(tuple(shape.values())), tuple(shape))
     return project_mesh(",".join(f"{k}={v}" for k, v in shape.items()), devices)
 
 
@@ -72,10 +69,6 @@ def _shape_rule(mesh: Mesh, shape) -> P:
 
 def param_spec(mesh: Mesh, key: str, shape) -> P:
     """PartitionSpec of one parameter (master key) on `mesh`."""
-    try:
-        from sharding import rules  # the project's rule table where importable (else the shape rule)
-    except ImportError:
-        return _shape_rule(mesh, shape)
     try:
         logical = rules.param_logical_axes(key_path(key), len(shape))
     except rules.ShardingRuleError:
