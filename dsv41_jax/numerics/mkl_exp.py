@@ -52,13 +52,14 @@ def exp2_table() -> tuple[np.ndarray, np.ndarray]:
     return a, b
 
 
-def _lookup(j: jax.Array, values: np.ndarray, bit: int = 64) -> jax.Array:
-    """values[j] for j in [0, len(values)) as a tree of selects on j's bits, with scalar constants
-    only: a Pallas kernel (the interpreted exact sparse attention) cannot capture a table array."""
+def _lookup(bits: dict, values: np.ndarray, bit: int = 64) -> jax.Array:
+    """values[j] for j in [0, len(values)) as a tree of selects on j's bits (`bits[b]`: j & b != 0,
+    computed once for both tables rather than at each of the tree's 127 nodes), with scalar
+    constants only: a Pallas kernel (the interpreted exact sparse attention) cannot capture a table array."""
     if len(values) == 1:
         return jnp.float32(values[0])
     half = len(values) // 2
-    return jnp.where((j & bit) != 0, _lookup(j, values[half:], bit // 2), _lookup(j, values[:half], bit // 2))
+    return jnp.where(bits[bit], _lookup(bits, values[half:], bit // 2), _lookup(bits, values[:half], bit // 2))
 
 
 def expf_mkl(x: jax.Array) -> jax.Array:
@@ -75,7 +76,8 @@ def expf_mkl(x: jax.Array) -> jax.Array:
     r = no_fma(r)
     p = no_fma(no_fma(no_fma(r * r) * f32(0.5)) + r)
     a_tab, b_tab = exp2_table()
-    a, b = _lookup(j, a_tab), _lookup(j, b_tab)
+    bits = {1 << k: (j & (1 << k)) != 0 for k in range(7)}
+    a, b = _lookup(bits, a_tab), _lookup(bits, b_tab)
     y = no_fma(no_fma(no_fma(p * a) + b) + a)
     scale = jax.lax.bitcast_convert_type(((tb << 16) + jnp.uint32(0x3F800000)) & jnp.uint32(0x7F800000), f32)
     main = no_fma(y * scale)
