@@ -114,7 +114,7 @@ def test_engine_across_two_processes_equals_one_process(tmp_path):
     assert follower["fingerprint"] == one["fingerprint"]
 
 
-# slow: 58 s alone on the 2-core machine (the oracle and process 0 compile at once), 85 s in the default
+# slow: 54.3 s alone on the 2-core machine (2026-12-05; the oracle and process 0 compile at once), 85 s in the default
 # suite's clean-clone CI run (2026-12-04, where its three processes also slowed the other worker: the suite
 # went to 970.5 s of its 900); tests/serving/test_lockstep.py keeps the default suite's cross-process check
 @pytest.mark.slow
