@@ -1,6 +1,6 @@
 """The engine in fast numerics at long context against `model.forward` in fast and exact numerics.
 
-    python bench/long_context_fast.py [--lengths 4096x3072] [--json]
+    python bench/long_context_fast.py [--lengths 4096x3072] [--json] [--ties]
 
 The five-layer layout of tests/serving/test_engine_long_context.py (every decoder role, tiny width):
 the engine (split prefill in padded pieces of 1,024, the lean decode with packed index scoring)
@@ -16,6 +16,13 @@ decode step with the engine's plan (the packed index scoring, `split_prefill.dec
 with the plan that keeps `Indexer.scores`' rounding (packed=False, model.forward's numerics bit for
 bit); per step the logprob difference and, per indexer layer, how many of the top-k picks differ.
 A measurement, not a test: fast numerics round where the kernels do, so no bound is asserted here.
+
+Whether such a swap is a near-tie, `--ties` says (`index_ties`, no engines): the first decode step
+from the forward's cache, with each plan, scores every index source's candidates three ways on the
+same inputs (the packed scoring, `Indexer.scores`, and float64 from the same FP4 query and key values
+and bf16 head weights); per layer the picks that differ from the float64 top-k, each swapped pair's
+exact margin beside the fast scores' errors there, and `golden.fast_report.near_ties` (the bound of
+docs/NUMERICS.md "fast numerics": exact margin <= 2 x the row's largest score error).
 """
 from __future__ import annotations
 
@@ -31,6 +38,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.golden import fast_report
+from dsv41_jax.layers import fast_index
+from dsv41_jax.model import block as body
+from dsv41_jax.model.probe import Probe
 from dsv41_jax.model.transformer import init_cache, make_step
 from dsv41_jax.runtime import Runtime
 from dsv41_jax.serving import sampling
@@ -50,11 +61,7 @@ def decode_decisions(graphdef, params, cfg, prompt: list[int], generated: list[i
     against the unpacked one (= model.forward), and per indexer layer the top-k picks (out of
     rows x k) the packed scoring chooses differently."""
     rt = Runtime(mode="fast")
-    step = make_step(graphdef, rt)
-    cache, start = init_cache(cfg, 1), 0
-    for n in pieces(len(prompt), CHUNK, padded=False):
-        _, cache, _ = step(params, jnp.asarray([prompt[start:start + n]], jnp.int32), cache, None)
-        start += n
+    cache, _ = forward_cache(graphdef, params, cfg, prompt)
 
     @functools.partial(jax.jit, static_argnums=(3,))
     def decode(params, tokens, cache, plan):
@@ -77,10 +84,144 @@ def decode_decisions(graphdef, params, cfg, prompt: list[int], generated: list[i
     return out
 
 
+class IndexScoreProbe(Probe):
+    """At each index source, after it selected: the query side (MXFP4 query values q, bf16 head weights
+    w), the index keys as float32 (the FP4 values, exact), the visible length, the candidate pool (in-pool
+    layers), the indexer's input x, and both fast scorings over every cached key on these same inputs:
+    the packed one (`fast_index.scores_packed`) and `Indexer.scores` (model.forward's rounding).
+
+    The body's scoring context exposes its inputs only through `score(pick, keys)`, which applies `pick`
+    to x, qr, cos, sin and visible in that order: a recording `pick` gets them without a second path."""
+
+    def scored(self, l, ctx, inputs) -> dict:
+        c, seen = ctx(), []
+        keys = c["store"].stored_index_keys(c["src"])
+        unpacked = c["score"](lambda a: seen.append(a) or a, body.decode_index_keys(keys))
+        x, qr, cos, sin, visible = seen
+        q, w = fast_index.query_and_weights(c["attn"].indexer, x, qr, cos, sin)
+        return {"index": {"x": x, "q": q, "w": w, "k": fast_index.index_keys_f32(keys), "visible": visible,
+                          "pool": c["pool"], "unpacked": unpacked,
+                          "packed": fast_index.scores_packed(c["attn"].indexer, x, qr, keys, cos, sin, visible)}}
+
+
+def probed_decode(graphdef, cfg):
+    """jit (params, tokens, cache, plan) -> (logits, {layer: top-k}, {layer: `IndexScoreProbe` record}):
+    `decode_step`'s body (embed, the layers on the cache, head) with the probe attached; `index_ties`
+    checks its logits and picks against `decode_step`'s, bit for bit."""
+    @functools.partial(jax.jit, static_argnums=(3,))
+    def run(params, tokens, cache, plan):
+        model = nnx.merge(graphdef, params)
+        h, pre = body.embed(model, tokens)
+        state = body.LayerState.first(h, pre, body.QuantStore(cfg, cache))
+        state, rec = body.run_layers(model, state, body.Span.at(cache["length"], tokens.shape[1]), plan,
+                                     range(cfg.n_layers), IndexScoreProbe())
+        return body.head(model, state.h, state.pre, plan.runtime.mode)[0], rec["topk"], rec["index"]
+
+    return run
+
+
+def _topk(scores: np.ndarray, k: int) -> set[int]:
+    """The k best finite positions, ties to the lower position (as `select_topk`)."""
+    order = np.lexsort((np.arange(scores.size), -scores))[:k]
+    return {int(g) for g in order if np.isfinite(scores[g])}
+
+
+def _scores(r: dict, pool: bool = True) -> dict:
+    """{"exact", "packed", "unpacked"}: an `IndexScoreProbe` record's scores [G], -inf past the visible
+    length and (pool) outside the candidate pool; "exact" = sum_h w_h relu(q_h . k_g) in float64 from
+    the same q, w and keys (their FP4 and bf16 values make every product and sum exact to ~1e-16)."""
+    q, w, kf = (np.asarray(r[n], np.float64) for n in ("q", "w", "k"))
+    out = {"exact": np.einsum("h,hg->g", w[0, 0], np.maximum(np.einsum("hd,gd->hg", q[0, 0], kf[0]), 0.0))}
+    out.update({n: np.asarray(r[n], np.float64)[0, 0] for n in ("packed", "unpacked")})
+    keep = np.arange(out["exact"].size) < int(np.asarray(r["visible"])[0, 0])
+    if pool and r["pool"] is not None:
+        keep &= np.asarray(r["pool"])[0, 0]
+    return {n: np.where(keep, v, -np.inf) for n, v in out.items()}
+
+
+def _ties(scores: dict, own: set[int], k: int) -> dict:
+    """A selection of k (`own`) against the float64 top-k of the same scores: per swapped pair (the
+    weakest own-only pick against the strongest exact-only one) the exact scores, their margin and
+    each fast scoring's error there; and the project's near-tie test (`fast_report.near_ties`: the
+    exact boundary margin <= 2 x the row's largest |fast - exact|) per fast scoring."""
+    exact = scores["exact"]
+    ref = _topk(exact, k)
+    fast = {n: v for n, v in scores.items() if n != "exact"}
+    pairs = [{"picked": a, "exact_pick": b, "exact_scores": [float(exact[b]), float(exact[a])],
+              "exact_margin": float(exact[b] - exact[a]),
+              **{f"{n}_err": [float(f[b] - exact[b]), float(f[a] - exact[a])] for n, f in fast.items()}}
+             for a, b in zip(sorted(own - ref, key=lambda g: exact[g]), sorted(ref - own, key=lambda g: -exact[g]))]
+    tests = {n: fast_report.near_ties(exact[None], f[None], k) for n, f in fast.items()}
+    return {"candidates": int(np.isfinite(exact).sum()), "picks_differ_from_exact": len(own - ref), "swaps": pairs,
+            "boundary_margin": float(next(iter(tests.values()))[0][0]),
+            "score_err": {n: float(t[1][0]) for n, t in tests.items()},
+            "near_tie": {n: bool(t[2][0]) for n, t in tests.items()},
+            "own_is_topk_of": [n for n, f in fast.items() if _topk(f, k) == own]}
+
+
+def _pool_ties(r: dict, pool: np.ndarray, cfg) -> dict:
+    """The candidate source's pool (`candidate_pool`: the blocks of the best maxima, the newest block
+    pinned) against the float64 block scores' choice: `_ties` over the unpinned blocks."""
+    bs, visible = cfg.candidate_block_size, int(np.asarray(r["visible"])[0, 0])
+    blocks = {}
+    for n, v in _scores(r, pool=False).items():
+        b = np.pad(v, (0, -v.size % bs), constant_values=-np.inf).reshape(-1, bs).max(-1)
+        b[(visible - 1) // bs] = -np.inf  # pinned: in every pool, so not a decision
+        blocks[n] = b
+    own = {int(g) // bs for g in np.flatnonzero(pool[0, 0])} - {(visible - 1) // bs}
+    return _ties(blocks, own, cfg.candidate_topk_blocks - 1)
+
+
+def index_ties(graphdef, params, cfg, prompt: list[int]) -> dict:
+    """The first decode step from model.forward's fast cache (its token: the forward's argmax), once with
+    the packed plan and once unpacked: per index source, its picks against the float64 top-k of the same
+    inputs (`_layer_ties`), and how far its input x is from the other plan's (0: the same inputs)."""
+    cache, last = forward_cache(graphdef, params, cfg, prompt)
+    tokens = jnp.asarray([[int(np.argmax(last))]], jnp.int32)
+    rt, run = Runtime(mode="fast"), probed_decode(graphdef, cfg)
+
+    @functools.partial(jax.jit, static_argnums=(3,))
+    def served(params, tokens, cache, plan):
+        return decode_step(nnx.merge(graphdef, params), tokens, cache, plan, collect_topk=True)
+
+    out, recs = {}, {}
+    for name, packed in (("packed", True), ("unpacked", False)):
+        plan = decode_plan(rt, packed=packed)
+        logits, topk, recs[name] = run(params, tokens, cache, plan)
+        ref_logits, _, aux = served(params, tokens, cache, plan)
+        same = bool(np.array_equal(np.asarray(logits), np.asarray(ref_logits))
+                    and all(np.array_equal(np.asarray(topk[l]), np.asarray(aux["topk"][l])) for l in aux["topk"]))
+        layers = {}
+        for l, r in recs[name].items():
+            own = {int(g) for g in np.asarray(topk[l])[0, 0] if g >= 0}
+            layers[int(l)] = {"in_pool": r["pool"] is not None, **_ties(_scores(r), own, cfg.index_topk)}
+            if r["pool"] is not None:  # the pool it searched: its candidate source's decision
+                layers[int(l)]["pool_of_source"] = _pool_ties(recs[name][cfg.candidate_source_layer], r["pool"], cfg)
+        out[name] = {"equals_decode_step": same, "layers": layers}
+    for l in recs["packed"]:
+        dx = np.abs(np.asarray(recs["packed"][l]["x"], np.float32) - np.asarray(recs["unpacked"][l]["x"], np.float32))
+        out["packed"]["layers"][int(l)]["input_vs_unpacked"] = float(dx.max())
+    return {"prompt": len(prompt), "token": int(tokens[0, 0]), **out}
+
+
+def forward_cache(graphdef, params, cfg, prompt: list[int]):
+    """(model.forward's fast cache after `prompt` fed in the exact prefill's unpadded pieces, the
+    prompt's last logits row [V])."""
+    step = make_step(graphdef, Runtime(mode="fast"))
+    cache, start = init_cache(cfg, 1), 0
+    for n in pieces(len(prompt), CHUNK, padded=False):
+        logits, cache, _ = step(params, jnp.asarray([prompt[start:start + n]], jnp.int32), cache, None)
+        start += n
+    return cache, np.asarray(logits[0, -1], np.float32)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", default="4096x3072", help="prompt lengths, batched, e.g. 4096x3072")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--ties", action="store_true",
+                    help="only `index_ties` (the first decode step's index scores, packed and unpacked, against "
+                         "float64), per prompt on its own; no engines")
     a = ap.parse_args(argv)
     lengths = [int(x) for x in a.lengths.split("x")]
     cfg = ModelConfig.tiny(engram_layer_ids=(), max_seq_len=max(lengths) + 64, n_layers=5,
@@ -88,9 +229,13 @@ def main(argv=None) -> int:
                            candidate_source_layer=2, hc_sinkhorn_iters=3, n_routed_experts=4, vocab_size=256)
     model = random_model(cfg, seed=7)
     graphdef, params = nnx.split(model)
-    rng = np.random.default_rng(11)
+    rng = np.random.default_rng(11)  # the prompts are drawn in order: "4096" alone is the first of "4096x3072"
     prompts = [[int(t) for t in rng.integers(1, cfg.vocab_size, n)] for n in lengths]
     t0 = time.time()
+    if a.ties:
+        out = [index_ties(graphdef, params, cfg, p) for p in prompts]
+        print(json.dumps({"ties": out, "seconds": time.time() - t0}, indent=None if a.json else 1))
+        return 0 if all(r[n]["equals_decode_step"] for r in out for n in ("packed", "unpacked")) else 1
     runs = {name: run_engine(model, prompts, exact_prefill=exact) for name, exact in ENGINES.items()}
     rows: dict[tuple, tuple] = {}  # forward (fast, exact) rows per (prompt, tokens)
 
