@@ -151,7 +151,8 @@ def _ties(scores: dict, own: set[int], k: int) -> dict:
               "exact_margin": float(exact[b] - exact[a]),
               **{f"{n}_err": [float(f[b] - exact[b]), float(f[a] - exact[a])] for n, f in fast.items()}}
              for a, b in zip(sorted(own - ref, key=lambda g: exact[g]), sorted(ref - own, key=lambda g: -exact[g]))]
-    tests = {n: fast_report.near_ties(exact[None], f[None], k) for n, f in fast.items()}
+    with np.errstate(invalid="ignore"):  # -inf - -inf where a position is out of reach: not a score
+        tests = {n: fast_report.near_ties(exact[None], f[None], k) for n, f in fast.items()}
     return {"candidates": int(np.isfinite(exact).sum()), "picks_differ_from_exact": len(own - ref), "swaps": pairs,
             "boundary_margin": float(next(iter(tests.values()))[0][0]),
             "score_err": {n: float(t[1][0]) for n, t in tests.items()},
