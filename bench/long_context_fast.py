@@ -195,7 +195,12 @@ def index_ties(graphdef, params, cfg, prompt: list[int]) -> dict:
         layers = {}
         for l, r in recs[name].items():
             own = {int(g) for g in np.asarray(topk[l])[0, 0] if g >= 0}
-            layers[int(l)] = {"in_pool": r["pool"] is not None, **_ties(_scores(r), own, cfg.index_topk)}
+            sc = _scores(r)
+            layers[int(l)] = {"in_pool": r["pool"] is not None, **_ties(sc, own, cfg.index_topk),
+                              # the oracle's decisions follow the reference's roundings (`Indexer.scores`): the
+                              # same test with those scores as the reference, as golden-check's fast report does
+                              "vs_reference_rounding": _ties({"exact": sc["unpacked"], "packed": sc["packed"]}, own,
+                                                             cfg.index_topk)}
             if r["pool"] is not None:  # the pool it searched: its candidate source's decision
                 layers[int(l)]["pool_of_source"] = _pool_ties(recs[name][cfg.candidate_source_layer], r["pool"], cfg)
         out[name] = {"equals_decode_step": same, "layers": layers}
