@@ -43,7 +43,7 @@ from dsv41_jax.layers import fast_index
 from dsv41_jax.model import block as body
 from dsv41_jax.model.probe import Probe
 from dsv41_jax.model.transformer import init_cache, make_step
-from dsv41_jax.runtime import Runtime
+from dsv41_jax.runtime import COMPILER_OPTIONS, Runtime
 from dsv41_jax.serving import sampling
 from dsv41_jax.serving.engine import Engine, Request
 from dsv41_jax.serving.random_weights import random_model
@@ -63,7 +63,7 @@ def decode_decisions(graphdef, params, cfg, prompt: list[int], generated: list[i
     rt = Runtime(mode="fast")
     cache, _ = forward_cache(graphdef, params, cfg, prompt)
 
-    @functools.partial(jax.jit, static_argnums=(3,))
+    @functools.partial(jax.jit, static_argnums=(3,), compiler_options=COMPILER_OPTIONS)
     def decode(params, tokens, cache, plan):
         return decode_step(nnx.merge(graphdef, params), tokens, cache, plan, collect_topk=True)
 
@@ -108,7 +108,7 @@ def probed_decode(graphdef, cfg):
     """jit (params, tokens, cache, plan) -> (logits, {layer: top-k}, {layer: `IndexScoreProbe` record}):
     `decode_step`'s body (embed, the layers on the cache, head) with the probe attached; `index_ties`
     checks its logits and picks against `decode_step`'s, bit for bit."""
-    @functools.partial(jax.jit, static_argnums=(3,))
+    @functools.partial(jax.jit, static_argnums=(3,), compiler_options=COMPILER_OPTIONS)
     def run(params, tokens, cache, plan):
         model = nnx.merge(graphdef, params)
         h, pre = body.embed(model, tokens)
@@ -181,14 +181,15 @@ def index_ties(graphdef, params, cfg, prompt: list[int]) -> dict:
     tokens = jnp.asarray([[int(np.argmax(last))]], jnp.int32)
     rt, run = Runtime(mode="fast"), probed_decode(graphdef, cfg)
 
-    @functools.partial(jax.jit, static_argnums=(3,))
+    @functools.partial(jax.jit, static_argnums=(3,), compiler_options=COMPILER_OPTIONS)
     def served(params, tokens, cache, plan):
         return decode_step(nnx.merge(graphdef, params), tokens, cache, plan, collect_topk=True)
 
-    out, recs = {}, {}
+    out, recs, picks = {}, {}, {}
     for name, packed in (("packed", True), ("unpacked", False)):
         plan = decode_plan(rt, packed=packed)
-        logits, topk, recs[name] = run(params, tokens, cache, plan)
+        logits, picks[name], recs[name] = run(params, tokens, cache, plan)
+        topk = picks[name]
         ref_logits, _, aux = served(params, tokens, cache, plan)
         same = bool(np.array_equal(np.asarray(logits), np.asarray(ref_logits))
                     and all(np.array_equal(np.asarray(topk[l]), np.asarray(aux["topk"][l])) for l in aux["topk"]))
@@ -204,9 +205,11 @@ def index_ties(graphdef, params, cfg, prompt: list[int]) -> dict:
             if r["pool"] is not None:  # the pool it searched: its candidate source's decision
                 layers[int(l)]["pool_of_source"] = _pool_ties(recs[name][cfg.candidate_source_layer], r["pool"], cfg)
         out[name] = {"equals_decode_step": same, "layers": layers}
-    for l in recs["packed"]:
+    for l in recs["packed"]:  # what `decode_decisions` counts, and whether the inputs were the same
         dx = np.abs(np.asarray(recs["packed"][l]["x"], np.float32) - np.asarray(recs["unpacked"][l]["x"], np.float32))
-        out["packed"]["layers"][int(l)]["input_vs_unpacked"] = float(dx.max())
+        sets = [set(np.asarray(picks[n][l]).ravel().tolist()) for n in ("packed", "unpacked")]
+        out["packed"]["layers"][int(l)].update(picks_vs_unpacked_run=len(sets[0] - sets[1]),
+                                               input_vs_unpacked_run=float(dx.max()))
     return {"prompt": len(prompt), "token": int(tokens[0, 0]), **out}
 
 
