@@ -185,10 +185,11 @@ def index_ties(graphdef, params, cfg, prompt: list[int]) -> dict:
     def served(params, tokens, cache, plan):
         return decode_step(nnx.merge(graphdef, params), tokens, cache, plan, collect_topk=True)
 
-    out, recs, picks = {}, {}, {}
+    out, recs, picks, rows = {}, {}, {}, {}
     for name, packed in (("packed", True), ("unpacked", False)):
         plan = decode_plan(rt, packed=packed)
         logits, picks[name], recs[name] = run(params, tokens, cache, plan)
+        rows[name] = np.asarray(jax.nn.log_softmax(logits[0, -1].astype(jnp.float32)))
         topk = picks[name]
         ref_logits, _, aux = served(params, tokens, cache, plan)
         same = bool(np.array_equal(np.asarray(logits), np.asarray(ref_logits))
@@ -210,7 +211,8 @@ def index_ties(graphdef, params, cfg, prompt: list[int]) -> dict:
         sets = [set(np.asarray(picks[n][l]).ravel().tolist()) for n in ("packed", "unpacked")]
         out["packed"]["layers"][int(l)].update(picks_vs_unpacked_run=len(sets[0] - sets[1]),
                                                input_vs_unpacked_run=float(dx.max()))
-    return {"prompt": len(prompt), "token": int(tokens[0, 0]), **out}
+    return {"prompt": len(prompt), "token": int(tokens[0, 0]),
+            "dlogprob_packed_vs_unpacked": float(np.abs(rows["packed"] - rows["unpacked"]).max()), **out}
 
 
 def forward_cache(graphdef, params, cfg, prompt: list[int]):
