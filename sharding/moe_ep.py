@@ -50,11 +50,12 @@ def _check_split(n_experts: int, mesh: Mesh, expert_axis: str, dispatch: str) ->
 
 def expert_parallel_apply(moe: MoE, x: jax.Array, scores: jax.Array, experts: jax.Array, mesh: Mesh, *,
                           mode: str = "fast", expert_axis: str = "expert", dispatch: str = "auto",
-                          impl: str = "xla", interpret: bool = False):
+                          impl: str = "xla", interpret: bool = False, chunk_rows: int | None = None):
     """`MoE.apply` with the routed experts split over `expert_axis`: the same slots (weights, ascending
     expert order), the same fp32 sum and shared expert; only the expert math runs in `routed_outputs`.
     x [B,T,d], scores [B,T,E] (route's), experts [B,T,k] (the decided ones) -> (y [B,T,d], info).
-    impl, interpret: resolved, as `MoE.apply` takes them (impl "pallas": the FP4 expert kernel per device)."""
+    impl, interpret: resolved, as `MoE.apply` takes them (impl "pallas": the FP4 expert kernel per device).
+    chunk_rows: `routed_outputs`'s."""
     _check_split(moe.experts.w1.shape[0], mesh, expert_axis, dispatch)
     B, T, d = x.shape
     k = experts.shape[-1]
@@ -64,7 +65,7 @@ def expert_parallel_apply(moe: MoE, x: jax.Array, scores: jax.Array, experts: ja
     per_row = mode == "exact" or B * T * k <= moe.grouped_threshold
     out = routed_outputs(moe.experts, x.reshape(B * T, d), e_sorted, w_sorted, mesh, mode=mode,
                          expert_axis=expert_axis, dispatch=dispatch, per_row=per_row,
-                         kernel=_kernel_choice(moe.experts, mode, impl, interpret))
+                         kernel=_kernel_choice(moe.experts, mode, impl, interpret), chunk_rows=chunk_rows)
     return moe.combine(x, out, scores, experts, weights, mode)
 
 
@@ -85,7 +86,7 @@ def _kernel_choice(experts_module, mode, impl, interpret):
 
 def routed_outputs(experts_module, rows: jax.Array, expert_ids: jax.Array, weights: jax.Array, mesh: Mesh, *,
                    mode: str = "fast", expert_axis: str = "expert", dispatch: str = "auto", per_row: bool = True,
-                   kernel: bool | None = None):
+                   kernel: bool | None = None, chunk_rows: int | None = None):
     """Weighted outputs of each row's experts: rows [N, d], expert_ids/weights [N, k] -> [N, k, d].
 
     An expert id < 0 marks an empty slot (output 0). per_row: each device runs `Experts.per_row`
@@ -93,6 +94,16 @@ def routed_outputs(experts_module, rows: jax.Array, expert_ids: jax.Array, weigh
     expert kernel (`expert_gemm_moe`; kernel = its interpret flag) on its own experts' stacks (the
     stored bytes or the word views `kernel_params` made: E leads both, so each device holds its
     experts' views only).
+    chunk_rows: at most this many of a device's rows go through one exchange: a device's rows are
+    split into equal chunks (padded) of at most that many, run one after another, each under `jax.checkpoint` (the backward
+    recomputes a chunk's exchange and expert math from its rows). Why: the receive buffers are sized
+    for the worst case, expert-axis size x the rows x min(k, local experts), 16 x 6 = 96 rows per row
+    on the released model over expert=16: a training step's 1,024 rows per device fill 98,304 buffer
+    rows (1 GB in bf16 per buffer, with the expert math's intermediates several times that). Each
+    (row, slot) pair's output is computed by the same math whatever chunk it is in, so the outputs
+    and the rows' gradients are the unchunked ones bit for bit; the experts' weight gradients are
+    summed over the chunks in the weights' dtype (bf16 in training), as the data axis sums the
+    devices' parts. None: one exchange for all rows (serving's decode and prefill).
     """
     _check_split(experts_module.w1.shape[0], mesh, expert_axis, dispatch)
     N, d = rows.shape
@@ -101,7 +112,8 @@ def routed_outputs(experts_module, rows: jax.Array, expert_ids: jax.Array, weigh
         dispatch = "ragged" if has_ragged_all_to_all() else "dense"
     axes = tuple(mesh.axis_names)
     n_shards = math.prod(mesh.devices.shape)
-    pad = -N % n_shards  # every device gets the same number of rows
+    chunks = _chunks(-(-N // n_shards), chunk_rows)
+    pad = -N % (n_shards * chunks)  # every device gets the same number of rows, split into equal chunks
     if pad:
         rows = jnp.pad(rows, ((0, pad), (0, 0)))
         expert_ids = jnp.pad(expert_ids, ((0, pad), (0, 0)), constant_values=-1)
@@ -110,11 +122,20 @@ def routed_outputs(experts_module, rows: jax.Array, expert_ids: jax.Array, weigh
     ep = expert_axis if n_ep > 1 else None
     body = functools.partial(_device_step, graphdef, ep=ep, n_ep=n_ep, mode=mode, dispatch=dispatch,
                              per_row=per_row if kernel is None else ("kernel-interpret" if kernel else "kernel"),
-                             pairs=N * expert_ids.shape[1])
+                             pairs=N * expert_ids.shape[1], chunks=chunks)
     token_spec = P(axes)
     step = shard_map(body, mesh=mesh, in_specs=(token_spec, token_spec, token_spec, P(ep)), out_specs=token_spec)
     out = step(rows, expert_ids.astype(jnp.int32), weights.astype(jnp.float32), state)
     return out[:N]
+
+
+def _chunks(rows: int, chunk_rows: int | None) -> int:
+    """How many chunks a device's `rows` are split into so that none holds more than `chunk_rows`."""
+    if chunk_rows is None:
+        return 1
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be a positive number of rows or None, got {chunk_rows!r}")
+    return max(1, -(-rows // chunk_rows))
 
 
 def _local_experts(local, x, ids, w, mode, per_row, pairs=None):
@@ -144,8 +165,16 @@ def _local_experts(local, x, ids, w, mode, per_row, pairs=None):
     return jnp.where(valid[:, None], out, jnp.zeros_like(out))
 
 
-def _device_step(graphdef, x, ids, w, state, *, ep, n_ep, mode, dispatch, per_row, pairs):
-    """One device: rows x [n, d] with their k expert ids/weights -> weighted expert outputs [n, k, d]."""
+def _device_step(graphdef, x, ids, w, state, *, ep, n_ep, mode, dispatch, per_row, pairs, chunks=1):
+    """One device: rows x [n, d] with their k expert ids/weights -> weighted expert outputs [n, k, d];
+    with chunks > 1, n/chunks rows at a time (`routed_outputs`' chunk_rows)."""
+    if chunks > 1:
+        n, k = ids.shape
+        one = jax.checkpoint(functools.partial(_device_step, graphdef, ep=ep, n_ep=n_ep, mode=mode, dispatch=dispatch,
+                                               per_row=per_row, pairs=pairs))
+        split = lambda a: a.reshape((chunks, n // chunks) + a.shape[1:])  # noqa: E731
+        out = jax.lax.map(lambda c: one(*c, state), (split(x), split(ids), split(w)))
+        return out.reshape(n, k, -1)
     local = nnx.merge(graphdef, state)
     n, k = ids.shape
     if ep is None:  # every expert is here
@@ -243,24 +272,27 @@ class ExpertParallelMoE(MoE):
     shardings with the plain model.
     """
 
-    def __init__(self, moe: MoE, mesh: Mesh, expert_axis: str = "expert", dispatch: str = "auto"):
+    def __init__(self, moe: MoE, mesh: Mesh, expert_axis: str = "expert", dispatch: str = "auto",
+                 chunk_rows: int | None = None):
         self.gate, self.experts, self.shared_experts = moe.gate, moe.experts, moe.shared_experts
         self.topk, self.grouped_threshold = moe.topk, moe.grouped_threshold
-        self.mesh, self.expert_axis, self.dispatch = mesh, expert_axis, dispatch
+        self.mesh, self.expert_axis, self.dispatch, self.chunk_rows = mesh, expert_axis, dispatch, chunk_rows
 
     def apply(self, x, scores, experts, mode, impl="xla", interpret=False):
         return expert_parallel_apply(self, x, scores, experts, self.mesh, mode=mode, expert_axis=self.expert_axis,
-                                     dispatch=self.dispatch, impl=impl, interpret=interpret)
+                                     dispatch=self.dispatch, impl=impl, interpret=interpret, chunk_rows=self.chunk_rows)
 
 
-def with_expert_parallel(model, mesh: Mesh, *, expert_axis: str = "expert", dispatch: str = "auto"):
+def with_expert_parallel(model, mesh: Mesh, *, expert_axis: str = "expert", dispatch: str = "auto",
+                         chunk_rows: int | None = None):
     """A copy of `model` (sharing its arrays) whose MoE layers run expert-parallel on `mesh`.
 
     Works on abstract models (nnx.eval_shape) too. Use `nnx.split` on the result to get the
     graphdef for `dsv41_jax.model.transformer.make_step`; the params pytree is the plain model's.
+    chunk_rows: `routed_outputs`'.
     """
     graphdef, state = nnx.split(model)
     copy = nnx.merge(graphdef, state)
     for block in blocks(copy):  # a stack of layers (`LayerStack`) once
-        block.ffn = ExpertParallelMoE(block.ffn, mesh, expert_axis, dispatch)
+        block.ffn = ExpertParallelMoE(block.ffn, mesh, expert_axis, dispatch, chunk_rows)
     return copy

@@ -90,16 +90,24 @@ def state_shardings(mesh: Mesh, state, param_shapes: dict):
     return jax.tree_util.tree_map_with_path(one, state)
 
 
+# a device's rows per expert exchange in the training step (`sharding.moe_ep.routed_outputs`' chunk_rows)
+EXCHANGE_CHUNK_ROWS = 256
+
+
 def step_graph(graphdef, master_shapes: dict, mesh: Mesh):
     """The graph the step runs on `mesh`: with an expert axis its MoE layers run expert-parallel as
     served (`sharding.moe_ep`: each device runs its own experts on the routed rows sent to it);
     otherwise the partitioner gathers every expert onto every device once a batch routes to all of
     them (52 GB per chip for the released 384 in 8 layers). The parameter paths, and so the state and
     its layout, are `graphdef`'s. The fixed-capacity exchange ("dense"): it has a transpose on every
-    backend, and CPU has no ragged all-to-all."""
+    backend, and CPU has no ragged all-to-all. Its buffers hold the worst case, 96 rows per row on
+    the released model over expert=16, so a device's rows go through it `EXCHANGE_CHUNK_ROWS` at a
+    time (a training row count of 1,024 per device would otherwise need 98,304 buffer rows)."""
     if _sizes(mesh).get("expert", 1) == 1:
         return graphdef
-    return nnx.split(with_expert_parallel(merge_model(graphdef, master_shapes), mesh, dispatch="dense"))[0]
+    model = with_expert_parallel(merge_model(graphdef, master_shapes), mesh, dispatch="dense",
+                                 chunk_rows=EXCHANGE_CHUNK_ROWS)
+    return nnx.split(model)[0]
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
