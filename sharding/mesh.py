@@ -141,7 +141,8 @@ def mesh_shape(mesh: Mesh) -> dict[str, int]:
 
 
 def init_distributed(coordinator_address: str, num_processes: int, process_id: int, **kwargs) -> None:
-    """`jax.distributed.initialize` plus the CPU collectives needed for multi-process CPU runs.
+    """`jax.distributed.initialize` plus the CPU collectives needed for multi-process CPU runs (and,
+    there, no persistent compilation cache: see below).
 
     Call once per process, before any other JAX call; afterwards `jax.devices()` is global.
     On TPU pods the arguments can be omitted by calling `jax.distributed.initialize()` directly
@@ -152,6 +153,12 @@ def init_distributed(coordinator_address: str, num_processes: int, process_id: i
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         except Exception:  # noqa: BLE001 (option absent in some versions: default already works)
             pass
+        # No persistent compilation cache across CPU processes: a two-process run whose programs an
+        # earlier run cached (only process 0 writes the cache) failed at its first cross-process
+        # collective, each process waiting for a gloo context the other did not create ("Gloo context
+        # initialization failed: ... GetKeyValue() timed out with key: cpu:gloo/0,1,2,3,2048,...";
+        # both exit 1 after 30 s; jax 0.10.2). Each process compiles instead.
+        jax.config.update("jax_enable_compilation_cache", False)
     jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
                                process_id=process_id, **kwargs)
 

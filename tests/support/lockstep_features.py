@@ -112,6 +112,9 @@ def _share_programs(cache: str) -> None:
     from jax._src import cache_key
 
     cache_key._hash_accelerator_config = cache_key._hash_devices
+    # joining turns the cache off on CPU (sharding.mesh.init_distributed: a stale cache breaks gloo);
+    # this run's folder is new, and sharing goes through it
+    jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", cache)
     jax.config.update("jax_share_binary_between_hosts", True)
 
