@@ -220,6 +220,7 @@ def test_fast_index_scores_track_the_reference_scoring(micro):
     from dsv41_jax.numerics import kv_layout
     from dsv41_jax.layers.rope import cos_sin, layer_rope
     from dsv41_jax.layers import fast_index
+    from dsv41_jax.runtime import COMPILER_OPTIONS
     from dsv41_jax.model.block import decode_index_keys
 
     cfg = micro["cfg"]
@@ -232,7 +233,9 @@ def test_fast_index_scores_track_the_reference_scoring(micro):
     pos = jnp.asarray([[150, 151, 152], [10, 11, 199]], jnp.int32)
     cos, sin = cos_sin(pos, layer_rope(cfg, 1))
     ref = np.asarray(ind.scores(x, qr, decode_index_keys(keys), cos, sin, pos + 1, "fast"))
-    new = np.asarray(jax.jit(lambda *a: fast_index.scores_packed(ind, *a))(x, qr, keys, cos, sin, pos + 1))
+    # compiled as the engine compiles it: without the options XLA may drop the bf16 head-sum rounding
+    packed = jax.jit(lambda *a: fast_index.scores_packed(ind, *a), compiler_options=COMPILER_OPTIONS)
+    new = np.asarray(packed(x, qr, keys, cos, sin, pos + 1))
     q, w = fast_index.query_and_weights(ind, x, qr, cos, sin)
     dots = np.einsum("bthd,bgd->bthg", np.asarray(q, np.float64), np.asarray(kv_layout.dequantize_index_keys(keys), np.float64))
     exact = np.sum(np.maximum(dots, 0) * np.asarray(w, np.float64)[..., None], 2)
