@@ -66,12 +66,17 @@ def _cmd_golden_check(args) -> int:
               "config folders with cases.json and config.json, and/or quant_vectors.safetensors", file=sys.stderr)
         return 2
     if args.numerics == "fast":
+        if args.variant:
+            print("dsv41 golden-check: --variant splits the exact check; --numerics fast runs every variant (drop "
+                  "--variant)", file=sys.stderr)
+            return 2
         return _fast_report(root, args)
     # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
     from dsv41_jax.golden.check import format_table, run_all
 
     decisions = {} if args.dump_decisions else None
-    entries = run_all(root, impl=args.impl, interpret=args.impl == "pallas", only=args.only, decisions=decisions)
+    entries = run_all(root, impl=args.impl, interpret=args.impl == "pallas", only=args.only, decisions=decisions,
+                      variant=args.variant)
     if decisions is not None:
         with open(args.dump_decisions, "w") as f:
             json.dump(decisions, f, separators=(",", ":"), sort_keys=True)
@@ -114,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exact (default): every entry must equal the oracle's; fast: measure the production "
                         "numerics (logit error, argmax agreement) and fail only on a decision that differs by more "
                         "than a near-tie (golden/fast_report.py)")
+    s.add_argument("--variant", choices=["published", "corrected"],
+                   help="run one part of the check: a decode case's runs of this index-key variant (free and forced); "
+                        "'published' also takes everything without a variant (prefill cases, replays, image towers, "
+                        "number-format vectors), so the two parts together are the whole check (a long case split "
+                        "across two processes)")
     s.add_argument("--dump-decisions", metavar="FILE", help="write each case's own decisions (top-k, experts), "
                    "agreement flags and logits hashes, per run and call, as JSON to FILE (diff two runs' files)")
     s.set_defaults(func=_cmd_golden_check)

@@ -19,7 +19,9 @@ Pass criteria (justified in tests/README.md from golden/README.md's sensitivity 
 """
 from __future__ import annotations
 
+import resource
 import sys
+import time
 from typing import Any
 
 import jax
@@ -49,6 +51,34 @@ TIGHTEST = {k: (max if k.endswith("argmax") else min)(row[k] for row in FP32_ACC
             for k in FP32_ACCUMULATION_ROW["main_fp8"]}
 
 
+# jax's compile-stage events: their durations, summed, split a call's wall time into compile and run
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                   "/jax/core/compile/backend_compile_duration")
+_compile_secs = [0.0]
+_listening = [False]
+
+
+def _on_duration(event, secs, **_):
+    if event in _COMPILE_EVENTS:
+        _compile_secs[0] += secs
+
+
+def _compile_clock() -> float:
+    """Seconds this process has spent tracing, lowering and compiling (jax cannot remove a listener,
+    so it is registered once)."""
+    if not _listening[0]:
+        jax.monitoring.register_event_duration_secs_listener(_on_duration)
+        _listening[0] = True
+    return _compile_secs[0]
+
+
+def _rss_gb() -> tuple[float, float]:
+    """(current, peak) resident memory of this process in GB."""
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * resource.getpagesize() / 1e9, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+
+
 def tolerances(config_name: str) -> dict:
     return FP32_ACCUMULATION_ROW.get(config_name, TIGHTEST)
 
@@ -72,6 +102,7 @@ class CaseRunner:
         self._steps: dict = {}
         self.image_encoder = None  # the jitted image encoder, built on the first image case (check_vision)
         self.decisions: list | None = None  # when a list: one record per run (`--dump-decisions`)
+        self.log = None  # when a file: one progress line per call of each run (compile and run seconds, memory)
 
     def _step(self, quirk: bool, collect: bool):
         key = (quirk, collect)
@@ -89,7 +120,7 @@ class CaseRunner:
         return jnp.asarray(hash_ids(layout, token_map, tokens[None], hist).astype(np.int32))
 
     def run(self, tokens: np.ndarray, schedule: list[dict], *, quirk=False, forced_calls=None, collect=False,
-            replay=None, impose=True, spans=None):
+            replay=None, impose=True, spans=None, label="run"):
         """Feed the schedule's calls; returns (logits [N, V], per-call agreement flags).
 
         Stored decisions are always passed (and compared); `impose` decides whether they replace
@@ -99,6 +130,7 @@ class CaseRunner:
         compute its last rows differently.
         spans: optional (rows [L, dim], token_types [L]) of the prompt's image spans; each call
         gets its slice (calls past the prompt get none).
+        label: names the run in the progress lines (`self.log`).
         """
         cache = init_cache(self.cfg, 1)
         step = self._step(quirk, collect)
@@ -119,9 +151,15 @@ class CaseRunner:
                 rows = np.concatenate([rows, np.zeros((T - rows.shape[0],) + rows.shape[1:], rows.dtype)])
                 types = np.concatenate([types, np.full(T - types.shape[0], -1, types.dtype)])
                 call_spans = (jnp.asarray(rows[None]), jnp.asarray(types[None], jnp.int32))
+            t0, c0 = time.perf_counter(), _compile_clock()
             logits, cache, aux = step(self.params, jnp.asarray(toks[None], jnp.int32), cache, eids, forced,
                                       replay if i == 0 else None, call_spans)
-            outs.append(np.asarray(logits[0, :n]))
+            outs.append(np.asarray(logits[0, :n]))  # waits for the call
+            if self.log is not None:
+                compiled, (rss, peak) = _compile_clock() - c0, _rss_gb()
+                print(f"[golden]   {label}: call {i + 1}/{len(schedule)} ({n} tokens) compile {compiled:.1f} s, run "
+                      f"{time.perf_counter() - t0 - compiled:.1f} s; RSS {rss:.1f} GB (peak {peak:.1f})",
+                      file=self.log, flush=True)
             if "main_hidden" in aux:  # DSpark taps of this call's rows
                 taps.append(np.asarray(aux["main_hidden"][0, :n]))
             for kind in ("topk_agree", "experts_agree"):
@@ -222,9 +260,23 @@ def _judge_forced(name, ours, ref, sets_equal, tol, forced=True) -> Entry:
                  f"{what}; argmax {agree:.3f}, mean |d| {mean:.3g}, max |d| {mx:.3g}")
 
 
-def check_case(runner: CaseRunner, case: dict) -> list[Entry]:
-    """The case's entries, each carrying the mechanisms the case exercised."""
-    entries = _case_entries(runner, case)
+# A decode case's runs come in two index-key variants; `variant` runs one part of a check, so that a long
+# case can be split across processes. Everything without a variant (prefill cases, replays, image towers,
+# number-format vectors) belongs to the published part, so the two parts together are the whole check.
+VARIANTS = ("published", "corrected")
+PREFILL_KINDS = ("prefill", "vl_prefill")  # one run each, no variant
+
+
+def _in_part(variant: str | None, run_variant: str) -> bool:
+    return variant is None or variant == run_variant
+
+
+def check_case(runner: CaseRunner, case: dict, variant: str | None = None) -> list[Entry]:
+    """The case's entries, each carrying the mechanisms the case exercised; `variant` (one of VARIANTS):
+    only that part's entries."""
+    if variant is not None and variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS} (or None for every entry), got {variant!r}")
+    entries = _case_entries(runner, case, variant)
     mechanisms = exercised(runner.cfg, case)
     for e in entries:
         e.mechanisms = mechanisms
@@ -239,7 +291,7 @@ def reference_runs(runner: CaseRunner, case: dict, t: dict) -> list[tuple]:
     tokens = np.asarray(t.get("tokens", np.asarray(case["tokens"]))).astype(np.int64)
     sched = case["schedule"]
     P = sched[0]["n_tokens"]
-    if case["kind"] in ("prefill", "vl_prefill"):
+    if case["kind"] in PREFILL_KINDS:
         return [("free", False, tokens, [runner.forced_from(t, "select.", slice(0, P))], t["logits"], True)]
     runs = []
     for label, quirk, key, prefix in (("published", True, "decode_logits", "select.decode."),
@@ -257,30 +309,35 @@ def reference_runs(runner: CaseRunner, case: dict, t: dict) -> list[tuple]:
     return runs
 
 
-def _case_entries(runner: CaseRunner, case: dict) -> list[Entry]:
+def _case_entries(runner: CaseRunner, case: dict, part: str | None = None) -> list[Entry]:
     gc = runner.gc
     t = gc.case_tensors(case)
     sched = case["schedule"]
     base = f"{gc.name}/{case['name']}"
     tol = tolerances(gc.name)
     entries, spans = [], None
+    prefill = case["kind"] in PREFILL_KINDS
     if case["kind"].startswith("vl_"):  # image cases: the tower's outputs first, then the text checks
         vision_entry, spans = check_vision(runner, case, t)
-        entries.append(vision_entry)
+        if _in_part(part, "published"):
+            entries.append(vision_entry)
     for variant, quirk, tokens, forced, ref, _ in reference_runs(runner, case, t):
-        if case["kind"] in ("prefill", "vl_prefill"):
-            ours, _ = runner.run(tokens, sched, forced_calls=forced, impose=False, spans=spans)
+        if not _in_part(part, "published" if prefill else variant):
+            continue
+        if prefill:
+            ours, _ = runner.run(tokens, sched, forced_calls=forced, impose=False, spans=spans, label="free")
             entries.append(_judge_free(f"{base}[free]", ours, ref, tol))
-            ours, res = runner.run(tokens, sched, forced_calls=forced, spans=spans)
+            ours, res = runner.run(tokens, sched, forced_calls=forced, spans=spans, label="forced")
             entries.append(_judge_forced(f"{base}[forced]", ours, ref, res["agree"], tol))
             continue
-        ours, free = runner.run(tokens, sched, quirk=quirk, forced_calls=forced, impose=False, spans=spans)
+        ours, free = runner.run(tokens, sched, quirk=quirk, forced_calls=forced, impose=False, spans=spans,
+                                label=variant)
         if variant == "corrected":  # the oracle's corrected decode equals its prefill bit for bit: judge tightly
             entries.append(_judge_forced(f"{base}[{variant}]", ours, ref, True, tol, forced=False))
         else:
             entries.append(_judge_free(f"{base}[{variant}]", ours, ref, tol))
         free_logits = ours
-        ours, res = runner.run(tokens, sched, quirk=quirk, forced_calls=forced, spans=spans)
+        ours, res = runner.run(tokens, sched, quirk=quirk, forced_calls=forced, spans=spans, label=f"{variant}-forced")
         entries.append(_judge_forced(f"{base}[{variant}-forced]", ours, ref, res["agree"], tol))
         if runner.cfg.has_dspark and f"dspark.output_ids{'_corrected' if variant == 'corrected' else ''}" in t:
             entries.extend(runner.draft_entries(t, base, variant, sched[0]["n_tokens"], free_logits, free["taps"],
@@ -338,7 +395,7 @@ def check_replays(runner: CaseRunner, case: dict) -> list[Entry]:
         if bi is not None and pm is not None:
             replay[l] = (jnp.asarray(bi[None]), jnp.asarray(pm[None]))
     forced = [runner.forced_from(t, "select.", slice(0, n))]
-    _, res = runner.run(tokens, case["schedule"][:1], forced_calls=forced, collect=True, replay=replay)
+    _, res = runner.run(tokens, case["schedule"][:1], forced_calls=forced, collect=True, replay=replay, label="replays")
     ours = res["traces"][0]
     entries = []
     for l in range(cfg.n_layers):
@@ -362,26 +419,32 @@ def check_replays(runner: CaseRunner, case: dict) -> list[Entry]:
     return entries
 
 
-def run_all(root, *, impl="xla", interpret=False, only=None, log=sys.stderr, decisions: dict | None = None) -> list[Entry]:
-    """Every entry of a golden folder; `only` restricts to named config folders (and "quant").
+def run_all(root, *, impl="xla", interpret=False, only=None, log=sys.stderr, decisions: dict | None = None,
+            variant: str | None = None) -> list[Entry]:
+    """Every entry of a golden folder; `only` restricts to named config folders (and "quant"), `variant`
+    (one of VARIANTS) to one part of the check (see VARIANTS). Progress goes to `log`, a line per call.
     decisions: when a dict, filled with {"<config>/<case>": [one record per run, see `_call_decisions`]}."""
+    if variant is not None and variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS} (or None for every entry), got {variant!r}")
     entries: list[Entry] = []
     with jax.enable_x64(True):
-        qv = golden_data.load_quant_vectors(root) if not only or "quant" in only else None
+        qv = golden_data.load_quant_vectors(root) if (not only or "quant" in only) and _in_part(variant, "published") else None
         if qv is not None:
             entries.extend(Entry(name, ok, detail=why) for name, ok, why in check_vectors(*qv))
         for gc in golden_data.discover(root):
-            if only and gc.name not in only:
+            cases = [c for c in gc.cases if _in_part(variant, "published") or c["kind"] not in PREFILL_KINDS]
+            if (only and gc.name not in only) or not cases:
                 continue
-            print(f"[golden] {gc.name}: loading model", file=log)
+            print(f"[golden] {gc.name}: loading model", file=log, flush=True)
             runner = CaseRunner(gc, impl=impl, interpret=interpret)
-            for case in gc.cases:
-                print(f"[golden] {gc.name}/{case['name']}", file=log)
+            runner.log = log
+            for case in cases:
+                print(f"[golden] {gc.name}/{case['name']}", file=log, flush=True)
                 if decisions is not None:
                     runner.decisions = decisions.setdefault(f"{gc.name}/{case['name']}", [])
-                entries.extend(check_case(runner, case))
-                if case.get("has_intermediates") and case["kind"] == "prefill":  # vl cases trace the tower only
-                    entries.extend(check_replays(runner, case))
+                entries.extend(check_case(runner, case, variant))
+                if case.get("has_intermediates") and case["kind"] == "prefill" and _in_part(variant, "published"):
+                    entries.extend(check_replays(runner, case))  # vl cases trace the tower only
     return entries
 
 
