@@ -21,7 +21,7 @@ what the AMD host computes:
    on the recorded table: on the AMD host it is the identity.
 
 `harness_command` wraps the oracle's harness (and `generator_code` its generators) with both;
-the harness also runs its GEMM stand-in in row chunks (same values, bounded memory).
+both also run the GEMM stand-in in row chunks (same values, bounded memory).
 """
 from __future__ import annotations
 
@@ -73,8 +73,10 @@ torch.sqrt = _sqrt
 
 # The stand-ins' GEMM (kernels._blocked_gemm) holds every float64 block dot of a call at once:
 # 11 GB for a 1040-token wq_b at the released width. In row chunks of at most 1 GB it computes the
-# same values (each row's block dots are exact and its sum is its own), in bounded memory.
-_RUN_HARNESS = """
+# same values (each row's block dots are exact and its sum is its own), in bounded memory. The
+# generators import the same `kernels` module (from the oracle folder, the working directory), so
+# they get the chunked GEMM too.
+_CHUNKED_GEMM = """
 sys.path.insert(0, '.')
 import os, kernels
 _whole = kernels._blocked_gemm
@@ -85,6 +87,8 @@ def _blocked_gemm(a_vals, a_s, b_vals, b_s_full, blk):
                       for i in range(0, a_vals.shape[0], rows)]) if a_vals.shape[0] > rows else _whole(a_vals, a_s, b_vals, b_s_full, blk)
 
 kernels._blocked_gemm = _blocked_gemm
+"""
+_RUN_HARNESS = _CHUNKED_GEMM + """
 sys.argv = ['harness.py'] + sys.argv[1:]
 runpy.run_path('harness.py', run_name='__main__')
 """
@@ -96,9 +100,9 @@ def harness_command(python: str, *args: str) -> list[str]:
 
 
 def generator_code(code: str) -> str:
-    """A `python -c` program for the oracle's generators (first argument: `TABLE`), run with the AMD
-    host's float32 sqrt."""
-    return _AMD_SQRT + code
+    """A `python -c` program for the oracle's generators (first argument: `TABLE`; run in the oracle
+    folder), with the AMD host's float32 sqrt and the chunked GEMM."""
+    return _AMD_SQRT + _CHUNKED_GEMM + code
 
 
 def env() -> dict:

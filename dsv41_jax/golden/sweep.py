@@ -176,6 +176,14 @@ EXTENSIONS = {
 # shapes (width 1024, 16 heads x 64, MLP 2816, patches of 14, 3x3 aligner downsample, RoPE theta
 # 10000) in 2 of its 32 layers, on the small backbone; one prompt with two images of different grids
 # (12 x 18 patches, and 10 x 17, which the aligner pads to 12 x 18 cells of 3 x 3)
+# "dspark_wide": the released drafter's shapes (3 stages, block 5, Markov rank 256, 3 active experts)
+# except 64 routed experts per stage, not 128: the generator holds about four copies of the stages'
+# weights (the reference model, the drawn tensors, the file, its read-back) and 128 x 3 released experts
+# are 6.8 GB a copy on a 24 GB machine. The backbone is 3 released-width layers (SWA, Full r1 as KV and
+# index source, SWA), all three tapped; its 526-token prompt puts 526 positions in the ratio-1 cache, so
+# the top-k of 512 selects and the window ring wraps before the drafter reads the taps, then 6 decode
+# steps each draft a block. dspark.py draws only 128 tokens itself: the prompt comes from a token-source
+# folder written beside the backbone (`TOKEN_STREAMS`).
 FULL_WIDTH_EXTENSIONS = {
     "vision_wide": ("vision_golden", "VISION_ARGS",
                     dict(vision_n_layers=2, vision_dim=1024, vision_n_heads=16, vision_inter_dim=2816,
@@ -183,7 +191,18 @@ FULL_WIDTH_EXTENSIONS = {
                          image_token_id=127),
                     SMALL, 115, ["--vision-seed", "125", "--pixel-seed", "225", "--token-seed", "215",
                                  "--cases", "vl_prefill_L120_i3x12x18_i60x10x17"]),
+    "dspark_wide": ("dspark", "DSPARK_ARGS",
+                    dict(n_mtp_layers=3, dspark_block_size=5, dspark_noise_token_id=500, dspark_target_layer_ids=[0, 1, 2],
+                         dspark_markov_rank=256, dspark_n_routed_experts=64, dspark_n_activated_experts=3,
+                         temperature=0.0),
+                    dict(RELEASED_LAYER, n_layers=3, compress_ratios=[0, 1, 0], kv_source_layers=[1],
+                         index_source_layers=[1], max_seq_len=544),
+                    116, ["--mtp-seed", "126", "--name", "dspark_wide", "--cases", "dspark_P526_S6"]),
 }
+# Extensions whose generator reads its prompt from a token-source folder (dspark.py's --token-source,
+# --token-case): name -> (token seed, tokens). `write_token_source` writes it in the scratch folder.
+TOKEN_STREAMS = {"dspark_wide": (226, 532)}
+TOKEN_CASE = "stream"  # the token-source folder's one case
 ALL = sorted(CONFIGS) + sorted(EXTENSIONS)
 
 # runs one generator of the oracle folder with its arguments dict updated (argv: module, attribute,
@@ -264,6 +283,20 @@ def _logical(name: str, v: np.ndarray, args: dict) -> str | None:
     return None
 
 
+def write_token_source(folder: pathlib.Path, seed: int, n: int, vocab: int) -> list[str]:
+    """A folder dspark.py takes as --token-source: `TOKEN_CASE`.safetensors holding `tokens` (int64 [n],
+    numpy default_rng(seed).integers(0, vocab, n), the rule of the generator's own 128) and a cases.json
+    whose first case names the seed. Returns the generator options that read it."""
+    from safetensors.numpy import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokens = np.random.default_rng(seed).integers(0, vocab, n).astype(np.int64)
+    save_file({"tokens": tokens}, str(folder / f"{TOKEN_CASE}.safetensors"))
+    (folder / "cases.json").write_text(json.dumps({"cases": [{"name": TOKEN_CASE, "token_seed": seed,
+                                                              "token_rule": "numpy default_rng(seed).integers(0, vocab, n)"}]}))
+    return ["--token-source", str(folder), "--token-case", TOKEN_CASE]
+
+
 def write_extension(out: pathlib.Path, name: str, oracle: pathlib.Path, python: str) -> None:
     """A DSpark or vision folder: our backbone weights in a scratch folder, then the oracle's generator."""
     import tempfile
@@ -277,6 +310,8 @@ def write_extension(out: pathlib.Path, name: str, oracle: pathlib.Path, python: 
         sha, meta = write_weights(bb / "weights.safetensors", args, wseed, all_logical=True)
         (bb / "config.json").write_text(json.dumps({"name": name + "_backbone", "model_args": args, "weight_seed": wseed,
                                                     "tensors": meta, "weights_sha256": sha}))
+        if name in TOKEN_STREAMS:  # a fixed folder name: the generator records it in cases.json
+            opts = opts + write_token_source(bb / f"{name}_tokens", *TOKEN_STREAMS[name], args["vocab_size"])
         cmd = [python, "-c", oracle_host.generator_code(_RUN_GENERATOR), str(oracle_host.TABLE), module, attr,
                json.dumps(replace), str(d.resolve()), "--backbone", str(bb)] + opts
         subprocess.run(cmd, check=True, cwd=str(oracle), stdout=subprocess.DEVNULL, env=_env())
