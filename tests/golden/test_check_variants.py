@@ -16,6 +16,7 @@ from dsv41_jax.golden.check import CaseRunner, check_case, run_all
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SUBSET = REPO / "golden_subset"
+SWEEP = REPO / "tests" / "data" / "sweep"
 
 
 def _stub_runner():
@@ -65,11 +66,11 @@ def test_an_unknown_variant_is_named():
 
 @pytest.mark.slow
 def test_the_parts_give_the_whole_check_s_entries_bit_for_bit():
-    """The real CLI on the shipped subset: the two parts' entries, concatenated, equal the whole run's, values
-    included (each run starts from an empty cache, so no run depends on another)."""
+    """The real CLI on a small sweep folder (a prefill and a decode case): the two parts' entries, concatenated,
+    equal the whole run's, values included (each run starts from an empty cache, so no run depends on another)."""
     def check(*extra):
-        r = subprocess.run([sys.executable, "-m", "dsv41_jax.cli.main", "golden-check", str(SUBSET), "--json", *extra],
-                           capture_output=True, text=True, cwd=REPO, timeout=3600)
+        r = subprocess.run([sys.executable, "-m", "dsv41_jax.cli.main", "golden-check", str(SWEEP), "--only", "dims_wide",
+                            "--json", *extra], capture_output=True, text=True, cwd=REPO, timeout=1800)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
         return json.loads(r.stdout)["cases"], r.stderr
 
@@ -77,6 +78,6 @@ def test_the_parts_give_the_whole_check_s_entries_bit_for_bit():
     published, _ = check("--variant", "published")
     corrected, _ = check("--variant", "corrected")
     assert published + corrected == whole
-    assert [c["name"] for c in corrected] == ["main_fp8/decode_P40_S20[corrected]", "main_fp8/decode_P40_S20[corrected-forced]"]
+    assert [c["name"] for c in corrected] == ["dims_wide/decode_P20_S4[corrected]", "dims_wide/decode_P20_S4[corrected-forced]"]
     # the progress lines: one per call of each run, with compile and run seconds
-    assert "corrected-forced: call 21/21 (1 tokens) compile" in log
+    assert "corrected-forced: call 5/5 (1 tokens) compile" in log and "free: call 1/1 (20 tokens) compile" in log
