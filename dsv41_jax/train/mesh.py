@@ -76,6 +76,24 @@ def param_spec(mesh: Mesh, key: str, shape) -> P:
     return rules.resolve(logical, tuple(shape), rules.get_rules("training"), _sizes(mesh)).spec
 
 
+def for_compute(mesh: Mesh | None, view: dict) -> dict:
+    """The forward's parameters (`weight_quant.qat_view`, keyed like the masters) laid out where the
+    forward uses them (`rules.param_compute_spec`): each weight whole over the FSDP axes, gathered
+    once per step in its compute dtype; the gradient flows back to the split master. A parameter the
+    rules do not name (LoRA adapters) keeps its layout. Without a mesh, or on one device: `view`."""
+    if mesh is None or mesh.devices.size == 1:
+        return view
+    out = {}
+    for k, v in view.items():
+        try:
+            spec = rules.param_compute_spec(key_path(k), tuple(v.shape), "training", _sizes(mesh))
+        except rules.ShardingRuleError:
+            out[k] = v
+            continue
+        out[k] = jax.lax.with_sharding_constraint(v, NamedSharding(mesh, spec))
+    return out
+
+
 def state_shardings(mesh: Mesh, state, param_shapes: dict):
     """NamedShardings for a train-state tree: a leaf under a dict key naming a parameter (and of
     that parameter's shape) is laid out like the parameter; everything else is replicated."""

@@ -27,6 +27,7 @@ from dsv41_jax.train import losses
 from dsv41_jax.train.dspark import DSparkLoss, drafter_loss, is_drafter_key
 from dsv41_jax.train.forward import ForwardOptions, train_forward
 from dsv41_jax.train.lora import apply_lora, init_lora
+from dsv41_jax.train.mesh import for_compute
 from dsv41_jax.train.optim import OptimConfig, make_optimizer, schedule
 from dsv41_jax.train.params import key_path, merge_model
 from dsv41_jax.train.qat_modules import ONE_SHOT_COMPILE
@@ -103,7 +104,7 @@ def _layer_of(bias_key: str) -> int:
     return key_path(bias_key)[1]
 
 
-def drafter_step_fn(graphdef, formats, cfg: ModelConfig, tcfg: TrainConfig):
+def drafter_step_fn(graphdef, formats, cfg: ModelConfig, tcfg: TrainConfig, mesh=None):
     """The drafter's step: the frozen backbone's forward gives taps and target logits (no gradient),
     then only the mtp.* masters take the DSpark objective's gradient; the drafter's router biases
     follow the sign rule with the drafter's expert loads."""
@@ -114,14 +115,15 @@ def drafter_step_fn(graphdef, formats, cfg: ModelConfig, tcfg: TrainConfig):
         keys = trained_keys(state["master"], tcfg)
         trainable = {k: state["master"][k] for k in keys}
         frozen = {k: v for k, v in state["master"].items() if k not in trainable}
-        frozen_view = qat_view({**frozen, **state["bias"]}, formats, fake_quant_weights=tcfg.qat)
-        backbone = merge_model(graphdef, {**frozen_view, **qat_view(trainable, formats, fake_quant_weights=tcfg.qat)})
+        frozen_view = for_compute(mesh, qat_view({**frozen, **state["bias"]}, formats, fake_quant_weights=tcfg.qat))
+        view = lambda tr: for_compute(mesh, qat_view(tr, formats, fake_quant_weights=tcfg.qat))  # noqa: E731
+        backbone = merge_model(graphdef, {**frozen_view, **view(trainable)})
         target_logits, aux = train_forward(backbone, batch, ForwardOptions(), taps=True)
         taps, target_logits = jax.lax.stop_gradient((aux["main_hidden"], target_logits))
         tx = make_optimizer(tcfg.optim, trainable)
 
         def f(tr):
-            model = merge_model(graphdef, {**frozen_view, **qat_view(tr, formats, fake_quant_weights=tcfg.qat)})
+            model = merge_model(graphdef, {**frozen_view, **view(tr)})
             return drafter_loss(model, batch, taps, target_logits, rng, obj)
 
         (_, (metrics, loads)), grads = jax.value_and_grad(f, has_aux=True)(trainable)
@@ -148,9 +150,10 @@ def _sample(rng, tcfg: TrainConfig, B: int, T: int):
 
 
 def loss_and_aux(graphdef, formats, cfg: ModelConfig, tcfg: TrainConfig, master: dict, batch: dict, rng,
-                 fwd_opts: ForwardOptions | None = None):
-    """Total loss and (metrics, expert loads) for fp32 masters (differentiable in `master`)."""
-    view = qat_view(master, formats, fake_quant_weights=tcfg.qat)
+                 fwd_opts: ForwardOptions | None = None, mesh=None):
+    """Total loss and (metrics, expert loads) for fp32 masters (differentiable in `master`); on
+    `mesh`, the weights are multiplied whole over its FSDP axes (`train.mesh.for_compute`)."""
+    view = for_compute(mesh, qat_view(master, formats, fake_quant_weights=tcfg.qat))
     model = merge_model(graphdef, view)
     B, T = batch["tokens"].shape
     kl_pos, replay = _sample(rng, tcfg, B, T)
@@ -171,10 +174,11 @@ def loss_and_aux(graphdef, formats, cfg: ModelConfig, tcfg: TrainConfig, master:
     return total, (metrics, loads)
 
 
-def train_step_fn(graphdef, formats, cfg: ModelConfig, tcfg: TrainConfig):
-    """The pure step (state, batch) -> (state, metrics); jit it (see `make_train_step`)."""
+def train_step_fn(graphdef, formats, cfg: ModelConfig, tcfg: TrainConfig, mesh=None):
+    """The pure step (state, batch) -> (state, metrics); jit it (see `make_train_step`). mesh: the
+    one the state is laid out on (its weights are gathered for the forward's products there)."""
     if tcfg.dspark is not None:
-        return drafter_step_fn(graphdef, formats, cfg, tcfg)
+        return drafter_step_fn(graphdef, formats, cfg, tcfg, mesh)
     trainable_params = (lambda s: s["lora"]) if tcfg.lora_rank else (
         lambda s: {k: s["master"][k] for k in trained_keys(s["master"], tcfg)})
 
@@ -188,7 +192,7 @@ def train_step_fn(graphdef, formats, cfg: ModelConfig, tcfg: TrainConfig):
                 master = apply_lora({**state["master"], **state["bias"]}, tr, tcfg.lora_scale)
             else:
                 master = {**state["master"], **tr, **state["bias"]}
-            return loss_and_aux(graphdef, formats, cfg, tcfg, master, batch, rng)
+            return loss_and_aux(graphdef, formats, cfg, tcfg, master, batch, rng, mesh=mesh)
 
         (_, (metrics, loads)), grads = jax.value_and_grad(f, has_aux=True)(trainable)
         updates, opt = tx.update(grads, state["opt"], trainable)
@@ -220,11 +224,12 @@ def make_train_step(graphdef, formats, cfg: ModelConfig, tcfg: TrainConfig, *, s
                                                    batch_sharding)
     key = (graphdef, tuple(sorted(formats.items())), cfg, tcfg, layout, donate)
     if key not in _STEP_CACHE:
-        kw = {}
+        kw, mesh = {}, None
         if state_shardings is not None:
+            mesh = jax.tree.leaves(state_shardings)[0].mesh
             kw["in_shardings"] = (state_shardings, batch_sharding)
             kw["out_shardings"] = (state_shardings, None)
         options = dict(COMPILER_OPTIONS, **(ONE_SHOT_COMPILE if tcfg.fast_compile else {}))
-        _STEP_CACHE[key] = jax.jit(train_step_fn(graphdef, formats, cfg, tcfg), compiler_options=options,
+        _STEP_CACHE[key] = jax.jit(train_step_fn(graphdef, formats, cfg, tcfg, mesh), compiler_options=options,
                                    donate_argnums=(0,) if donate else (), **kw)
     return _STEP_CACHE[key]

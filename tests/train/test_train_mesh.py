@@ -4,9 +4,11 @@ the same run."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dsv41_jax.model.stack import blocks
 from dsv41_jax.train import mesh as meshlib
@@ -125,3 +127,23 @@ def test_step_graph_runs_the_moe_expert_parallel_on_an_expert_axis():
     model = merge_model(ep, shapes)
     assert all(isinstance(b.ffn, ExpertParallelMoE) and b.ffn.mesh.shape["expert"] == 4 for b in blocks(model))
     assert set(flatten_state(model)) == set(shapes)
+
+
+def test_weights_are_whole_over_the_fsdp_axes_where_the_forward_multiplies_them():
+    """`for_compute` (the step's view of its weights on a mesh): a product's weight, stored split over
+    data x expert, is gathered whole over them (split over tensor as served); the token embedding (looked up)
+    and an adapter the rules do not name keep their layout; values unchanged; one device: untouched."""
+    mesh = meshlib.make_mesh("data=2,expert=2,tensor=2")
+    shapes = {"layers.0.attn.wq_b.weight": (64, 32), "embed": (16, 64), "layers.0.ffn.experts.w1": (4, 32, 64),
+              "layers.0.attn.wq_b.lora_a": (4, 32)}
+    view = {k: jnp.arange(np.prod(s), dtype=jnp.float32).reshape(s) for k, s in shapes.items()}
+    stored = {k: NamedSharding(mesh, meshlib.param_spec(mesh, k, s)) for k, s in shapes.items()}
+    assert stored["layers.0.attn.wq_b.weight"].spec == P("tensor", ("data", "expert"))
+    out = jax.jit(lambda v: meshlib.for_compute(mesh, v), in_shardings=(stored,))(jax.device_put(view, stored))
+    specs = {k: v.sharding.spec for k, v in out.items()}
+    assert specs["layers.0.attn.wq_b.weight"] == P("tensor") and specs["layers.0.ffn.experts.w1"] == P("expert")
+    assert specs["embed"] == stored["embed"].spec == P("tensor", ("data", "expert"))
+    assert out["layers.0.attn.wq_b.lora_a"].sharding.is_equivalent_to(stored["layers.0.attn.wq_b.lora_a"], 2)
+    for k in shapes:
+        np.testing.assert_array_equal(np.asarray(out[k]), np.asarray(view[k]))
+    assert meshlib.for_compute(meshlib.make_mesh("data=1"), view) is view and meshlib.for_compute(None, view) is view
