@@ -228,15 +228,6 @@ def compute_rules(preset: str | Rules) -> Rules:
     return {name: axes for name, axes in get_rules(preset).items() if name not in _FSDP_NAMES}
 
 
-def param_compute_spec(path: tuple, shape: tuple[int, ...], preset: str | Rules,
-                       mesh_sizes: Mapping[str, int]) -> PartitionSpec:
-    """A parameter's layout where the forward uses it (`compute_rules`; a looked-up table keeps
-    its stored layout)."""
-    logical = param_logical_axes(path, len(shape))
-    rules = get_rules(preset) if _module_key(tuple(path)) in _LOOKED_UP else compute_rules(preset)
-    return resolve(logical, tuple(shape), rules, mesh_sizes).spec
-
-
 @dataclasses.dataclass(frozen=True)
 class Resolved:
     """One array's PartitionSpec and the rule axes it could not use (and why)."""
@@ -307,13 +298,18 @@ def _mesh_sizes(mesh: Mesh | Mapping[str, int]) -> dict[str, int]:
     return dict(mesh)
 
 
-def param_specs(model_or_state, mesh: Mesh | Mapping[str, int], preset: str | Rules = "inference", *, report: dict | None = None):
+def param_specs(model_or_state, mesh: Mesh | Mapping[str, int], preset: str | Rules = "inference", *, report: dict | None = None,
+                compute: bool = False):
     """A pytree like `nnx.state(model)` of PartitionSpecs (works on abstract models too).
 
     report: if a dict is given, it receives {path string: dropped rule axes} for arrays whose
     rule could not be fully applied.
+    compute: the layout where the forward uses each parameter (`compute_rules`; a table looked up
+    by row keeps its stored layout) instead of the stored one.
     """
-    rules, sizes = get_rules(preset), _mesh_sizes(mesh)
+    sizes = _mesh_sizes(mesh)
+    stored = get_rules(preset)
+    used = compute_rules(preset) if compute else stored
 
     def one(jax_path, leaf):
         path = path_tuple(jax_path)
@@ -330,7 +326,7 @@ def param_specs(model_or_state, mesh: Mesh | Mapping[str, int], preset: str | Ru
             # axis in front, N and K's words laid out as the weight's N and K
             axes = (None,) + axes
         axes = param_logical_axes(path, len(shape)) if len(axes) != len(shape) else axes
-        r = resolve(axes, shape, rules, sizes)
+        r = resolve(axes, shape, stored if _module_key(tuple(path)) in _LOOKED_UP else used, sizes)
         if report is not None and r.dropped:
             report[".".join(map(str, path))] = r.dropped
         return r.spec
@@ -338,9 +334,9 @@ def param_specs(model_or_state, mesh: Mesh | Mapping[str, int], preset: str | Ru
     return jax.tree_util.tree_map_with_path(one, _state_of(model_or_state))
 
 
-def param_shardings(model_or_abstract, mesh: Mesh, preset: str | Rules = "inference"):
-    """A pytree like `nnx.state(model)` of NamedShardings."""
-    specs = param_specs(model_or_abstract, mesh, preset)
+def param_shardings(model_or_abstract, mesh: Mesh, preset: str | Rules = "inference", *, compute: bool = False):
+    """A pytree like `nnx.state(model)` of NamedShardings (`param_specs`)."""
+    specs = param_specs(model_or_abstract, mesh, preset, compute=compute)
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 

@@ -22,6 +22,7 @@ block_step's only `if`s on structure test the layer's role (the architecture) or
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -372,14 +373,19 @@ def _pool_select(scores, positions, visible, k: int):
 
 
 def run_layers(model, state: LayerState, span: Span, plan: Plan, layers, probe: Probe = NO_PROBE,
-               probe_inputs=None, remat: bool = False) -> tuple[LayerState, dict]:
+               probe_inputs=None, remat: bool = False, layout=None) -> tuple[LayerState, dict]:
     """`block_step` over `layers` (the one loop): (the state after the last, records) with
     records = {kind: {layer: value}} and the probes' traces merged into records["trace"]. Each run of
     `layer_runs` longer than one layer is one `jax.lax.scan` of the same body (`scan_run`).
 
-    remat: each layer under `jax.checkpoint` (`remat_step`), for a driver that differentiates the loop."""
+    remat: each layer under `jax.checkpoint` (`remat_step`), for a driver that differentiates the loop.
+    layout: a function of a layer's module applied where the layer runs (training on a mesh: its
+    weights gathered whole over the FSDP axes, `train.mesh.layer_layout`); None (serving): none."""
     records: dict = {}
-    step = remat_step if remat else block_step
+    if remat:
+        step = functools.partial(remat_step, layout=layout)
+    else:
+        step = block_step if layout is None else (lambda block, *args: block_step(layout(block), *args))
     with fp8_linears(plan):
         for run in layer_runs(model, layers, plan, probe, probe_inputs):
             if len(run) == 1:
@@ -424,12 +430,16 @@ def layer_runs(model, layers, plan: Plan, probe: Probe = NO_PROBE, probe_inputs=
 
 
 def remat_step(block, state: LayerState, span: Span, plan: Plan, probe: Probe = NO_PROBE,
-               probe_inputs=None) -> tuple[LayerState, dict]:
+               probe_inputs=None, layout=None) -> tuple[LayerState, dict]:
     """`block_step` under `jax.checkpoint`, saving nothing inside the layer: the backward recomputes
     the layer from its input state. Without it a differentiated loop keeps every layer's
     intermediates to the backward at once, the weights as each GEMM read them among them
-    (fake-quantized, gathered over the FSDP axis). The store must be a pytree (training's is)."""
-    return jax.checkpoint(lambda s: block_step(block, s, span, plan, probe, probe_inputs))(state)
+    (fake-quantized, gathered over the FSDP axis). The store must be a pytree (training's is).
+    layout (`run_layers`) is applied inside the checkpoint: what it makes is recomputed too."""
+    def run(s):
+        return block_step(block if layout is None else layout(block), s, span, plan, probe, probe_inputs)
+
+    return jax.checkpoint(run)(state)
 
 
 def scan_run(model, state: LayerState, span: Span, plan: Plan, run, probe: Probe = NO_PROBE,

@@ -279,7 +279,7 @@ class TrainProbe(body_probe.Probe):
 
 
 def train_forward(model, batch: dict, opts: ForwardOptions = ForwardOptions(), *, replay_start=None, kl_pos=None,
-                  taps: bool = False):
+                  taps: bool = False, layout=None):
     """Logits [B, T, V] fp32 and aux for the losses: the layer body on a `FakeQuantStore`.
 
     batch: tokens [B,T] int32, positions [B,T] int32 (document-relative, restarting at 0 at
@@ -289,6 +289,8 @@ def train_forward(model, batch: dict, opts: ForwardOptions = ForwardOptions(), *
     kl_pos: [B, P] int32 sampled query positions for the indexer KL (needs opts.kl_positions).
     taps: also return DSpark's taps (aux["main_hidden"] [B, T, n * d], `probe.TapProbe`), what the drafter
       trains on (`dsv41_jax.train.dspark`).
+    layout: applied to each layer's module where it runs (`train.mesh.layer_layout`: on a mesh, its
+      weights gathered over the FSDP axes); None: as they are.
     aux: experts {l: [B,T,k]}, gate_scores {l: [B,T,E]}, indexer_kl {l: (sum, count)}.
     """
     cfg = model.cfg
@@ -307,7 +309,7 @@ def train_forward(model, batch: dict, opts: ForwardOptions = ForwardOptions(), *
         probe = body_probe.Probes(probe, body_probe.TapProbe(cfg.dspark_target_layer_ids))
     h, pre = body.embed(model, tokens)
     state, rec = body.run_layers(model, body.LayerState.first(h, pre, store), span, plan, range(cfg.n_layers), probe,
-                                 {"kl_pos": kl_pos}, remat=opts.remat)
+                                 {"kl_pos": kl_pos}, remat=opts.remat, layout=layout)
     logits = body.head(model, state.h, state.pre, plan.runtime.mode)[0]
     aux = {k: rec.get(k, {}) for k in ("experts", "gate_scores", "indexer_kl")}
     if taps:

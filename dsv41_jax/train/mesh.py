@@ -76,22 +76,21 @@ def param_spec(mesh: Mesh, key: str, shape) -> P:
     return rules.resolve(logical, tuple(shape), rules.get_rules("training"), _sizes(mesh)).spec
 
 
-def for_compute(mesh: Mesh | None, view: dict) -> dict:
-    """The forward's parameters (`weight_quant.qat_view`, keyed like the masters) laid out where the
-    forward uses them (`rules.param_compute_spec`): each weight whole over the FSDP axes, gathered
-    once per step in its compute dtype; the gradient flows back to the split master. A parameter the
-    rules do not name (LoRA adapters) keeps its layout. Without a mesh, or on one device: `view`."""
+def layer_layout(mesh: Mesh | None):
+    """What the training forward applies to each layer's module inside the layer's checkpoint
+    (`model.block.run_layers`' layout): its weights laid out where its products use them
+    (`rules.param_specs(compute=True)`: whole over the FSDP axes, split only as served), so each
+    layer gathers its weights when it runs, and again when the backward recomputes it, and every
+    device multiplies its own rows. None without a mesh or on one device (the forward unchanged)."""
     if mesh is None or mesh.devices.size == 1:
-        return view
-    out = {}
-    for k, v in view.items():
-        try:
-            spec = rules.param_compute_spec(key_path(k), tuple(v.shape), "training", _sizes(mesh))
-        except rules.ShardingRuleError:
-            out[k] = v
-            continue
-        out[k] = jax.lax.with_sharding_constraint(v, NamedSharding(mesh, spec))
-    return out
+        return None
+
+    def layout(block):
+        graphdef, state = nnx.split(block)
+        shardings = rules.param_shardings(state, mesh, "training", compute=True)
+        return nnx.merge(graphdef, jax.lax.with_sharding_constraint(state, shardings))
+
+    return layout
 
 
 def state_shardings(mesh: Mesh, state, param_shapes: dict):

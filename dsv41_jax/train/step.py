@@ -27,7 +27,7 @@ from dsv41_jax.train import losses
 from dsv41_jax.train.dspark import DSparkLoss, drafter_loss, is_drafter_key
 from dsv41_jax.train.forward import ForwardOptions, train_forward
 from dsv41_jax.train.lora import apply_lora, init_lora
-from dsv41_jax.train.mesh import for_compute
+from dsv41_jax.train.mesh import layer_layout
 from dsv41_jax.train.optim import OptimConfig, make_optimizer, schedule
 from dsv41_jax.train.params import key_path, merge_model
 from dsv41_jax.train.qat_modules import ONE_SHOT_COMPILE
@@ -115,15 +115,14 @@ def drafter_step_fn(graphdef, formats, cfg: ModelConfig, tcfg: TrainConfig, mesh
         keys = trained_keys(state["master"], tcfg)
         trainable = {k: state["master"][k] for k in keys}
         frozen = {k: v for k, v in state["master"].items() if k not in trainable}
-        frozen_view = for_compute(mesh, qat_view({**frozen, **state["bias"]}, formats, fake_quant_weights=tcfg.qat))
-        view = lambda tr: for_compute(mesh, qat_view(tr, formats, fake_quant_weights=tcfg.qat))  # noqa: E731
-        backbone = merge_model(graphdef, {**frozen_view, **view(trainable)})
-        target_logits, aux = train_forward(backbone, batch, ForwardOptions(), taps=True)
+        frozen_view = qat_view({**frozen, **state["bias"]}, formats, fake_quant_weights=tcfg.qat)
+        backbone = merge_model(graphdef, {**frozen_view, **qat_view(trainable, formats, fake_quant_weights=tcfg.qat)})
+        target_logits, aux = train_forward(backbone, batch, ForwardOptions(), taps=True, layout=layer_layout(mesh))
         taps, target_logits = jax.lax.stop_gradient((aux["main_hidden"], target_logits))
         tx = make_optimizer(tcfg.optim, trainable)
 
         def f(tr):
-            model = merge_model(graphdef, {**frozen_view, **view(tr)})
+            model = merge_model(graphdef, {**frozen_view, **qat_view(tr, formats, fake_quant_weights=tcfg.qat)})
             return drafter_loss(model, batch, taps, target_logits, rng, obj)
 
         (_, (metrics, loads)), grads = jax.value_and_grad(f, has_aux=True)(trainable)
@@ -152,14 +151,14 @@ def _sample(rng, tcfg: TrainConfig, B: int, T: int):
 def loss_and_aux(graphdef, formats, cfg: ModelConfig, tcfg: TrainConfig, master: dict, batch: dict, rng,
                  fwd_opts: ForwardOptions | None = None, mesh=None):
     """Total loss and (metrics, expert loads) for fp32 masters (differentiable in `master`); on
-    `mesh`, the weights are multiplied whole over its FSDP axes (`train.mesh.for_compute`)."""
-    view = for_compute(mesh, qat_view(master, formats, fake_quant_weights=tcfg.qat))
+    `mesh`, each layer's weights are multiplied whole over its FSDP axes (`train.mesh.layer_layout`)."""
+    view = qat_view(master, formats, fake_quant_weights=tcfg.qat)
     model = merge_model(graphdef, view)
     B, T = batch["tokens"].shape
     kl_pos, replay = _sample(rng, tcfg, B, T)
     opts = fwd_opts or ForwardOptions(kl_positions=tcfg.kl_positions if tcfg.indexer_kl_weight > 0 else 0,
                                       impl=tcfg.impl)
-    logits, aux = train_forward(model, batch, opts, replay_start=replay, kl_pos=kl_pos)
+    logits, aux = train_forward(model, batch, opts, replay_start=replay, kl_pos=kl_pos, layout=layer_layout(mesh))
     ce, n_tokens = losses.cross_entropy(logits, batch["targets"], batch["loss_mask"])
     valid = batch["valid"]
     bal = jnp.mean(jnp.stack([losses.sequence_balance(aux["gate_scores"][l], aux["experts"][l], valid)

@@ -32,8 +32,8 @@ from dsv41_jax.model.param_names import flat_params
 from sharding import engram_shard, plan as plan_mod
 from sharding.mesh import MeshSpecError, make_mesh, mesh_shape, parse_mesh_spec, resolve_mesh_shape
 from sharding.moe_ep import ExpertParallelMoE, expert_parallel_moe
-from sharding.rules import (ShardingRuleError, batch_sharding, cache_logical_axes, param_compute_spec, param_logical_axes,
-                            param_specs, shard_cache, shard_params)
+from sharding.rules import (ShardingRuleError, batch_sharding, cache_logical_axes, param_logical_axes, param_specs,
+                            shard_cache, shard_params)
 from sharding.step import make_sharded_step
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -110,8 +110,7 @@ def test_preset_specs():
     assert train[("layers", 0, "attn", "wo_a", "weight")] == P("tensor", "expert")
     # where the forward multiplies them, training's weights are whole over the FSDP axes (gathered), split
     # only as served; a looked-up table keeps its split; the serving presets' weights are used as stored
-    shapes = {p: tuple(v.shape) for p, v in flat_params(abstract).items()}
-    compute = {p: param_compute_spec(p, shape, "training", sizes) for p, shape in shapes.items()}
+    compute = {p: s for p, s in flat_params(param_specs(abstract, sizes, "training", compute=True)).items()}
     assert compute[("layers", 0, "attn", "wq_b", "weight")] == P("tensor")
     assert compute[("layers", 1, "attn", "indexer", "wq_b", "weight")] == P("tensor")
     assert compute[("layers", 0, "attn", "wq_a", "weight")] == P()
@@ -122,7 +121,7 @@ def test_preset_specs():
     assert all(not {"data", "expert"} & set(jax.tree.leaves(tuple(s))) for p, s in compute.items()
                if p[-1] not in ("embed", "embed_scale") and "experts" not in p)
     for preset, stored in (("inference", spec), ("inference-indexer-replicated", rep)):
-        assert {p: param_compute_spec(p, shape, preset, sizes) for p, shape in shapes.items()} == stored
+        assert {p: s for p, s in flat_params(param_specs(abstract, sizes, preset, compute=True)).items()} == stored
 
 
 # ------------------------------------------------------------------------------ expert-parallel MoE

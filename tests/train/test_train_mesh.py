@@ -4,11 +4,10 @@ the same run."""
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from dsv41_jax.model.stack import blocks
 from dsv41_jax.train import mesh as meshlib
@@ -18,6 +17,7 @@ from dsv41_jax.train.optim import OptimConfig
 from dsv41_jax.train.params import flatten_state, merge_model, serving_formats, serving_graph
 from dsv41_jax.train.qat_modules import build_training_model
 from dsv41_jax.train.step import TrainConfig
+from sharding import rules
 from sharding.moe_ep import ExpertParallelMoE
 
 from tests.support.train_fixtures import micro_config, packed_data
@@ -129,21 +129,27 @@ def test_step_graph_runs_the_moe_expert_parallel_on_an_expert_axis():
     assert set(flatten_state(model)) == set(shapes)
 
 
-def test_weights_are_whole_over_the_fsdp_axes_where_the_forward_multiplies_them():
-    """`for_compute` (the step's view of its weights on a mesh): a product's weight, stored split over
-    data x expert, is gathered whole over them (split over tensor as served); the token embedding (looked up)
-    and an adapter the rules do not name keep their layout; values unchanged; one device: untouched."""
+def test_a_layers_weights_are_whole_over_the_fsdp_axes_where_it_runs():
+    """`layer_layout` (what the training forward applies to each layer inside its checkpoint): a
+    product's weight, stored split over data x expert, is gathered whole over them (split over tensor
+    as served); the experts keep their expert split, the Engram table its rows' split; values
+    unchanged; on one device there is no layout."""
+    cfg = micro_config(T)
+    formats = serving_formats(cfg, serving_graph(cfg)[1])
+    graphdef, shapes = build_training_model(cfg, formats, abstract=True)
+    rng = np.random.default_rng(0)
+    master = {k: rng.standard_normal(a.shape).astype(a.dtype) for k, a in shapes.items()}
+    block = merge_model(graphdef, master).layers[1]  # attention with indexer, MoE, Engram
+    gd, state = nnx.split(block)
     mesh = meshlib.make_mesh("data=2,expert=2,tensor=2")
-    shapes = {"layers.0.attn.wq_b.weight": (64, 32), "embed": (16, 64), "layers.0.ffn.experts.w1": (4, 32, 64),
-              "layers.0.attn.wq_b.lora_a": (4, 32)}
-    view = {k: jnp.arange(np.prod(s), dtype=jnp.float32).reshape(s) for k, s in shapes.items()}
-    stored = {k: NamedSharding(mesh, meshlib.param_spec(mesh, k, s)) for k, s in shapes.items()}
-    assert stored["layers.0.attn.wq_b.weight"].spec == P("tensor", ("data", "expert"))
-    out = jax.jit(lambda v: meshlib.for_compute(mesh, v), in_shardings=(stored,))(jax.device_put(view, stored))
-    specs = {k: v.sharding.spec for k, v in out.items()}
-    assert specs["layers.0.attn.wq_b.weight"] == P("tensor") and specs["layers.0.ffn.experts.w1"] == P("expert")
-    assert specs["embed"] == stored["embed"].spec == P("tensor", ("data", "expert"))
-    assert out["layers.0.attn.wq_b.lora_a"].sharding.is_equivalent_to(stored["layers.0.attn.wq_b.lora_a"], 2)
-    for k in shapes:
-        np.testing.assert_array_equal(np.asarray(out[k]), np.asarray(view[k]))
-    assert meshlib.for_compute(meshlib.make_mesh("data=1"), view) is view and meshlib.for_compute(None, view) is view
+    stored = rules.param_shardings(state, mesh, "training")
+    out = jax.jit(lambda st: nnx.split(meshlib.layer_layout(mesh)(nnx.merge(gd, st)))[1],
+                  in_shardings=(stored,))(jax.device_put(state, stored))
+    specs = {".".join(map(str, p)): v.get_value().sharding.spec for p, v in nnx.to_flat_state(out)}
+    was = {".".join(map(str, p)): v.get_value().sharding.spec for p, v in nnx.to_flat_state(jax.device_put(state, stored))}
+    assert was["attn.wq_b.weight"] == P("tensor", ("data", "expert")) and specs["attn.wq_b.weight"] == P("tensor")
+    assert was["attn.wq_a.weight"] == P(("data", "expert")) and specs["attn.wq_a.weight"] == P()
+    assert specs["ffn.experts.w1"] == P("expert") and specs["engram.embed"] == was["engram.embed"]
+    for (_, a), (_, b) in zip(nnx.to_flat_state(out), nnx.to_flat_state(state)):
+        np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()))
+    assert meshlib.layer_layout(meshlib.make_mesh("data=1")) is None and meshlib.layer_layout(None) is None
