@@ -27,7 +27,7 @@ from dsv41_jax.train import losses
 from dsv41_jax.train.dspark import DSparkLoss, drafter_loss, is_drafter_key
 from dsv41_jax.train.forward import ForwardOptions, train_forward
 from dsv41_jax.train.lora import apply_lora, init_lora
-from dsv41_jax.train.mesh import layer_layout
+from dsv41_jax.train.mesh import layer_layout, stored_layout
 from dsv41_jax.train.optim import OptimConfig, make_optimizer, schedule
 from dsv41_jax.train.params import key_path, merge_model
 from dsv41_jax.train.qat_modules import ONE_SHOT_COMPILE
@@ -115,14 +115,15 @@ def drafter_step_fn(graphdef, formats, cfg: ModelConfig, tcfg: TrainConfig, mesh
         keys = trained_keys(state["master"], tcfg)
         trainable = {k: state["master"][k] for k in keys}
         frozen = {k: v for k, v in state["master"].items() if k not in trainable}
-        frozen_view = qat_view({**frozen, **state["bias"]}, formats, fake_quant_weights=tcfg.qat)
-        backbone = merge_model(graphdef, {**frozen_view, **qat_view(trainable, formats, fake_quant_weights=tcfg.qat)})
+        frozen_view = stored_layout(mesh, qat_view({**frozen, **state["bias"]}, formats, fake_quant_weights=tcfg.qat))
+        view = lambda tr: stored_layout(mesh, qat_view(tr, formats, fake_quant_weights=tcfg.qat))  # noqa: E731
+        backbone = merge_model(graphdef, {**frozen_view, **view(trainable)})
         target_logits, aux = train_forward(backbone, batch, ForwardOptions(), taps=True, layout=layer_layout(mesh))
         taps, target_logits = jax.lax.stop_gradient((aux["main_hidden"], target_logits))
         tx = make_optimizer(tcfg.optim, trainable)
 
         def f(tr):
-            model = merge_model(graphdef, {**frozen_view, **qat_view(tr, formats, fake_quant_weights=tcfg.qat)})
+            model = merge_model(graphdef, {**frozen_view, **view(tr)})
             return drafter_loss(model, batch, taps, target_logits, rng, obj)
 
         (_, (metrics, loads)), grads = jax.value_and_grad(f, has_aux=True)(trainable)
@@ -152,7 +153,7 @@ def loss_and_aux(graphdef, formats, cfg: ModelConfig, tcfg: TrainConfig, master:
                  fwd_opts: ForwardOptions | None = None, mesh=None):
     """Total loss and (metrics, expert loads) for fp32 masters (differentiable in `master`); on
     `mesh`, each layer's weights are multiplied whole over its FSDP axes (`train.mesh.layer_layout`)."""
-    view = qat_view(master, formats, fake_quant_weights=tcfg.qat)
+    view = stored_layout(mesh, qat_view(master, formats, fake_quant_weights=tcfg.qat))
     model = merge_model(graphdef, view)
     B, T = batch["tokens"].shape
     kl_pos, replay = _sample(rng, tcfg, B, T)

@@ -153,3 +153,8 @@ def test_a_layers_weights_are_whole_over_the_fsdp_axes_where_it_runs():
     for (_, a), (_, b) in zip(nnx.to_flat_state(out), nnx.to_flat_state(state)):
         np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()))
     assert meshlib.layer_layout(meshlib.make_mesh("data=1")) is None and meshlib.layer_layout(None) is None
+    # where the views are made (outside the checkpoints) they stay as stored: each layer gathers its own
+    keys = ("layers.1.attn.wq_b.weight", "layers.1.ffn.experts.w1")
+    pinned = jax.jit(lambda v: meshlib.stored_layout(mesh, v))({k: master[k] for k in keys})
+    assert [pinned[k].sharding.spec for k in keys] == [P("tensor", ("data", "expert")), P("expert", None, "data")]
+    assert meshlib.stored_layout(meshlib.make_mesh("data=1"), master) is master
