@@ -61,7 +61,7 @@ _FILE_SECONDS = {
     "tests/model/test_layer_body.py": 14, "pallas_kernels/test_bench.py": 13,
     # files the list above missed (they ran last, in collection order: the 78-s one at the tail), from the
     # clean-clone run of 2026-12-04 (909.2 s, --durations=0)
-    "tests/golden/test_golden_wide.py": 78, "tests/model/test_layer_scan.py": 65, "tests/layers/test_moe_exact_paths.py": 50,
+    "tests/golden/test_golden_wide.py": 78, "tests/model/test_layer_scan.py": 65, "tests/layers/test_moe_exact_paths.py": 12,
     "pallas_kernels/common/test_partition.py": 29,
     # its cross-process cell (slow for now) is two processes beside the oracle in the worker's own process
     # (three at once on 2 cores): 85 s in the clean-clone run of 2026-12-04; listed high so that, run by

@@ -23,9 +23,13 @@ def _moe(expert_dtype, dtype="fp8"):
 
 # FP4 experts are slow here (34 s of the default suite: the exact FP4 GEMM per row and per chunk in
 # float64); the default suite's FP4 per-expert path is held bit for bit to the oracle end to end by
-# tests/golden/test_golden_wide.py (wide_r1_short: "MoE per-expert, 6 of 8 experts", FP4)
-@pytest.mark.parametrize("expert_dtype,dtype", [pytest.param("fp4", "fp8", marks=pytest.mark.slow), (None, "fp8"),
-                                                (None, "bf16")])
+# tests/golden/test_golden_wide.py (wide_r1_short: "MoE per-expert, 6 of 8 experts", FP4). FP8 experts
+# too (21.6 s in the clean-clone CI run of 2026-12-05): `per_expert` reaches the kind only through
+# `_lin`, so the default suite keeps its sorting, chunking and dropping with dense experts (bf16, below)
+# and the FP8 GEMM's part, that a row's exact FP8 output does not depend on the rows computed with it,
+# in test_exact_gemm_in_chunks_equals_whole[fp8]
+@pytest.mark.parametrize("expert_dtype,dtype", [pytest.param("fp4", "fp8", marks=pytest.mark.slow),
+                                                pytest.param(None, "fp8", marks=pytest.mark.slow), (None, "bf16")])
 def test_per_expert_equals_per_row(expert_dtype, dtype):
     m = _moe(expert_dtype, dtype)
     assert m.experts.kind == {"fp4": "fp4", None: "fp8" if dtype == "fp8" else "dense"}[expert_dtype]
