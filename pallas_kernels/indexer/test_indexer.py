@@ -1,4 +1,6 @@
 """Indexer kernels (interpret mode) against the jnp reference and a float64 oracle (ml_dtypes decode)."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -173,20 +175,32 @@ def test_exact_mode_needs_the_interpreted_tpu_kernel():
 
 def _model_reference_kernel(ind, cfg, x, qr, keys, positions, visible):
     """Exact-mode scores three ways: the model's `Indexer.scores` (impl="xla"), the kernel reference
-    on the kernel's inputs (built as `Indexer.scores_pallas` builds them) and the interpreted kernel."""
-    from dsv41_jax.layers.rope import apply_rope, cos_sin, layer_rope
-    from dsv41_jax.runtime import Runtime
+    on the kernel's inputs (built as `Indexer.scores_pallas` builds them) and the interpreted kernel.
+    One program, compiled as the model's steps are (`COMPILER_OPTIONS`: every bf16 rounding kept):
+    run eagerly, the exact emulations' operations were each dispatched and compiled alone (the
+    32-head case took 27.0 s in the clean-clone CI run of 2026-12-05, 7.3 s alone so)."""
+    from flax import nnx
 
-    B, T, heads = x.shape[0], x.shape[1], ind.n_heads
-    cos, sin = cos_sin(positions, layer_rope(cfg, 1))
-    model = ind.scores(x, qr, kv_layout.dequantize_index_keys(keys).astype(jnp.bfloat16), cos, sin, visible, "exact")
-    kernel = ind.scores_pallas(x, qr, keys, cos, sin, visible, Runtime(mode="exact", impl="pallas", interpret=True))
-    q = ind.wq_b(qr, "exact").reshape(B, T, heads, cfg.index_head_dim)
-    qp, qs = quant.quant_fp4_mx(apply_rope(q, cos, sin, cfg.rope_head_dim), 32)
-    w = ind.weights_proj(x, "exact")
-    w = (w.astype(jnp.float32) * jnp.float32(cfg.index_head_dim ** -0.5 * heads ** -0.5)).astype(jnp.bfloat16)
-    ref = indexer_scores_reference(qp, qs, keys, w.astype(jnp.float32), visible, bf16_rounding=True, exact=True)
-    return np.asarray(model), np.asarray(ref), np.asarray(kernel)
+    from dsv41_jax.layers.rope import apply_rope, cos_sin, layer_rope
+    from dsv41_jax.runtime import COMPILER_OPTIONS, Runtime
+
+    graphdef, state = nnx.split(ind)
+
+    @functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
+    def three(state, x, qr, keys, positions, visible):
+        ind = nnx.merge(graphdef, state)
+        B, T, heads = x.shape[0], x.shape[1], ind.n_heads
+        cos, sin = cos_sin(positions, layer_rope(cfg, 1))
+        model = ind.scores(x, qr, kv_layout.dequantize_index_keys(keys).astype(jnp.bfloat16), cos, sin, visible, "exact")
+        kernel = ind.scores_pallas(x, qr, keys, cos, sin, visible, Runtime(mode="exact", impl="pallas", interpret=True))
+        q = ind.wq_b(qr, "exact").reshape(B, T, heads, cfg.index_head_dim)
+        qp, qs = quant.quant_fp4_mx(apply_rope(q, cos, sin, cfg.rope_head_dim), 32)
+        w = ind.weights_proj(x, "exact")
+        w = (w.astype(jnp.float32) * jnp.float32(cfg.index_head_dim ** -0.5 * heads ** -0.5)).astype(jnp.bfloat16)
+        ref = indexer_scores_reference(qp, qs, keys, w.astype(jnp.float32), visible, bf16_rounding=True, exact=True)
+        return model, ref, kernel
+
+    return tuple(np.asarray(a) for a in three(state, x, qr, keys, positions, visible))
 
 
 # 32 heads (the release's) in the default suite: the same three-way check, and its head sum folds two
