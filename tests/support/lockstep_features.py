@@ -2,16 +2,18 @@
 the grammar matcher, the vision tower) and speculation, on any engine: the scenario of
 `tests/serving/test_engine_multihost.py`.
 
-`answers(engine)` runs it on an `Engine` (the one-device oracle, in the test's own process) or on a
-`LeaderEngine` (process 0 of two); `python -m tests.support.lockstep_features COORDINATOR PID TMP`
-is one process of the pair (process 1 follows process 0's calls). Exact numerics (float64 dots
-rounded once), so a mesh's split sums round as one device's and the answers are equal bit for bit.
+`answers(engine)` runs it on an `Engine` (the oracle: one process holding both devices of the same
+mesh, in the test's own process) or on a `LeaderEngine` (process 0 of two);
+`python -m tests.support.lockstep_features COORDINATOR PID TMP` is one process of the pair (process
+1 follows process 0's calls). Both run the same partitioned programs on a mesh `expert=2`, so fast
+numerics give the same bits in one process as across two (a mesh against one device, in exact
+numerics, is tests/http/test_serve_matrix.py's, slow, and tests/http/test_serve_mesh.py's).
 
-Kept small, since the default suite runs it: a one-layer model with 2 Sinkhorn iterations, one slot,
-every request speculating (a constrained one cannot: it decodes token by token), prompts of 8 or 24
-tokens with `prefill_chunk` 24, so each prompt is one prefill piece: each process compiles one
-program per step kind (the echo's scoring pass, the tower, one prefill, the draft, verify, targets,
-commit, decode, the sampler).
+Kept small, since the default suite runs it: a one-layer model, fast numerics (the exact programs
+took 1.6 times the compile), every request speculating (a constrained one cannot: it decodes
+token by token), prompts of 6 or 24 tokens with `prefill_chunk` 24, so each prompt is one prefill
+piece: each process compiles one program per step kind (the echo's scoring pass, the tower, one
+prefill, the draft, verify, targets, commit, the sampler).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import sys
 
 TOKENIZER = "tokenizer.json"
 STOP = 203  # the speculated reply's fourth token (`answers`)
+MESH = "expert=2"  # the pair's one device each, or two of the oracle's process
 
 
 def config():
@@ -43,8 +46,9 @@ def write_tokenizer(folder) -> None:
     ByteTokenizer().save_json(os.path.join(folder, TOKENIZER), image_token=True)
 
 
-def engine(folder, mesh: str | None = None):
-    """(engine, tokenizer, grammars): exact numerics, two slots, K=2 drafts; on `mesh` if given."""
+def engine(folder, devices=None):
+    """(engine, tokenizer, grammars): fast numerics, two slots, K=2 drafts, on a mesh `expert=2`
+    over `devices` (default: every device of every process)."""
     from dsv41_jax.runtime import Runtime
     from dsv41_jax.serving.constraints import Grammars
     from dsv41_jax.serving.engine import Engine
@@ -56,9 +60,9 @@ def engine(folder, mesh: str | None = None):
 
     tok = load_tokenizer(os.path.join(folder, TOKENIZER))
     cfg = config()
-    strategies = engine_strategies(make_mesh(mesh), "inference") if mesh else {}
     eng = Engine(random_model(cfg, seed=7), slots=2, min_capacity=128, prefill_chunk=24, exact_prefill=True,
-                 speculative=2, runtime=Runtime(mode="exact"), banned_ids=tuple(banned_ids(cfg, tok)), **strategies)
+                 speculative=2, runtime=Runtime(mode="fast"), banned_ids=tuple(banned_ids(cfg, tok)),
+                 **engine_strategies(make_mesh(MESH, devices), "inference"))
     return eng, tok, Grammars(tok, cfg.vocab_size)
 
 
@@ -71,13 +75,13 @@ def answers(eng, tok, grammars) -> dict:
     from dsv41_jax.serving.http.images import ImageOptions, ImagePrompter
     from dsv41_jax.serving.sampling import SamplingParams
 
-    out, rows = {"echo": eng.prompt_logprobs([0, 70, 80, 90, 100, 110, 120, 121])}, {}
+    out, rows = {"echo": eng.prompt_logprobs([0, 70, 80, 90, 100, 110])}, {}  # one piece (`steps.pieces`)
     buf = io.BytesIO()
     Image.new("RGB", (12, 9), (220, 20, 20)).save(buf, "PNG")
     look = [{"role": "user", "content": [{"type": "text", "text": "look at it"}, {"type": "image_url", "image_url": {
         "url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()}}]}]
     made = ImagePrompter(eng, ImageOptions()).build(tok, look, thinking=False)
-    # one prefill piece of 24 (exact numerics compiles a piece program per length, `steps.piece_set`)
+    # one prefill piece of 24, the engine's largest (`steps.piece_set`)
     assert len(made.tokens) == 24, len(made.tokens)
     regex = grammars.constraint(grammars.regex("[a-c]{2}x"))
     # admitted together, the constrained reply (token by token: three verify steps' first positions,
@@ -125,13 +129,10 @@ def main(coordinator: str, pid: int, folder: str) -> None:
     from dsv41_jax.cli.distributed import join
 
     join(argparse.Namespace(coordinator=coordinator, num_processes=2, process_id=pid), "lockstep-features")
-    import jax
-
-    jax.config.update("jax_enable_x64", True)
     _share_programs(os.path.join(folder, "cache"))
     from dsv41_jax.serving.lockstep import Channel, LeaderEngine, follow
 
-    eng, tok, grammars = engine(folder, mesh="expert=2")
+    eng, tok, grammars = engine(folder)
     channel = Channel()
     if pid == 1:
         follow(eng, channel, grammars=lambda: grammars)
