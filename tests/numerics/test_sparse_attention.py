@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from dsv41_jax.numerics.sparse_attention import sparse_attention
+from dsv41_jax.runtime import COMPILER_OPTIONS
 from tests.support.kernel_vectors import bits, kernel_vectors
 from tests.support.mkl_exp_reference import mkl_expf_reference
 
@@ -124,18 +125,21 @@ def test_random_shapes_against_numpy(shape):
     b, s, h, d, n, k = shape
     q, kv, sink, idx = _random_case(sum(shape), b, s, h, d, n, k)
     scale = d**-0.5
-    args = (jnp.asarray(q), jnp.asarray(kv), jnp.asarray(sink), jnp.asarray(idx), scale)
+    args = (jnp.asarray(q), jnp.asarray(kv), jnp.asarray(sink), jnp.asarray(idx))
+    # compiled as the model's steps are (every rounding kept): eagerly, the exact emulation's
+    # operations outside the block loop were each compiled alone (test_exact_mode_bit_exact runs it so)
+    attend = lambda *a, **kw: jax.jit(lambda *x: sparse_attention(*x, scale, **kw),  # noqa: E731
+                                      compiler_options=COMPILER_OPTIONS)(*a)
     with jax.enable_x64(True):
-        exact = sparse_attention(*args, mode="exact", block=64)
-        exact32 = sparse_attention(*(jnp.asarray(a, jnp.float32) for a in args[:2]), *args[2:],
-                                   mode="exact").astype(jnp.float32)
+        exact = attend(*args, mode="exact", block=64)
+        exact32 = attend(*(jnp.asarray(a, jnp.float32) for a in args[:2]), *args[2:], mode="exact").astype(jnp.float32)
     # bit-exact against the independent float32 emulation (q in f32 so no output rounding)
     ref32 = _reference_online_f32(q, kv, sink, idx, scale)
     np.testing.assert_array_equal(bits(exact32), bits(ref32))
     np.testing.assert_array_equal(bits(exact), bits(ref32.astype(BF16)))
     # both modes close to the float64 softmax (P is rounded to bf16, the output too)
     ref64 = _reference_f64(q, kv, sink, idx, scale)
-    fast = np.asarray(sparse_attention(*args), np.float32)
+    fast = np.asarray(attend(*args), np.float32)
     for out in (np.asarray(exact, np.float32), fast):
         np.testing.assert_allclose(out, ref64, rtol=2.0**-6, atol=2.0**-7)
 
