@@ -177,9 +177,11 @@ EXTENSIONS = {
 # 10000) in 2 of its 32 layers, on the small backbone; one prompt with two images of different grids
 # (12 x 18 patches, and 10 x 17, which the aligner pads to 12 x 18 cells of 3 x 3)
 # "dspark_wide": the released drafter's shapes (3 stages, block 5, Markov rank 256, 3 active experts)
-# except 64 routed experts per stage, not 128: the generator holds about four copies of the stages'
-# weights (the reference model, the drawn tensors, the file, its read-back) and 128 x 3 released experts
-# are 6.8 GB a copy on a 24 GB machine. The backbone is 3 released-width layers (SWA, Full r1 as KV and
+# except 32 routed experts per stage, not 128. dspark.py holds three copies of the whole weight file at
+# once (the drawn stage tensors with the backbone's, the file read back, the reference model's clones of
+# it) plus the run's temporaries, on a 23 GB machine without swap: the file is 4.0 GB at 32 (the stages'
+# experts 1.8 GB of it), 5.8 GB at 64, 9.4 GB at 128. The drafter runs its experts on 5 block rows a
+# step, so 3 of 32 already leaves most experts idle, as 3 of 128 would. The backbone is 3 released-width layers (SWA, Full r1 as KV and
 # index source, SWA), all three tapped; its 526-token prompt puts 526 positions in the ratio-1 cache, so
 # the top-k of 512 selects and the window ring wraps before the drafter reads the taps, then 6 decode
 # steps each draft a block. dspark.py draws only 128 tokens itself: the prompt comes from a token-source
@@ -193,7 +195,7 @@ FULL_WIDTH_EXTENSIONS = {
                                  "--cases", "vl_prefill_L120_i3x12x18_i60x10x17"]),
     "dspark_wide": ("dspark", "DSPARK_ARGS",
                     dict(n_mtp_layers=3, dspark_block_size=5, dspark_noise_token_id=500, dspark_target_layer_ids=[0, 1, 2],
-                         dspark_markov_rank=256, dspark_n_routed_experts=64, dspark_n_activated_experts=3,
+                         dspark_markov_rank=256, dspark_n_routed_experts=32, dspark_n_activated_experts=3,
                          temperature=0.0),
                     dict(RELEASED_LAYER, n_layers=3, compress_ratios=[0, 1, 0], kv_source_layers=[1],
                          index_source_layers=[1], max_seq_len=544),
@@ -207,8 +209,16 @@ ALL = sorted(CONFIGS) + sorted(EXTENSIONS)
 
 # runs one generator of the oracle folder with its arguments dict updated (argv: module, attribute,
 # JSON of the replacements, then the generator's own command line)
-_RUN_GENERATOR = """import importlib, json, sys
+_RUN_GENERATOR = """import gc, importlib, json, sys
 sys.path.insert(0, '.')
+import harness
+_build = harness.build_model
+
+def _build_after_collect(*args, **kwargs):
+    gc.collect()  # the previous run's model is held by reference cycles (the generators' hooks): free it first
+    return _build(*args, **kwargs)
+
+harness.build_model = _build_after_collect
 mod = importlib.import_module(sys.argv[1])
 getattr(mod, sys.argv[2]).update(json.loads(sys.argv[3]))
 sys.argv = [sys.argv[1] + '.py'] + sys.argv[4:]

@@ -25,8 +25,8 @@ def test_dspark_wide_is_the_released_drafter_on_a_released_width_backbone():
     released = ModelConfig()
     assert cfg.has_dspark and cfg.n_mtp_layers == 3
     assert (cfg.dspark_block_size, cfg.dspark_markov_rank) == (released.dspark_block_size, released.dspark_markov_rank)
-    # 64 routed experts per stage instead of 128 (memory, see sweep.py); 3 active as released
-    assert cfg.dspark_moe == (64, released.dspark_n_activated_experts)
+    # 32 routed experts per stage instead of 128 (memory, see sweep.py); 3 active as released
+    assert cfg.dspark_moe == (32, released.dspark_n_activated_experts)
     for k, v in sweep.RELEASED_LAYER.items():
         if k != "n_routed_experts":
             assert getattr(cfg, k) == v, k
@@ -75,7 +75,7 @@ def test_write_extension_hands_dspark_the_token_source(tmp_path, monkeypatch):
     cmd = seen["cmd"]
     assert seen["source_name"] == "dspark_wide_tokens" and seen["tokens"].shape == (532,)
     assert cmd[cmd.index("--token-case") + 1] == sweep.TOKEN_CASE and "--mtp-seed" in cmd
-    assert json.loads(cmd[cmd.index("DSPARK_ARGS") + 1])["dspark_n_routed_experts"] == 64
+    assert json.loads(cmd[cmd.index("DSPARK_ARGS") + 1])["dspark_n_routed_experts"] == 32
     assert seen["backbone"]["dim"] == 5120 and seen["env"]["MKL_ENABLE_INSTRUCTIONS"] == "SSE4_2"
     assert json.loads((tmp_path / "out" / "dspark_wide" / "config.json").read_text())["name"] == "dspark_wide"
 
@@ -86,3 +86,20 @@ def test_the_generators_run_the_chunked_gemm_too():
     code = oracle_host.generator_code("main()")
     assert "kernels._blocked_gemm = _blocked_gemm" in code and code.endswith("main()")
     assert "kernels._blocked_gemm = _blocked_gemm" in oracle_host.harness_command("python", "run")[2]
+
+
+def test_the_generator_frees_the_previous_model_before_building_the_next(tmp_path):
+    """dspark.py builds a model per run (published, corrected, rerun) and its hooks put each in reference cycles:
+    at the released width a model left for the garbage collector is another copy of the weights (4 GB)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "harness.py").write_text("def build_model():\n    m = type('M', (), {})()\n    m.me = m\n    return m\n")
+    (tmp_path / "gen.py").write_text(
+        "import gc, weakref\nimport harness as H\nARGS = {}\n\ndef main():\n    gc.disable()\n"
+        "    first = weakref.ref(H.build_model())\n    H.build_model()\n"
+        "    print('freed' if first() is None else 'held')\n")
+    code = sweep._RUN_GENERATOR
+    out = subprocess.run([sys.executable, "-c", code, "gen", "ARGS", "{}"], cwd=tmp_path, capture_output=True,
+                         text=True, check=True).stdout
+    assert out.strip() == "freed"
