@@ -10,6 +10,17 @@ import jax
 # f32 and so move the rounding points that decide FP4 roundings and the indexer's top-k, which are
 # model semantics (docs/ARCHITECTURE.md "Where each number format applies").
 COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
+# Exact mode (float64: CPU or GPU) also takes XLA CPU's memory-minimizing schedule. The default one, which
+# favours concurrency, runs every parameter-only operation at the program's start, so the float64 copies of
+# every layer's weights that exact mode's GEMMs read are made before layer 0 runs and held until used: a
+# 1040-token prefill of five released-width layers needs 12.2 GB of temporaries, 3.6 GB with this (docs/NUMERICS.md
+# "At the released width"). A schedule orders the same operations, so no rounding moves.
+EXACT_COMPILER_OPTIONS = {**COMPILER_OPTIONS, "xla_cpu_enable_concurrency_optimized_scheduler": False}
+
+
+def compiler_options(mode: str) -> dict:
+    """The jit compiler options of a model step in numerics `mode` ("fast" or "exact")."""
+    return EXACT_COMPILER_OPTIONS if mode == "exact" else COMPILER_OPTIONS
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from dsv41_jax.layers.basic import KeyStream, RMSNorm
 from dsv41_jax.layers.engram import Engram
 from dsv41_jax.layers.mhc_site import HyperSite
 from dsv41_jax.layers.moe import MoE
-from dsv41_jax.runtime import COMPILER_OPTIONS, Runtime
+from dsv41_jax.runtime import Runtime, compiler_options
 from dsv41_jax.vision.tower import Aligner, ViT
 from dsv41_jax.model import block as body
 from dsv41_jax.model import stack
@@ -164,7 +164,7 @@ def make_step(graphdef, runtime: Runtime = Runtime(), collect: bool = False):
 
     # bf16 rounding points are model semantics (they move FP8/FP4 roundings and top-k): forbid
     # XLA from keeping excess precision across them.
-    @functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
+    @functools.partial(jax.jit, compiler_options=compiler_options(runtime.mode))
     def step(params, tokens, cache, engram_ids=None, forced=None, replay=None, spans=None):
         model = nnx.merge(graphdef, params)
         return forward(model, tokens, cache, runtime=runtime, engram_ids=engram_ids, forced=forced,
