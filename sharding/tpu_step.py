@@ -28,6 +28,7 @@ from sharding.layer_compile import abstract_step_args, COLLECTIVES
 from sharding.mesh import make_mesh
 from sharding.plan import mesh_sizes, plan_context
 from sharding.step import make_sharded_step
+from sharding.tpu_memory import memory_figures
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
                 "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
@@ -157,20 +158,13 @@ def compile_report(step, args, topology: str, topo, mesh, report: dict) -> dict:
         return {**report, "ok": False, "seconds": time.perf_counter() - t0,
                 "error": f"{type(e).__name__}: {str(e)[:3000]}"}
     seconds = time.perf_counter() - t0
-    mem = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
     hlo = compiled.as_text()
-    per_device = {k: int(getattr(mem, f"{k}_size_in_bytes", 0) or 0)
-                  for k in ("argument", "output", "alias", "temp", "generated_code")}
-    # donated/aliased outputs share the argument's buffer
-    per_device["peak"] = per_device["argument"] + per_device["output"] - per_device["alias"] + per_device["temp"] \
-        + per_device["generated_code"]
-    # beside it, the compiler's own peak (its heap simulation of the buffer assignment; "fits" keeps the sum above)
-    per_device["compiler_peak"] = int(getattr(mem, "peak_memory_in_bytes", 0) or 0)
+    per_device = memory_figures(compiled)
     markers = sum(hlo.count(f'custom_call_target="{name}"') for name in MINUS_ONE_SECOND)
     kernels = tpu_compile.mosaic_kernels(hlo)
     return {**report, "ok": True, "seconds": seconds, "per_device_bytes": per_device,
-            "fits": report["hbm_bytes"] is None or per_device["peak"] <= report["hbm_bytes"],
+            "fits": report["hbm_bytes"] is None or per_device["fit"] <= report["hbm_bytes"],
             "collectives": collectives(hlo, [d.process_index for d in mesh.devices.flat]),
             "mosaic_kernels": sorted(set(kernels)), "mosaic_calls": len(kernels),
             "flops": float(cost.get("flops", 0.0)), "bytes_accessed": float(cost.get("bytes accessed", 0.0)),

@@ -6,8 +6,9 @@ decode (`sharding.tpu_step`), prefill (Graph A, Graph B and the bounded replay f
 prompt) or verify (DSpark's verify step; both `serving.tpu_programs`), or train (the QAT training
 step, `train.tpu_compile`).
 
-Exit status: 0 the program compiled and fits the chip's HBM, 1 it does not fit or does not
-compile (the report says which program and why), 2 bad input.
+Exit status: 0 the program compiled and fits the chip's HBM (the compiler's own peak of live
+arguments and temporaries, plus the generated code: `sharding.tpu_memory`), 1 it does not fit or
+does not compile (the report says which program and why), 2 bad input.
 """
 from __future__ import annotations
 
@@ -117,7 +118,10 @@ def _format(r: dict) -> str:
              "per device (TPU compiler's buffer assignment, not measured on a TPU):",
              f"  arguments {g(d['argument'])}{beside[0]}, temp {g(d['temp'])}{beside[1]}, output {g(d['output'])} "
              f"(aliased {g(d['alias'])}), code {d['generated_code'] / 2 ** 20:.1f} MiB",
-             f"  peak {g(d['peak'])} of {g(hbm) if hbm else '?'} HBM -> {'fits' if r['fits'] else 'does NOT fit'}"]
+             f"  compiler's peak {g(d['compiler_peak'])} (arguments and temporaries live at once) + code = "
+             f"{g(d['fit'])} of {g(hbm) if hbm else '?'} HBM -> {'fits' if r['fits'] else 'does NOT fit'}",
+             f"  (summed: arguments + outputs - aliased + temp + code = {g(d['summed'])}; XLA:TPU's temp counts "
+             "more than the temporaries it allocates, so the sum is not what it enforces: sharding/tpu_memory.py)"]
     if r.get("plan_full_stack"):
         kept = ", ".join(f"{k} {v}" for k, v in r["layers_kept_per_kind"].items())
         lines.append(f"  fewer layers compiled ({kept}); the full stack's plan: arguments "

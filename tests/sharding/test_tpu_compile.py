@@ -74,19 +74,21 @@ def test_tiny_qat_training_step_compiles_for_v5p():
 
 
 
-@pytest.mark.slow  # one XLA:TPU compile of the released width's QAT step (8 layers), ~2 min on 2 cores
+@pytest.mark.slow  # one XLA:TPU compile of the released width's QAT step (8 layers), ~8 min on 2 cores
 def test_released_qat_training_step_compiles_and_fits_v5p():
     """The released width (one layer per kind, 384 experts over expert=16, 64 x 32 tokens) compiles for
-    v5p:4x4x4 and fits a chip: each layer rematerialised in the backward (`body.remat_step`), FSDP over
-    data and expert (docs/PERFORMANCE.md, "The QAT training step"). The state is donated: its outputs
-    alias its arguments."""
+    v5p:4x4x4 and fits a chip by the compiler's own peak plus code (`sharding.tpu_memory`): each layer
+    rematerialised in the backward (`body.remat_step`), FSDP over data and expert (docs/PERFORMANCE.md,
+    "The QAT training step"). The state is donated: its outputs alias its arguments."""
     proc = _dsv41("compile", "--topology", "v5p:4x4x4", "--mesh", "data=4,expert=16", "--what", "train",
                   "--batch", "64", "--context", "32", "--layers-per-kind", "1", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     r = json.loads(proc.stdout)
     assert r["ok"] and r["fits"] and r["chips"] == 64 and r["layers"] == 8 and r["tokens"] == 2048, r
     d = r["per_device_bytes"]
-    assert d["alias"] > 0.9 * d["output"] and d["peak"] <= r["hbm_bytes"], d
+    assert d["alias"] > 0.9 * d["output"], d
+    assert d["fit"] == d["compiler_peak"] + d["generated_code"] <= r["hbm_bytes"], d
+    assert d["compiler_peak"] >= d["argument"], d  # the state is live through the step
     assert r["flops"] > 0 and {"all-gather", "reduce-scatter"} & set(r["collectives"]), r["collectives"]
 
 
