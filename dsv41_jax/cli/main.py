@@ -66,10 +66,6 @@ def _cmd_golden_check(args) -> int:
               "config folders with cases.json and config.json, and/or quant_vectors.safetensors", file=sys.stderr)
         return 2
     if args.numerics == "fast":
-        if args.variant:
-            print("dsv41 golden-check: --variant splits the exact check; --numerics fast runs every variant (drop "
-                  "--variant)", file=sys.stderr)
-            return 2
         return _fast_report(root, args)
     # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
     from dsv41_jax.golden.check import format_table, run_all
@@ -95,7 +91,7 @@ def _fast_report(root, args) -> int:
     # deferred: the CLI loads nothing of the model before a command runs (fast --help and input errors)
     from dsv41_jax.golden.fast_report import fast_report, format_report
 
-    records = fast_report(root, only=args.only)
+    records = fast_report(root, only=args.only, variant=args.variant)
     print(json.dumps({"runs": records}, indent=1) if args.json else format_report(records))
     return 0 if records and all(r["passed"] for r in records) else 1
 
@@ -123,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run one part of the check: a decode case's runs of this index-key variant (free and forced); "
                         "'published' also takes everything without a variant (prefill cases, replays, image towers, "
                         "number-format vectors), so the two parts together are the whole check (a long case split "
-                        "across two processes)")
+                        "across two processes); with --numerics fast, that part's free runs")
     s.add_argument("--dump-decisions", metavar="FILE", help="write each case's own decisions (top-k, experts), "
                    "agreement flags and logits hashes, per run and call, as JSON to FILE (diff two runs' files)")
     s.set_defaults(func=_cmd_golden_check)

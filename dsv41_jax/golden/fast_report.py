@@ -20,13 +20,18 @@ import jax
 import numpy as np
 
 from dsv41_jax.golden import data as golden_data
-from dsv41_jax.golden.check import CaseRunner, reference_runs
+from dsv41_jax.golden.check import PREFILL_KINDS, VARIANTS, CaseRunner, _in_part, reference_runs
+
+# the cases whose main-model runs this measures (a DSpark case's drafter is left out: its entries are exact-only)
+TEXT_KINDS = ("prefill", "decode", "dspark_decode")
 
 
-def free_runs(runner: CaseRunner, case: dict, t: dict) -> list[tuple]:
+def free_runs(runner: CaseRunner, case: dict, t: dict, variant: str | None = None) -> list[tuple]:
     """(label, quirk, tokens, forced calls, reference logits) for each free run of a text case whose
-    decisions the folder stores (`check.reference_runs`: the ones golden-check runs too)."""
-    return [run[:5] for run in reference_runs(runner, case, t) if run[5]]
+    decisions the folder stores (`check.reference_runs`: the ones golden-check runs too); `variant`
+    (one of check.VARIANTS): only that part's runs, as golden-check's --variant splits them."""
+    part = lambda label: "published" if case["kind"] in PREFILL_KINDS else label
+    return [run[:5] for run in reference_runs(runner, case, t) if run[5] and _in_part(variant, part(run[0]))]
 
 
 def _boundary(scores: np.ndarray, k: int) -> np.ndarray:
@@ -54,36 +59,48 @@ def near_ties(exact: np.ndarray, fast: np.ndarray, k: int) -> tuple[np.ndarray, 
     return margin, err, margin <= 2 * err
 
 
-def _differences(runner, res_fast, res_exact, n_calls) -> list[dict]:
-    """Every (call, layer, kind, row) whose fast decision differs from the oracle's, with its margin."""
+def _differing(runner, n_calls) -> list[tuple]:
+    """(call, kind, layer, rows) for each decision of the last run that differs from the oracle's."""
     out = []
     for i in range(n_calls):
         decided = runner.decisions[-1]["calls"][i]
         for kind in ("topk", "experts"):
             for l, rows in decided[f"{kind}_agree"].items():
                 bad = [r for r, ok in enumerate(rows) if not ok]
-                if not bad:
-                    continue
-                l = int(l)
-                exact, k = _decision_scores(runner, res_exact["traces"][i], kind, l)
-                fast, _ = _decision_scores(runner, res_fast["traces"][i], kind, l)
-                margin, err, tie = near_ties(exact, fast, k)
-                out.extend({"call": i, "layer": l, "kind": kind, "row": r, "margin": float(margin[r]),
-                            "score_err": float(err[r]), "near_tie": bool(tie[r])} for r in bad)
+                if bad:
+                    out.append((i, kind, int(l), bad))
     return out
 
 
-def case_report(fast: CaseRunner, exact: CaseRunner, case: dict) -> list[dict]:
-    """One record per free run of `case`: logit error, argmax agreement and each differing decision."""
+def _differences(runner, res_fast, res_exact, differing) -> list[dict]:
+    """Every (call, layer, kind, row) whose fast decision differs from the oracle's, with its margin."""
+    out = []
+    for i, kind, l, bad in differing:
+        exact, k = _decision_scores(runner, res_exact["traces"][i], kind, l)
+        fast, _ = _decision_scores(runner, res_fast["traces"][i], kind, l)
+        margin, err, tie = near_ties(exact, fast, k)
+        out.extend({"call": i, "layer": l, "kind": kind, "row": r, "margin": float(margin[r]),
+                    "score_err": float(err[r]), "near_tie": bool(tie[r])} for r in bad)
+    return out
+
+
+def case_report(fast: CaseRunner, exact: CaseRunner, case: dict, variant: str | None = None) -> list[dict]:
+    """One record per free run of `case` (of `variant`'s part): logit error, argmax agreement and each
+    differing decision. The exact run that gives the margins runs only when a decision differs."""
     t = fast.gc.case_tensors(case)
     records = []
-    for label, quirk, tokens, forced, ref in free_runs(fast, case, t):
+    for label, quirk, tokens, forced, ref in free_runs(fast, case, t, variant):
         fast.decisions = []
-        logits, res_fast = fast.run(tokens, case["schedule"], quirk=quirk, forced_calls=forced, impose=False, collect=True)
-        _, res_exact = exact.run(tokens, case["schedule"], quirk=quirk, forced_calls=forced, impose=False, collect=True)
+        logits, res_fast = fast.run(tokens, case["schedule"], quirk=quirk, forced_calls=forced, impose=False,
+                                    collect=True, label=f"{label} fast")
+        differing = _differing(fast, len(case["schedule"]))
+        diffs = []
+        if differing:
+            _, res_exact = exact.run(tokens, case["schedule"], quirk=quirk, forced_calls=forced, impose=False,
+                                     collect=True, label=f"{label} exact")
+            diffs = _differences(fast, res_fast, res_exact, differing)
         ref = ref.astype(np.float32)
         d = np.abs(logits - ref)
-        diffs = _differences(fast, res_fast, res_exact, len(case["schedule"]))
         records.append({"name": f"{fast.gc.name}/{case['name']}[{label}]", "max_abs_err": float(d.max()),
                         "mean_abs_err": float(d.mean()),
                         "argmax_agreement": float(np.mean(logits.argmax(-1) == ref.argmax(-1))),
@@ -92,23 +109,28 @@ def case_report(fast: CaseRunner, exact: CaseRunner, case: dict) -> list[dict]:
     return records
 
 
-def fast_report(root, *, only=None, log=sys.stderr) -> list[dict]:
+def fast_report(root, *, only=None, log=sys.stderr, variant: str | None = None) -> list[dict]:
     """Every text case of a golden folder under fast numerics (image cases are left out: their
-    tower is checked bit-exact by golden-check, and its span rows are not part of this report)."""
+    tower is checked bit-exact by golden-check, and its span rows are not part of this report);
+    `variant` (one of check.VARIANTS): one part of it, as golden-check's --variant. Progress goes to
+    `log`, a line per call."""
+    if variant is not None and variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS} (or None for every run), got {variant!r}")
     records = []
     with jax.enable_x64(True):
         for gc in golden_data.discover(root):
             if only and gc.name not in only:
                 continue
-            print(f"[fast] {gc.name}: loading model", file=log)
+            print(f"[fast] {gc.name}: loading model", file=log, flush=True)
             exact = CaseRunner(gc)
+            exact.log = log
             fast = copy.copy(exact)  # the same loaded weights, its own compiled steps
             fast.mode, fast._steps = "fast", {}
             for case in gc.cases:
-                if case["kind"] not in ("prefill", "decode"):
+                if case["kind"] not in TEXT_KINDS:
                     continue
-                print(f"[fast] {gc.name}/{case['name']}", file=log)
-                records.extend(case_report(fast, exact, case))
+                print(f"[fast] {gc.name}/{case['name']}", file=log, flush=True)
+                records.extend(case_report(fast, exact, case, variant))
     return records
 
 

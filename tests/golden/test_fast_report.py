@@ -3,6 +3,7 @@ only when the exact margin at the selection boundary is within twice the row's s
 from __future__ import annotations
 
 import itertools
+import pathlib
 
 import numpy as np
 import pytest
@@ -41,3 +42,64 @@ def test_a_swap_is_a_near_tie_only_within_twice_the_score_error():
     np.testing.assert_allclose(margin, [0.001, 0.2])
     np.testing.assert_allclose(err, [0.001, 0.001])
     assert tie.tolist() == [True, False]  # a flip in the second row would be a defect, not numerics
+
+
+def _stub_runners(agree: bool):
+    """Fast and exact runners over the shipped main_fp8 cases whose `run` records what it was asked for (no model
+    is loaded): the fast run's decisions all agree with the oracle's, or one row of one call differs."""
+    from dsv41_jax.golden import data as golden_data
+    from dsv41_jax.golden.check import CaseRunner
+
+    (gc,) = golden_data.discover(pathlib.Path(__file__).resolve().parents[2] / "golden_subset")
+    asked = []
+
+    def runner(mode):
+        r = CaseRunner.__new__(CaseRunner)
+        r.gc, r.cfg, r.decisions = gc, gc.cfg, None
+
+        def run(tokens, schedule, *, quirk=False, label="run", **_):
+            asked.append((mode, label))
+            calls = [{"topk_agree": {}, "experts_agree": {"0": [agree or i > 0] * c["n_tokens"]}}
+                     for i, c in enumerate(schedule)]
+            if r.decisions is not None:
+                r.decisions.append({"calls": calls})
+            n = sum(c["n_tokens"] for c in schedule)
+            return np.zeros((n, gc.cfg.vocab_size), np.float32), {"traces": [None] * len(schedule)}
+
+        r.run = run
+        return r
+
+    return gc, runner("fast"), runner("exact"), asked
+
+
+@pytest.mark.parametrize("agree", [True, False])
+def test_the_exact_run_runs_only_when_a_decision_differs(agree, monkeypatch):
+    """The exact run only gives the margins of differing decisions: at the released width it is most of the
+    report's time (wide_roles: a 1040-token exact prefill runs 13 min on 2 cores)."""
+    from dsv41_jax.golden import fast_report
+
+    seen = []
+    monkeypatch.setattr(fast_report, "_differences", lambda runner, f, e, differing: seen.append(differing) or [])
+    gc, fast, exact, asked = _stub_runners(agree)
+    case = [c for c in gc.cases if c["kind"] == "decode"][0]
+    records = fast_report.case_report(fast, exact, case)
+    assert [r["name"].split("[")[1] for r in records] == ["published]", "corrected]"]
+    want = [("fast", "published fast"), ("fast", "corrected fast")]
+    if not agree:
+        want = [want[0], ("exact", "published exact"), want[1], ("exact", "corrected exact")]
+        assert seen == [[(0, "experts", 0, list(range(case["schedule"][0]["n_tokens"])))]] * 2
+    assert asked == want
+
+
+def test_the_fast_report_splits_into_the_check_s_parts():
+    """--variant with --numerics fast: each free run in exactly one part (a prefill case's in the published one)."""
+    from dsv41_jax.golden.fast_report import fast_report, free_runs
+
+    gc, fast, _, _ = _stub_runners(True)
+    for case in gc.cases:
+        t = gc.case_tensors(case)
+        labels = lambda v: [run[0] for run in free_runs(fast, case, t, v)]
+        assert labels("published") + labels("corrected") == labels(None)
+        assert labels(None) == (["free"] if case["kind"] == "prefill" else ["published", "corrected"])
+    with pytest.raises(ValueError, match="variant must be one of .* got 'quirk'"):
+        fast_report("golden_subset", variant="quirk")
