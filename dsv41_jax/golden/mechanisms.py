@@ -62,5 +62,7 @@ def exercised(cfg: ModelConfig, case: dict) -> tuple[str, ...]:
     if case.get("images"):
         found.append(f"vision ({len(case['images'])} image{'s' if len(case['images']) > 1 else ''})")
     if cfg.has_dspark:
-        found.append("DSpark drafts")
+        n_exp, k = cfg.dspark_moe
+        found.append(f"DSpark drafts ({cfg.n_mtp_layers} stages, blocks of {cfg.dspark_block_size}, Markov rank "
+                     f"{cfg.dspark_markov_rank}, {k} of {n_exp} stage experts)")
     return tuple(found)

@@ -103,3 +103,20 @@ def test_the_fast_report_splits_into_the_check_s_parts():
         assert labels(None) == (["free"] if case["kind"] == "prefill" else ["published", "corrected"])
     with pytest.raises(ValueError, match="variant must be one of .* got 'quirk'"):
         fast_report("golden_subset", variant="quirk")
+
+
+@pytest.mark.slow
+def test_a_dspark_case_s_fast_report_measures_the_main_model_and_the_drafter():
+    """The sweep's DSpark folder in fast numerics: the main model's published free run (the only run whose decode
+    decisions the oracle stored), then the drafter on that run's taps; every differing decision a near-tie."""
+    import io
+
+    from dsv41_jax.golden.fast_report import fast_report
+
+    sweep = pathlib.Path(__file__).resolve().parents[1] / "data" / "sweep"
+    records = fast_report(sweep, only=["dspark_small"], log=io.StringIO())
+    assert [r["name"] for r in records] == ["dspark_small/dspark_P20_S4[published]", "dspark_small/dspark_P20_S4[draft]"]
+    main, draft = records
+    assert all(r["passed"] for r in records), records
+    assert main["rows"] == 24 and draft["rows"] == 4 * 3  # 4 steps, blocks of 3
+    assert 0 < draft["max_abs_err"] < 0.1 and isinstance(draft["stage_experts_equal"], bool)

@@ -52,3 +52,14 @@ def test_the_table_prints_each_case_s_mechanisms_once():
     assert sum("exercised:" in r for r in rows) == 2
     assert rows[1] == f"  exercised: {mech[0]}"
     assert Entry("x", True, mechanisms=mech).to_json()["mechanisms"] == mech
+
+
+def test_a_drafter_case_names_its_stages_block_and_experts():
+    import dataclasses
+
+    cfg = dataclasses.replace(CFG, n_mtp_layers=3, dspark_block_size=5, dspark_markov_rank=256, dspark_target_layer_ids=(1, 2),
+                              dspark_n_routed_experts=32, dspark_n_activated_experts=3)
+    assert cfg.has_dspark
+    found = exercised(cfg, _case((0, 9), (9, 1)))
+    assert "DSpark drafts (3 stages, blocks of 5, Markov rank 256, 3 of 32 stage experts)" in found
+    assert not any(m.startswith("DSpark") for m in exercised(CFG, _case((0, 9))))
