@@ -25,7 +25,7 @@ from flax import nnx
 
 from dsv41_jax.golden.entry import REPLAY_ULPS, Entry
 from dsv41_jax.model import dspark
-from dsv41_jax.runtime import COMPILER_OPTIONS
+from dsv41_jax.runtime import compiler_options
 from dsv41_jax.numerics import kv_layout
 
 TIE = 1e-3  # a stored draft id this close to our top logit counts as a tie
@@ -45,14 +45,14 @@ class Drafter:
     def __init__(self, graphdef, params, cfg, mode: str = "exact"):
         self.graphdef, self.params, self.cfg = graphdef, params, cfg
 
-        @functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
+        @functools.partial(jax.jit, compiler_options=compiler_options(mode))
         def seed(params, state, taps, n_valid):
             model = nnx.merge(graphdef, params)
             mx = dspark.main_x(model, taps, mode)
             start = jnp.zeros((taps.shape[0],), jnp.int32)
             return dspark.write_rings(model, state, mx, start, n_valid, mode), mx
 
-        @functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
+        @functools.partial(jax.jit, compiler_options=compiler_options(mode))
         def step(params, state, taps, pos, anchor, forced):
             model = nnx.merge(graphdef, params)
             mx = dspark.main_x(model, taps, mode)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsv41_jax.runtime import COMPILER_OPTIONS, Runtime
+from dsv41_jax.runtime import Runtime, compiler_options
 
 TEXT = -1
 IMAGE_START, IMAGE, IMAGE_NEW_LINE, IMAGE_END = range(4)
@@ -54,7 +54,7 @@ def make_image_encoder(graphdef, runtime: Runtime = Runtime(), collect: bool = F
 
     Compiled once per patch-grid shape; params are the whole model's (only the tower is read).
     """
-    @functools.partial(jax.jit, static_argnums=(2, 3), compiler_options=COMPILER_OPTIONS)
+    @functools.partial(jax.jit, static_argnums=(2, 3), compiler_options=compiler_options(runtime.mode))
     def encode(params, patches, n_vit_h, n_vit_w):
         return encode_image(nnx.merge(graphdef, params), patches, n_vit_h, n_vit_w, runtime.mode, collect)
 
