@@ -39,8 +39,7 @@ def _ulps(got: np.ndarray, ref: np.ndarray) -> float:
 
 
 class Drafter:
-    """Jitted drafter calls on one loaded model (exact numerics; `mode="fast"` for the production numerics,
-    which golden/fast_report.py measures)."""
+    """Jitted drafter calls on one loaded model (exact numerics; `mode="fast"` for the production numerics)."""
 
     def __init__(self, graphdef, params, cfg, mode: str = "exact"):
         self.graphdef, self.params, self.cfg = graphdef, params, cfg

@@ -19,10 +19,10 @@ import sys
 import jax
 import numpy as np
 
-from dsv41_jax.golden import data as golden_data, dspark as gd
+from dsv41_jax.golden import data as golden_data
 from dsv41_jax.golden.check import PREFILL_KINDS, VARIANTS, CaseRunner, _in_part, reference_runs
 
-TEXT_KINDS = ("prefill", "decode", "dspark_decode")  # a DSpark case: its main-model runs, then the drafter
+TEXT_KINDS = ("prefill", "decode", "dspark_decode")  # a DSpark case: its main-model runs (not the drafter)
 
 
 def free_runs(runner: CaseRunner, case: dict, t: dict, variant: str | None = None) -> list[tuple]:
@@ -105,35 +105,7 @@ def case_report(fast: CaseRunner, exact: CaseRunner, case: dict, variant: str | 
                         "argmax_agreement": float(np.mean(logits.argmax(-1) == ref.argmax(-1))),
                         "rows": int(ref.shape[0]), "decisions_differ": diffs,
                         "passed": all(x["near_tie"] for x in diffs)})
-        if label == "published" and "dspark.output_ids" in t:
-            records.append(draft_record(fast, case, t, res_fast["taps"]))
     return records
-
-
-def draft_record(fast: CaseRunner, case: dict, t: dict, taps: np.ndarray) -> dict:
-    """The drafter in fast numerics on the fast main run's taps, anchored on the oracle's anchors (a main-model
-    argmax flip would change what is drafted), the stored draft ids and stage experts passed but not imposed:
-    draft logits against the oracle's, and each drafted id that differs. A differing id is a near-tie when the
-    oracle's id is within twice the run's largest logit error of our top logit (the same bound as a decision's
-    margin); whether every stage's expert choice equals the oracle's is reported beside it."""
-    if getattr(fast, "_fast_drafter", None) is None:
-        fast._fast_drafter = gd.Drafter(fast.graphdef, fast.params, fast.cfg, mode=fast.mode)
-    P = case["schedule"][0]["n_tokens"]
-    ref_ids, ref = t["dspark.output_ids"], t["dspark.logits"].astype(np.float32)
-    S = ref_ids.shape[0]
-    steps = gd.forced_steps(fast.cfg, t, "dspark.output_ids", with_experts=True, impose=False)
-    ours = fast._fast_drafter.run(taps[:P], taps[P:P + S], t["dspark.input_ids"], P, steps)
-    logits = ours["logits"][:S]
-    d = np.abs(logits - ref)
-    own, want = np.argmax(logits, -1), ref_ids[:, 1:]
-    gap = np.max(logits, -1) - np.take_along_axis(logits, want[..., None], -1)[..., 0]
-    diffs = [{"call": int(s), "layer": "drafter", "kind": "draft id", "row": int(j), "margin": float(gap[s, j]),
-              "score_err": float(d.max()), "near_tie": bool(gap[s, j] <= 2 * d.max())}
-             for s, j in zip(*np.nonzero(own != want))]
-    return {"name": f"{fast.gc.name}/{case['name']}[draft]", "max_abs_err": float(d.max()),
-            "mean_abs_err": float(d.mean()), "argmax_agreement": float(np.mean(own == want)), "rows": int(own.size),
-            "decisions_differ": diffs, "stage_experts_equal": bool(ours["agree"]),
-            "passed": all(x["near_tie"] for x in diffs)}
 
 
 def fast_report(root, *, only=None, log=sys.stderr, variant: str | None = None) -> list[dict]:
@@ -169,8 +141,6 @@ def format_report(records: list[dict]) -> str:
             f"call {x['call']} layer {x['layer']} {x['kind']} row {x['row']}: margin {x['margin']:.3g} vs "
             f"2 x err {2 * x['score_err']:.3g} ({'near-tie' if x['near_tie'] else 'NOT a near-tie'})" for x in diffs[:8])
         more = f" (+{len(diffs) - 8} more)" if len(diffs) > 8 else ""
-        if "stage_experts_equal" in r:
-            more += f"; stage experts {'equal' if r['stage_experts_equal'] else 'DIFFER'}"
         rows.append(f"{r['name']:52s} {'PASS' if r['passed'] else 'FAIL':4s} {r['max_abs_err']:9.3g} "
                     f"{r['mean_abs_err']:9.3g} {r['argmax_agreement']:7.3f}  {len(diffs)} ({r['rows']} logit rows): {what}{more}")
     n_fail = sum(not r["passed"] for r in records)

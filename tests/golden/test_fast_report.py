@@ -106,17 +106,14 @@ def test_the_fast_report_splits_into_the_check_s_parts():
 
 
 @pytest.mark.slow
-def test_a_dspark_case_s_fast_report_measures_the_main_model_and_the_drafter():
-    """The sweep's DSpark folder in fast numerics: the main model's published free run (the only run whose decode
-    decisions the oracle stored), then the drafter on that run's taps; every differing decision a near-tie."""
+def test_a_dspark_case_s_fast_report_measures_its_main_model():
+    """The sweep's DSpark folder in fast numerics: the main model's published free run, the only run whose decode
+    decisions the oracle stored; every differing decision a near-tie."""
     import io
 
     from dsv41_jax.golden.fast_report import fast_report
 
     sweep = pathlib.Path(__file__).resolve().parents[1] / "data" / "sweep"
-    records = fast_report(sweep, only=["dspark_small"], log=io.StringIO())
-    assert [r["name"] for r in records] == ["dspark_small/dspark_P20_S4[published]", "dspark_small/dspark_P20_S4[draft]"]
-    main, draft = records
-    assert all(r["passed"] for r in records), records
-    assert main["rows"] == 24 and draft["rows"] == 4 * 3  # 4 steps, blocks of 3
-    assert 0 < draft["max_abs_err"] < 0.1 and isinstance(draft["stage_experts_equal"], bool)
+    (record,) = fast_report(sweep, only=["dspark_small"], log=io.StringIO())
+    assert record["name"] == "dspark_small/dspark_P20_S4[published]" and record["rows"] == 24
+    assert record["passed"] and 0 < record["max_abs_err"] < 0.05, record

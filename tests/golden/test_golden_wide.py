@@ -8,8 +8,9 @@ The folders' weights are gigabytes, so none is in the repository:
   regenerated here from the config's seed and must hash to the sha256 the oracle saw.
 - slow: `wide_full_r1` (a 520-token prompt: the released top-k of 512 selects), `wide_roles`
   (one layer of each role, a 1040-token prompt with the candidate pool restricting, 4 decode
-  steps) and `vision_wide` (the released vision tower's per-layer shapes in 2 layers, two images of
-  different patch grids in one prompt), from $DSV41_WIDE_GOLDEN_DIR, made by
+  steps), `vision_wide` (the released vision tower's per-layer shapes in 2 layers, two images of
+  different patch grids in one prompt) and `dspark_wide` (the released drafter's shapes with 32 experts a
+  stage on three released-width layers, a 526-token prompt, 6 drafted blocks), from $DSV41_WIDE_GOLDEN_DIR, made by
   `python -m dsv41_jax.golden.sweep DIR --only NAME` (docs/NUMERICS.md "At the released width");
   their files must match tests/data/wide/full_width.sha256.
 """
@@ -59,7 +60,7 @@ def _checksums() -> dict[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["wide_full_r1", "wide_roles", "vision_wide"])
+@pytest.mark.parametrize("name", ["wide_full_r1", "wide_roles", "vision_wide", "dspark_wide"])
 def test_wide_folder_bit_exact(name):
     root = pathlib.Path(os.environ.get("DSV41_WIDE_GOLDEN_DIR", "")) if os.environ.get("DSV41_WIDE_GOLDEN_DIR") else None
     if root is None or not (root / name / "cases.json").is_file():
