@@ -22,7 +22,7 @@ import numpy as np
 from dsv41_jax.golden import data as golden_data
 from dsv41_jax.golden.check import PREFILL_KINDS, VARIANTS, CaseRunner, _in_part, reference_runs
 
-TEXT_KINDS = ("prefill", "decode", "dspark_decode")  # a DSpark case: its main-model runs (not the drafter)
+TEXT_KINDS = ("prefill", "decode")  # DSpark and image cases are left out
 
 
 def free_runs(runner: CaseRunner, case: dict, t: dict, variant: str | None = None) -> list[tuple]:

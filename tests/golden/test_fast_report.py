@@ -103,17 +103,3 @@ def test_the_fast_report_splits_into_the_check_s_parts():
         assert labels(None) == (["free"] if case["kind"] == "prefill" else ["published", "corrected"])
     with pytest.raises(ValueError, match="variant must be one of .* got 'quirk'"):
         fast_report("golden_subset", variant="quirk")
-
-
-@pytest.mark.slow
-def test_a_dspark_case_s_fast_report_measures_its_main_model():
-    """The sweep's DSpark folder in fast numerics: the main model's published free run, the only run whose decode
-    decisions the oracle stored; every differing decision a near-tie."""
-    import io
-
-    from dsv41_jax.golden.fast_report import fast_report
-
-    sweep = pathlib.Path(__file__).resolve().parents[1] / "data" / "sweep"
-    (record,) = fast_report(sweep, only=["dspark_small"], log=io.StringIO())
-    assert record["name"] == "dspark_small/dspark_P20_S4[published]" and record["rows"] == 24
-    assert record["passed"] and 0 < record["max_abs_err"] < 0.05, record
