@@ -267,7 +267,8 @@ VARIANTS = ("published", "corrected")
 PREFILL_KINDS = ("prefill", "vl_prefill")  # one run each, no variant
 
 
-def _in_part(variant: str | None, run_variant: str) -> bool:
+def in_part(variant: str | None, run_variant: str) -> bool:
+    """Whether a run of `run_variant` belongs to the part `variant` of a check (None: the whole check)."""
     return variant is None or variant == run_variant
 
 
@@ -319,10 +320,10 @@ def _case_entries(runner: CaseRunner, case: dict, part: str | None = None) -> li
     prefill = case["kind"] in PREFILL_KINDS
     if case["kind"].startswith("vl_"):  # image cases: the tower's outputs first, then the text checks
         vision_entry, spans = check_vision(runner, case, t)
-        if _in_part(part, "published"):
+        if in_part(part, "published"):
             entries.append(vision_entry)
     for variant, quirk, tokens, forced, ref, _ in reference_runs(runner, case, t):
-        if not _in_part(part, "published" if prefill else variant):
+        if not in_part(part, "published" if prefill else variant):
             continue
         if prefill:
             ours, _ = runner.run(tokens, sched, forced_calls=forced, impose=False, spans=spans, label="free")
@@ -428,11 +429,11 @@ def run_all(root, *, impl="xla", interpret=False, only=None, log=sys.stderr, dec
         raise ValueError(f"variant must be one of {VARIANTS} (or None for every entry), got {variant!r}")
     entries: list[Entry] = []
     with jax.enable_x64(True):
-        qv = golden_data.load_quant_vectors(root) if (not only or "quant" in only) and _in_part(variant, "published") else None
+        qv = golden_data.load_quant_vectors(root) if (not only or "quant" in only) and in_part(variant, "published") else None
         if qv is not None:
             entries.extend(Entry(name, ok, detail=why) for name, ok, why in check_vectors(*qv))
         for gc in golden_data.discover(root):
-            cases = [c for c in gc.cases if _in_part(variant, "published") or c["kind"] not in PREFILL_KINDS]
+            cases = [c for c in gc.cases if in_part(variant, "published") or c["kind"] not in PREFILL_KINDS]
             if (only and gc.name not in only) or not cases:
                 continue
             print(f"[golden] {gc.name}: loading model", file=log, flush=True)
@@ -443,7 +444,7 @@ def run_all(root, *, impl="xla", interpret=False, only=None, log=sys.stderr, dec
                 if decisions is not None:
                     runner.decisions = decisions.setdefault(f"{gc.name}/{case['name']}", [])
                 entries.extend(check_case(runner, case, variant))
-                if case.get("has_intermediates") and case["kind"] == "prefill" and _in_part(variant, "published"):
+                if case.get("has_intermediates") and case["kind"] == "prefill" and in_part(variant, "published"):
                     entries.extend(check_replays(runner, case))  # vl cases trace the tower only
     return entries
 

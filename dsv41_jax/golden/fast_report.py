@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from dsv41_jax.golden import data as golden_data
-from dsv41_jax.golden.check import PREFILL_KINDS, VARIANTS, CaseRunner, _in_part, reference_runs
+from dsv41_jax.golden.check import PREFILL_KINDS, VARIANTS, CaseRunner, in_part, reference_runs
 
 TEXT_KINDS = ("prefill", "decode")  # DSpark and image cases are left out
 
@@ -30,7 +30,7 @@ def free_runs(runner: CaseRunner, case: dict, t: dict, variant: str | None = Non
     decisions the folder stores (`check.reference_runs`: the ones golden-check runs too); `variant`
     (one of check.VARIANTS): only that part's runs, as golden-check's --variant splits them."""
     part = lambda label: "published" if case["kind"] in PREFILL_KINDS else label
-    return [run[:5] for run in reference_runs(runner, case, t) if run[5] and _in_part(variant, part(run[0]))]
+    return [run[:5] for run in reference_runs(runner, case, t) if run[5] and in_part(variant, part(run[0]))]
 
 
 def _boundary(scores: np.ndarray, k: int) -> np.ndarray:
