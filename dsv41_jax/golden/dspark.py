@@ -57,12 +57,14 @@ class Drafter:
             mx = dspark.main_x(model, taps, mode)
             state = dspark.write_rings(model, state, mx, pos, jnp.ones_like(pos), mode)
             ids, logits, conf, aux = dspark.draft(model, state, anchor, pos, mode=mode, forced=forced)
-            return state, mx, ids, logits, conf, aux["experts_agree"]
+            return state, mx, ids, logits, conf, aux["experts_agree"], (aux["experts"], aux["biased_scores"])
 
         self.seed, self.step = seed, step
 
     def run(self, prefill_hidden: np.ndarray, step_hidden: np.ndarray, anchors: np.ndarray, P: int, forced_steps=None):
-        """Seed with P prefill taps, then one draft per decode step. Returns a dict of numpy results."""
+        """Seed with P prefill taps, then one draft per decode step. Returns a dict of numpy results
+        (per step: main_x, rings, ids, logits, confidence, and every stage's experts [stages, bs, k] with
+        the biased gate scores [stages, bs, E] they were chosen on)."""
         cfg = self.cfg
         state = dspark.init_state(cfg, 1)
         T = -(-P // 8) * 8  # padded rows are not written (n_valid)
@@ -70,10 +72,11 @@ class Drafter:
         taps[0, :P] = prefill_hidden
         state, mx = self.seed(self.params, state, jnp.asarray(taps), jnp.asarray([P], jnp.int32))
         out = {"prefill_main_x": np.asarray(mx[0, :P]), "rings_after_prefill": _rings(state),
-               "main_x": [], "rings": [], "ids": [], "logits": [], "confidence": [], "agree": True}
+               "main_x": [], "rings": [], "ids": [], "logits": [], "confidence": [], "experts": [],
+               "stage_scores": [], "agree": True}
         for s in range(step_hidden.shape[0]):
             forced = None if forced_steps is None else forced_steps[s]
-            state, mx, ids, logits, conf, agree = self.step(
+            state, mx, ids, logits, conf, agree, (experts, scores) = self.step(
                 self.params, state, jnp.asarray(step_hidden[s][None, None]), jnp.asarray([P + s], jnp.int32),
                 jnp.asarray([anchors[s]], jnp.int32), forced)
             out["main_x"].append(np.asarray(mx[0, 0]))
@@ -81,8 +84,10 @@ class Drafter:
             out["ids"].append(np.asarray(ids[0]))
             out["logits"].append(np.asarray(logits[0]))
             out["confidence"].append(np.asarray(conf[0]))
+            out["experts"].append(np.stack([np.asarray(experts[k][0]) for k in sorted(experts)]))
+            out["stage_scores"].append(np.stack([np.asarray(scores[k][0]) for k in sorted(scores)]))
             out["agree"] = out["agree"] and all(bool(np.all(np.asarray(v))) for v in agree.values())
-        for k in ("main_x", "rings", "ids", "logits", "confidence"):
+        for k in ("main_x", "rings", "ids", "logits", "confidence", "experts", "stage_scores"):
             out[k] = np.stack(out[k])
         return out
 

@@ -9,7 +9,8 @@ exact run's margin at the selection boundary (the k-th minus the (k+1)-th score:
 a top-k, biased gate scores for the experts) beside the row's largest |fast - exact| score
 difference. Two candidates can swap order only if their exact margin is at most twice that
 difference, so a differing decision with `margin <= 2 * err` is a near-tie the numerics explain;
-any other is a defect, and the report fails.
+any other is a defect, and the report fails. A DSpark case adds its drafter (`draft_record`): the
+draft logits and ids against the oracle's, every stage's expert choice judged the same way.
 """
 from __future__ import annotations
 
@@ -19,10 +20,10 @@ import sys
 import jax
 import numpy as np
 
-from dsv41_jax.golden import data as golden_data
+from dsv41_jax.golden import data as golden_data, dspark as gd
 from dsv41_jax.golden.check import PREFILL_KINDS, VARIANTS, CaseRunner, in_part, reference_runs
 
-TEXT_KINDS = ("prefill", "decode")  # DSpark and image cases are left out
+TEXT_KINDS = ("prefill", "decode", "dspark_decode")  # a DSpark case: its main-model runs, then its drafter
 
 
 def free_runs(runner: CaseRunner, case: dict, t: dict, variant: str | None = None) -> list[tuple]:
@@ -105,12 +106,74 @@ def case_report(fast: CaseRunner, exact: CaseRunner, case: dict, variant: str | 
                         "argmax_agreement": float(np.mean(logits.argmax(-1) == ref.argmax(-1))),
                         "rows": int(ref.shape[0]), "decisions_differ": diffs,
                         "passed": all(x["near_tie"] for x in diffs)})
+        if case["kind"] == "dspark_decode" and _draft_suffix(label) is not None and \
+                f"dspark.logits{_draft_suffix(label)}" in t:
+            records.append(draft_record(fast, case, t, label, res_fast["taps"]))
     return records
 
 
+def _draft_suffix(label: str) -> str | None:
+    return {"published": "", "corrected": "_corrected"}.get(label)
+
+
+def _drafters(runner: CaseRunner) -> tuple:
+    """(fast, exact) drafters on the runner's loaded weights, built once."""
+    if getattr(runner, "_drafter_pair", None) is None:
+        runner._drafter_pair = tuple(gd.Drafter(runner.graphdef, runner.params, runner.cfg, mode=m)
+                                     for m in ("fast", "exact"))
+    return runner._drafter_pair
+
+
+def draft_record(fast: CaseRunner, case: dict, t: dict, label: str, taps: np.ndarray) -> dict:
+    """The drafter in fast numerics on the fast main run's taps, against the oracle's draft logits and ids.
+
+    Anchored on the oracle's anchors (a flipped main-model argmax would draft another block), the stored
+    draft ids passed but not imposed. The fast taps differ from the oracle's by a bf16 rounding here and
+    there; the drafter's FP8 rings and its stage routers can turn that into a different expert, so each
+    stage's expert choice is judged as a main-model decision: against the exact drafter on the oracle's
+    own taps (equal to the oracle bit for bit: the [draft] entries), a differing choice is a near-tie when
+    its exact margin is at most twice the row's largest |fast - exact| biased gate score difference. A
+    drafted id that differs is a near-tie when the oracle's id is within twice the run's largest logit
+    error of our top logit."""
+    sfx = _draft_suffix(label)
+    P = case["schedule"][0]["n_tokens"]
+    ref_ids, ref = t[f"dspark.output_ids{sfx}"], t[f"dspark.logits{sfx}"].astype(np.float32)
+    S, anchors = ref_ids.shape[0], t[f"dspark.input_ids{sfx}"]
+    steps = gd.forced_steps(fast.cfg, t, f"dspark.output_ids{sfx}", with_experts=False, impose=False)
+    fast_drafter, exact_drafter = _drafters(fast)
+    ours = fast_drafter.run(taps[:P], taps[P:P + S], anchors, P, steps)
+    exact = exact_drafter.run(t["prefill_main_hidden"], t[f"main_hidden{sfx}"][:S], anchors, P, steps)
+    diffs = _stage_expert_differences(ours, exact, S)
+    logits = ours["logits"][:S]
+    d = np.abs(logits - ref)
+    own, want = np.argmax(logits, -1), ref_ids[:, 1:]
+    gap = np.max(logits, -1) - np.take_along_axis(logits, want[..., None], -1)[..., 0]
+    diffs += [{"call": int(s), "layer": "drafter", "kind": "draft id", "row": int(j), "margin": float(gap[s, j]),
+               "score_err": float(d.max()), "near_tie": bool(gap[s, j] <= 2 * d.max())}
+              for s, j in zip(*np.nonzero(own != want))]
+    name = "draft" if not sfx else "draft-corrected"
+    return {"name": f"{fast.gc.name}/{case['name']}[{name}]", "max_abs_err": float(d.max()),
+            "mean_abs_err": float(d.mean()), "argmax_agreement": float(np.mean(own == want)), "rows": int(own.size),
+            "decisions_differ": diffs, "passed": all(x["near_tie"] for x in diffs)}
+
+
+def _stage_expert_differences(ours: dict, exact: dict, S: int) -> list[dict]:
+    """Every (step, stage, block row) whose fast expert set differs from the exact drafter's, with its margin."""
+    out = []
+    k = ours["experts"].shape[-1]
+    for s in range(S):
+        for st in range(ours["experts"].shape[1]):
+            margin, err, tie = near_ties(exact["stage_scores"][s, st].astype(np.float64),
+                                         ours["stage_scores"][s, st].astype(np.float64), k)
+            same = np.all(np.sort(ours["experts"][s, st], -1) == np.sort(exact["experts"][s, st], -1), -1)
+            out.extend({"call": s, "layer": f"stage{st}", "kind": "experts", "row": int(j), "margin": float(margin[j]),
+                        "score_err": float(err[j]), "near_tie": bool(tie[j])} for j in np.nonzero(~same)[0])
+    return out
+
+
 def fast_report(root, *, only=None, log=sys.stderr, variant: str | None = None) -> list[dict]:
-    """Every text case of a golden folder under fast numerics (image cases are left out: their
-    tower is checked bit-exact by golden-check, and its span rows are not part of this report);
+    """Every text and DSpark case of a golden folder under fast numerics (image cases are left out:
+    their tower is checked bit-exact by golden-check, and its span rows are not part of this report);
     `variant` (one of check.VARIANTS): one part of it, as golden-check's --variant. Progress goes to
     `log`, a line per call."""
     if variant is not None and variant not in VARIANTS:
@@ -133,12 +196,16 @@ def fast_report(root, *, only=None, log=sys.stderr, variant: str | None = None) 
     return records
 
 
+def _where(layer) -> str:
+    return f"layer {layer}" if isinstance(layer, int) else layer  # "stage1", "drafter"
+
+
 def format_report(records: list[dict]) -> str:
     rows = [f"{'run':52s} {'ok':4s} {'max|d|':>9s} {'mean|d|':>9s} {'argmax':>7s}  decisions that differ"]
     for r in records:
         diffs = r["decisions_differ"]
         what = "none" if not diffs else "; ".join(
-            f"call {x['call']} layer {x['layer']} {x['kind']} row {x['row']}: margin {x['margin']:.3g} vs "
+            f"call {x['call']} {_where(x['layer'])} {x['kind']} row {x['row']}: margin {x['margin']:.3g} vs "
             f"2 x err {2 * x['score_err']:.3g} ({'near-tie' if x['near_tie'] else 'NOT a near-tie'})" for x in diffs[:8])
         more = f" (+{len(diffs) - 8} more)" if len(diffs) > 8 else ""
         rows.append(f"{r['name']:52s} {'PASS' if r['passed'] else 'FAIL':4s} {r['max_abs_err']:9.3g} "

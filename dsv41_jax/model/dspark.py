@@ -216,20 +216,23 @@ def draft(model, state: dict, anchor: jax.Array, newest: jax.Array, *, mode: str
     (default: argmax, the reference at temperature 0). forced: optional {"experts": {stage: [B,bs,k]},
     "ids": [B, bs+1], "impose": bool}: stored expert choices and draft ids (the Markov chain then
     conditions on the stored ids), compared tie-aware, imposed where `impose` holds.
-    Returns (ids [B, bs+1] = [anchor, d1..], logits [B, bs, V] fp32, confidence [B, bs] fp32, aux).
+    Returns (ids [B, bs+1] = [anchor, d1..], logits [B, bs, V] fp32, confidence [B, bs] fp32, aux);
+    aux: per stage the experts run [B, bs, k] and the biased gate scores they were chosen on [B, bs, E]
+    (golden-check's fast report compares a flipped choice with its margin), the agreement flags, traces.
     """
 
     cfg = model.cfg
     bs = cfg.dspark_block_size
     impose = True if forced is None else forced.get("impose", True)
     probe = NO_PROBE if forced is None else GoldenProbe()  # compares and imposes forced["experts"][stage]
-    aux = {"experts": {}, "experts_agree": {}, "trace": {}}
+    aux = {"experts": {}, "biased_scores": {}, "experts_agree": {}, "trace": {}}
     trace = aux["trace"] if collect else None
     e, h, pre = block_stream(model, anchor)
     for stage, ring in zip(model.mtp, state["rings"]):
         h, pre, _, rec = stage_forward(stage, h, pre, kv_layout.dequantize_window(ring), newest, cfg, mode, probe,
                                         forced, trace, impl)
         aux["experts"][stage.stage] = rec["experts"]
+        aux["biased_scores"][stage.stage] = rec["gate_scores"] + stage.ffn.gate.selection_bias()
         if "experts_agree" in rec:
             aux["experts_agree"][stage.stage] = rec["experts_agree"]
     last = model.mtp[-1]

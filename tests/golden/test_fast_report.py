@@ -103,3 +103,53 @@ def test_the_fast_report_splits_into_the_check_s_parts():
         assert labels(None) == (["free"] if case["kind"] == "prefill" else ["published", "corrected"])
     with pytest.raises(ValueError, match="variant must be one of .* got 'quirk'"):
         fast_report("golden_subset", variant="quirk")
+
+
+def test_a_stage_expert_flip_is_judged_on_the_exact_drafter_s_margin():
+    """The drafter's stage routers: a differing expert set is reported with its exact margin, a near-tie only
+    within twice the row's largest biased score difference; equal sets (in any order) are not reported."""
+    from dsv41_jax.golden.fast_report import _stage_expert_differences
+
+    exact_scores = np.array([[[[1.0, 0.9, 0.5, 0.499], [1.0, 0.9, 0.5, 0.3]]]])  # [step, stage, row, E]
+    fast_scores = exact_scores + np.array([0, 0, -0.001, 0.001])
+    exact = {"stage_scores": exact_scores, "experts": np.array([[[[0, 1, 2], [0, 1, 2]]]])}
+    ours = {"stage_scores": fast_scores, "experts": np.array([[[[0, 1, 3], [0, 1, 3]]]])}
+    diffs = _stage_expert_differences(ours, exact, 1)
+    assert [(d["call"], d["layer"], d["row"], d["near_tie"]) for d in diffs] == [(0, "stage0", 0, True),
+                                                                                (0, "stage0", 1, False)]
+    np.testing.assert_allclose([d["margin"] for d in diffs], [0.001, 0.2])
+    ours["experts"] = np.array([[[[2, 0, 1], [1, 2, 0]]]])
+    assert _stage_expert_differences(ours, exact, 1) == []
+
+
+@pytest.mark.slow
+def test_the_fast_drafter_s_error_is_a_stage_expert_near_tie():
+    """dspark_small in fast numerics (the real model): the draft record is there, every differing decision is a
+    near-tie, and the drafter's own numerics add almost nothing: the fast drafter on the oracle's taps with the
+    stored ids and stage experts imposed is within 1e-3 of the oracle's draft logits."""
+    import jax
+
+    from dsv41_jax.golden import data as golden_data, dspark as gd
+    from dsv41_jax.golden.fast_report import fast_report
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "data" / "sweep"
+    records = fast_report(root, only=["dspark_small"], variant="published")
+    assert [r["name"].split("[")[1] for r in records] == ["published]", "draft]"]
+    assert all(r["passed"] for r in records)
+    for x in records[1]["decisions_differ"]:
+        assert x["kind"] in ("experts", "draft id") and x["near_tie"]
+    (gc,) = [g for g in golden_data.discover(root) if g.name == "dspark_small"]
+    (case,) = gc.cases
+    t = gc.case_tensors(case)
+    from flax import nnx
+
+    graphdef, params = nnx.split(gc.load_model())
+    steps = gd.forced_steps(gc.cfg, t, "dspark.output_ids", with_experts=True, impose=True)
+    with jax.enable_x64(True):
+        out = gd.Drafter(graphdef, params, gc.cfg, mode="fast").run(
+            t["prefill_main_hidden"], t["main_hidden"], t["dspark.input_ids"], case["schedule"][0]["n_tokens"], steps)
+    assert out["agree"]
+    assert float(np.abs(out["logits"] - t["dspark.logits"]).max()) < 1e-3
+    k = out["experts"].shape[-1]
+    own = np.argsort(-out["stage_scores"], -1)[..., :k]  # imposed = own here (agree), so the scores chose them
+    np.testing.assert_array_equal(np.sort(own, -1), np.sort(out["experts"], -1))
