@@ -75,7 +75,8 @@ def _stub_runners(agree: bool):
 @pytest.mark.parametrize("agree", [True, False])
 def test_the_exact_run_runs_only_when_a_decision_differs(agree, monkeypatch):
     """The exact run only gives the margins of differing decisions: at the released width it is most of the
-    report's time (wide_roles: a 1040-token exact prefill runs 13 min on 2 cores)."""
+    report's time (wide_roles: a 1040-token exact prefill runs 13 min on 2 cores). A fast run with the oracle's
+    decisions imposed runs then too, and its error is reported apart from the free run's."""
     from dsv41_jax.golden import fast_report
 
     seen = []
@@ -86,9 +87,13 @@ def test_the_exact_run_runs_only_when_a_decision_differs(agree, monkeypatch):
     assert [r["name"].split("[")[1] for r in records] == ["published]", "corrected]"]
     want = [("fast", "published fast"), ("fast", "corrected fast")]
     if not agree:
-        want = [want[0], ("exact", "published exact"), want[1], ("exact", "corrected exact")]
+        want = [want[0], ("exact", "published exact"), ("fast", "published fast forced"),
+                want[1], ("exact", "corrected exact"), ("fast", "corrected fast forced")]
         assert seen == [[(0, "experts", 0, list(range(case["schedule"][0]["n_tokens"])))]] * 2
     assert asked == want
+    assert all(("forced" in r) == (not agree) for r in records)
+    text = fast_report.format_report(records)
+    assert ("With the oracle's decisions imposed" in text) == (not agree)
 
 
 def test_the_fast_report_splits_into_the_check_s_parts():
@@ -118,6 +123,9 @@ def test_a_stage_expert_flip_is_judged_on_the_exact_drafter_s_margin():
     assert [(d["call"], d["layer"], d["row"], d["near_tie"]) for d in diffs] == [(0, "stage0", 0, True),
                                                                                 (0, "stage0", 1, False)]
     np.testing.assert_allclose([d["margin"] for d in diffs], [0.001, 0.2])
+    from dsv41_jax.golden.fast_report import _summary
+
+    assert _summary(diffs) == "stage0 experts: 2 rows (call 0), margin 0.001-0.2 vs 2 x err 0.002-0.002 (1 NOT near-ties)"
     ours["experts"] = np.array([[[[2, 0, 1], [1, 2, 0]]]])
     assert _stage_expert_differences(ours, exact, 1) == []
 
