@@ -181,10 +181,10 @@ EXTENSIONS = {
 # once (the drawn stage tensors with the backbone's, the file read back, the reference model's clones of
 # it) plus the run's temporaries, on a 23 GB machine without swap: the file is 4.0 GB at 32 (the stages'
 # experts 1.8 GB of it), 5.8 GB at 64, 9.4 GB at 128. The drafter runs its experts on 5 block rows a
-# step, so 3 of 32 already leaves most experts idle, as 3 of 128 would. The backbone is 3 released-width layers (SWA, Full r1 as KV and
-# index source, SWA), all three tapped; its 526-token prompt puts 526 positions in the ratio-1 cache, so
-# the top-k of 512 selects and the window ring wraps before the drafter reads the taps, then 6 decode
-# steps each draft a block. dspark.py draws only 128 tokens itself: the prompt comes from a token-source
+# step, so 3 of 32 already leaves most experts idle, as 3 of 128 would. The backbone is 3 released-width
+# layers (SWA, Full r1 as KV and index source, SWA), all three tapped; its 526-token prompt puts 526
+# positions in the ratio-1 cache, so the top-k of 512 selects and the window ring wraps before the
+# drafter reads the taps, then 6 decode steps each draft a block. dspark.py draws only 128 tokens itself: the prompt comes from a token-source
 # folder written beside the backbone (`TOKEN_STREAMS`).
 FULL_WIDTH_EXTENSIONS = {
     "vision_wide": ("vision_golden", "VISION_ARGS",
