@@ -184,8 +184,8 @@ EXTENSIONS = {
 # step, so 3 of 32 already leaves most experts idle, as 3 of 128 would. The backbone is 3 released-width
 # layers (SWA, Full r1 as KV and index source, SWA), all three tapped; its 526-token prompt puts 526
 # positions in the ratio-1 cache, so the top-k of 512 selects and the window ring wraps before the
-# drafter reads the taps, then 6 decode steps each draft a block. dspark.py draws only 128 tokens itself: the prompt comes from a token-source
-# folder written beside the backbone (`TOKEN_STREAMS`).
+# drafter reads the taps, then 6 decode steps each draft a block. dspark.py draws only 128 tokens
+# itself: the prompt comes from a token-source folder written beside the backbone (`TOKEN_STREAMS`).
 FULL_WIDTH_EXTENSIONS = {
     "vision_wide": ("vision_golden", "VISION_ARGS",
                     dict(vision_n_layers=2, vision_dim=1024, vision_n_heads=16, vision_inter_dim=2816,
