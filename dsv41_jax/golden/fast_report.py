@@ -22,6 +22,7 @@ import numpy as np
 
 from dsv41_jax.golden import data as golden_data, dspark as gd
 from dsv41_jax.golden.check import PREFILL_KINDS, VARIANTS, CaseRunner, in_part, reference_runs
+from dsv41_jax.golden.mechanisms import exercised
 
 TEXT_KINDS = ("prefill", "decode", "dspark_decode")  # a DSpark case: its main-model runs, then its drafter
 
@@ -210,7 +211,8 @@ def fast_report(root, *, only=None, log=sys.stderr, variant: str | None = None) 
                 if case["kind"] not in TEXT_KINDS:
                     continue
                 print(f"[fast] {gc.name}/{case['name']}", file=log, flush=True)
-                records.extend(case_report(fast, exact, case, variant))
+                mechanisms = exercised(gc.cfg, case, "fast")
+                records.extend({**r, "mechanisms": mechanisms} for r in case_report(fast, exact, case, variant))
     return records
 
 
@@ -237,7 +239,11 @@ def _summary(diffs: list[dict]) -> str:
 
 def format_report(records: list[dict]) -> str:
     rows = [f"{'run':52s} {'ok':4s} {'max|d|':>9s} {'mean|d|':>9s} {'argmax':>7s}  decisions that differ"]
+    shown = None
     for r in records:
+        if r.get("mechanisms") and r["mechanisms"] != shown:  # once per case: what its runs below exercised
+            rows.append(f"  exercised: {'; '.join(r['mechanisms'])}")
+            shown = r["mechanisms"]
         diffs = r["decisions_differ"]
         what = "none" if not diffs else _summary(diffs)
         if "forced" in r:

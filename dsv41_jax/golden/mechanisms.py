@@ -11,7 +11,7 @@ not observed from a run.
 from __future__ import annotations
 
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.layers.moe import PER_ROW_TOKENS
+from dsv41_jax.layers.moe import GROUPED_ROWS, PER_ROW_TOKENS
 
 
 def _length(case: dict) -> int:
@@ -42,8 +42,9 @@ def _selection(cfg: ModelConfig, length: int) -> list[str]:
     return found
 
 
-def exercised(cfg: ModelConfig, case: dict) -> tuple[str, ...]:
-    """The mechanisms `case` exercises under golden-check's exact numerics, as short phrases."""
+def exercised(cfg: ModelConfig, case: dict, mode: str = "exact") -> tuple[str, ...]:
+    """The mechanisms `case` exercises under golden-check's numerics (`mode`: "exact", or "fast" for
+    `--numerics fast`, whose MoE paths differ), as short phrases."""
     calls = case["schedule"]
     found = _selection(cfg, _length(case))
     prefill_calls = [c for c in calls if c["n_tokens"] > 1 or c is calls[0]]
@@ -56,6 +57,9 @@ def exercised(cfg: ModelConfig, case: dict) -> tuple[str, ...]:
     # golden case can exercise it
     paths = [name for name, used in (("per-expert", any(c["n_tokens"] > PER_ROW_TOKENS for c in calls)),
                                      ("per-row", any(c["n_tokens"] <= PER_ROW_TOKENS for c in calls))) if used]
+    if mode == "fast":  # fast mode groups a call's rows by expert once it has more than GROUPED_ROWS (token, expert) rows
+        grouped = [c["n_tokens"] * cfg.n_activated_experts > GROUPED_ROWS for c in calls]
+        paths = [name for name, used in (("grouped", any(grouped)), ("per-row", not all(grouped))) if used]
     found.append(f"MoE {' + '.join(paths)}, {cfg.n_activated_experts} of {cfg.n_routed_experts} experts")
     if cfg.engram_layer_ids:
         found.append(f"Engram at layers {','.join(map(str, cfg.engram_layer_ids))}")

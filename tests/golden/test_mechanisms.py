@@ -63,3 +63,17 @@ def test_a_drafter_case_names_its_stages_block_and_experts():
     found = exercised(cfg, _case((0, 9), (9, 1)))
     assert "DSpark drafts (3 stages, blocks of 5, Markov rank 256, 3 of 32 stage experts)" in found
     assert not any(m.startswith("DSpark") for m in exercised(CFG, _case((0, 9))))
+
+
+def test_fast_numerics_name_the_grouped_moe_past_its_row_threshold():
+    """--numerics fast runs a call's experts grouped once it has more than GROUPED_ROWS (token, expert) rows,
+    per row below; exact mode never groups."""
+    from dsv41_jax.layers.moe import GROUPED_ROWS
+
+    k = CFG.n_activated_experts
+    over = GROUPED_ROWS // k + 1  # the fewest tokens whose rows exceed the threshold
+    tail = f"{k} of {CFG.n_routed_experts} experts"
+    assert f"MoE grouped + per-row, {tail}" in exercised(CFG, _case((0, over), (over, 1)), "fast")
+    assert f"MoE per-row, {tail}" in exercised(CFG, _case((0, over - 1), (over - 1, 1)), "fast")
+    assert f"MoE grouped, {tail}" in exercised(CFG, _case((0, over)), "fast")
+    assert f"MoE per-expert + per-row, {tail}" in exercised(CFG, _case((0, over), (over, 1)))
