@@ -351,12 +351,11 @@ def check_vision(runner: CaseRunner, case: dict, t: dict) -> tuple[Entry, tuple]
     embeddings, each bit-exact (the oracle's vision numerics are reproducible: tests/README.md).
     Returns the entry and the prompt's span (rows, token_types) for the backbone checks."""
     # deferred: the image path loads only for a folder with image cases
-    from dsv41_jax.vision.merge import ImageInput, make_image_encoder, span_rows
+    from dsv41_jax.vision.merge import make_image_encoder
 
     if runner.image_encoder is None:
         runner.image_encoder = make_image_encoder(runner.graphdef, Runtime(mode="exact"), collect=True)
-    types = np.asarray(t["token_types"]).astype(np.int64)
-    images, embeds, detail, ok, max_abs = [], [], [], True, 0.0
+    detail, ok, max_abs = [], True, 0.0
 
     def compare(label, ours, ref):
         nonlocal ok, max_abs
@@ -367,21 +366,36 @@ def check_vision(runner: CaseRunner, case: dict, t: dict) -> tuple[Entry, tuple]
             max_abs = max(max_abs, float(np.max(np.abs(ours - ref), initial=0.0)))
         detail.append(f"{label} {'==' if bad == 0 else f'{bad} differ' if bad > 0 else f'shape {ours.shape} != {ref.shape}'}")
 
-    for k, im in enumerate(case["images"]):
-        img = ImageInput(im["start"], t[f"image{k}.patches"], im["n_vit_h"], im["n_vit_w"])
-        feats, emb, trace = runner.image_encoder(runner.params, jnp.asarray(img.patches), img.n_vit_h, img.n_vit_w)
+    def seen(k, feats, emb, trace):
         for key, val in trace.items():
             if f"trace.image{k}.{key}" in t:
                 compare(f"image{k}.{key}", val, t[f"trace.image{k}.{key}"])
         compare(f"image{k}.vit_output", feats, t[f"image{k}.vit_output"])
         compare(f"image{k}.vision_embeds", emb, t[f"image{k}.vision_embeds"])
-        images.append(img)
-        embeds.append(np.asarray(emb))
-    rows = span_rows(runner.model, types, images, embeds)
+
+    rows, types = image_spans(runner.model, runner.params, runner.image_encoder, case, t, seen)
     prompt = np.asarray(t["tokens"]).astype(np.int64)[:types.shape[0]]
     merged = np.where((types >= 0)[:, None], rows, np.asarray(runner.model.embed[...])[prompt])
     compare("merged_embeddings", merged, t["merged_embeddings"])
     return Entry(f"{runner.gc.name}/{case['name']}[vision]", ok, max_abs, detail="; ".join(detail)), (rows, types)
+
+
+def image_spans(model, params, encoder, case: dict, t: dict, seen=None) -> tuple[np.ndarray, np.ndarray]:
+    """An image case's span rows and token types (rows [L, dim], types [L]) from its stored patches,
+    through `encoder` (`vision.merge.make_image_encoder`, exact or fast); seen(k, vit_output,
+    vision_embeds, trace) gets each image's outputs (trace: {} unless the encoder collects)."""
+    from dsv41_jax.vision.merge import ImageInput, span_rows
+
+    types = np.asarray(t["token_types"]).astype(np.int64)
+    images, embeds = [], []
+    for k, im in enumerate(case["images"]):
+        img = ImageInput(im["start"], t[f"image{k}.patches"], im["n_vit_h"], im["n_vit_w"])
+        out = encoder(params, jnp.asarray(img.patches), img.n_vit_h, img.n_vit_w)
+        if seen is not None:
+            seen(k, out[0], out[1], out[2] if len(out) > 2 else {})
+        images.append(img)
+        embeds.append(np.asarray(out[1]))
+    return span_rows(model, types, images, embeds), types
 
 
 def check_replays(runner: CaseRunner, case: dict) -> list[Entry]:

@@ -21,10 +21,12 @@ import jax
 import numpy as np
 
 from dsv41_jax.golden import data as golden_data, dspark as gd
-from dsv41_jax.golden.check import PREFILL_KINDS, VARIANTS, CaseRunner, in_part, reference_runs
+from dsv41_jax.golden.check import PREFILL_KINDS, VARIANTS, CaseRunner, image_spans, in_part, reference_runs
 from dsv41_jax.golden.mechanisms import exercised
+from dsv41_jax.runtime import Runtime
 
-TEXT_KINDS = ("prefill", "decode", "dspark_decode")  # a DSpark case: its main-model runs, then its drafter
+# a DSpark case: its main-model runs, then its drafter; an image case: its tower in the same numerics first
+REPORTED_KINDS = ("prefill", "decode", "dspark_decode", "vl_prefill")
 
 
 def free_runs(runner: CaseRunner, case: dict, t: dict, variant: str | None = None) -> list[tuple]:
@@ -44,11 +46,15 @@ def _boundary(scores: np.ndarray, k: int) -> np.ndarray:
         return np.where(np.isfinite(s[..., k]), s[..., k - 1] - s[..., k], np.inf)
 
 
-def _decision_scores(runner: CaseRunner, trace: dict, kind: str, l: int):
-    """(scores [T, G], k) a layer's decision was taken on, from a collected trace."""
+def _decision_scores(runner: CaseRunner, trace: dict, kind: str, l: int, vl=None):
+    """(scores [T, G], k) a layer's decision was taken on, from a collected trace; vl [T]: the call's
+    image-span rows, which route with the gate's `bias_vl`."""
     if kind == "topk":
         return np.asarray(trace[f"layer{l}.index_score"], np.float64)[0], runner.cfg.topk_width[runner.cfg.roles[l].kv_source]
-    bias = np.asarray(runner.model.layers[l].ffn.gate.bias[...], np.float64)
+    gate = runner.model.layers[l].ffn.gate
+    bias = np.asarray(gate.bias[...], np.float64)
+    if vl is not None and gate.bias_vl is not None:
+        bias = np.where(np.asarray(vl)[:, None], np.asarray(gate.bias_vl[...], np.float64), bias)
     return np.asarray(trace[f"layer{l}.gate_scores"], np.float64)[0] + bias, runner.cfg.n_activated_experts
 
 
@@ -75,12 +81,14 @@ def _differing(runner, n_calls) -> list[tuple]:
     return out
 
 
-def _differences(runner, res_fast, res_exact, differing) -> list[dict]:
-    """Every (call, layer, kind, row) whose fast decision differs from the oracle's, with its margin."""
+def _differences(runner, res_fast, res_exact, differing, vl_calls=None) -> list[dict]:
+    """Every (call, layer, kind, row) whose fast decision differs from the oracle's, with its margin;
+    vl_calls: per call, its image-span rows (an image case)."""
     out = []
     for i, kind, l, bad in differing:
-        exact, k = _decision_scores(runner, res_exact["traces"][i], kind, l)
-        fast, _ = _decision_scores(runner, res_fast["traces"][i], kind, l)
+        vl = None if vl_calls is None else vl_calls[i]
+        exact, k = _decision_scores(runner, res_exact["traces"][i], kind, l, vl)
+        fast, _ = _decision_scores(runner, res_fast["traces"][i], kind, l, vl)
         margin, err, tie = near_ties(exact, fast, k)
         out.extend({"call": i, "layer": l, "kind": kind, "row": r, "margin": float(margin[r]),
                     "score_err": float(err[r]), "near_tie": bool(tie[r])} for r in bad)
@@ -94,28 +102,61 @@ def case_report(fast: CaseRunner, exact: CaseRunner, case: dict, variant: str | 
     numerics' own, where the free run's also holds what each flipped decision set off downstream."""
     t = fast.gc.case_tensors(case)
     records = []
-    for label, quirk, tokens, forced, ref in free_runs(fast, case, t, variant):
+    runs = free_runs(fast, case, t, variant)
+    spans, tower = _image_spans(fast, case, t) if runs else (None, None)
+    for label, quirk, tokens, forced, ref in runs:
         fast.decisions = []
         logits, res_fast = fast.run(tokens, case["schedule"], quirk=quirk, forced_calls=forced, impose=False,
-                                    collect=True, label=f"{label} fast")
+                                    collect=True, spans=spans, label=f"{label} fast")
         differing = _differing(fast, len(case["schedule"]))
         diffs = []
         if differing:
             _, res_exact = exact.run(tokens, case["schedule"], quirk=quirk, forced_calls=forced, impose=False,
-                                     collect=True, label=f"{label} exact")
-            diffs = _differences(fast, res_fast, res_exact, differing)
+                                     collect=True, spans=_image_spans(exact, case, t)[0], label=f"{label} exact")
+            diffs = _differences(fast, res_fast, res_exact, differing, _call_vl(spans, case["schedule"]))
         ref = ref.astype(np.float32)
         record = {"name": f"{fast.gc.name}/{case['name']}[{label}]", **_logit_error(logits, ref),
                   "rows": int(ref.shape[0]), "decisions_differ": diffs, "passed": all(x["near_tie"] for x in diffs)}
         if differing:  # the numerics' own error, apart from what the flipped decisions set off
             forced_logits, _ = fast.run(tokens, case["schedule"], quirk=quirk, forced_calls=forced, impose=True,
-                                        collect=True, label=f"{label} fast forced")
+                                        collect=True, spans=spans, label=f"{label} fast forced")
             record["forced"] = _logit_error(forced_logits, ref)
+        if tower is not None:
+            record["vision"] = tower
         records.append(record)
         if case["kind"] == "dspark_decode" and _draft_suffix(label) is not None and \
                 f"dspark.logits{_draft_suffix(label)}" in t:
             records.append(draft_record(fast, case, t, label, res_fast["taps"]))
     return records
+
+
+def _call_vl(spans, schedule) -> list | None:
+    """Per call of the schedule: which of its rows are image-span positions (token type >= 0)."""
+    if spans is None:
+        return None
+    types = np.asarray(spans[1])
+    return [np.array([p < types.shape[0] and types[p] >= 0 for p in range(c["start_pos"], c["start_pos"] + c["n_tokens"])])
+            for c in schedule]
+
+
+def _image_spans(runner: CaseRunner, case: dict, t: dict):
+    """An image case's (span rows, token types) through the tower in the runner's numerics, and the
+    tower's error against the oracle's aligner rows (max / mean |d| over every image); (None, None)
+    for a text case."""
+    if not case["kind"].startswith("vl_"):
+        return None, None
+    from dsv41_jax.vision.merge import make_image_encoder  # the image path loads only for image cases
+
+    if getattr(runner, "_span_encoder", None) is None:
+        runner._span_encoder = make_image_encoder(runner.graphdef, Runtime(mode=runner.mode))
+    errs = []
+
+    def seen(k, feats, emb, trace):
+        errs.append(np.abs(np.asarray(emb, np.float32) - np.asarray(t[f"image{k}.vision_embeds"], np.float32)).ravel())
+
+    spans = image_spans(runner.model, runner.params, runner._span_encoder, case, t, seen)
+    d = np.concatenate(errs)
+    return spans, {"max_abs_err": float(d.max()), "mean_abs_err": float(d.mean())}
 
 
 def _logit_error(logits: np.ndarray, ref: np.ndarray) -> dict:
@@ -191,8 +232,8 @@ def _stage_expert_differences(ours: dict, exact: dict, S: int) -> list[dict]:
 
 
 def fast_report(root, *, only=None, log=sys.stderr, variant: str | None = None) -> list[dict]:
-    """Every text and DSpark case of a golden folder under fast numerics (image cases are left out:
-    their tower is checked bit-exact by golden-check, and its span rows are not part of this report);
+    """Every text, DSpark and image case of a golden folder under fast numerics (an image case's tower
+    runs in fast numerics too, and its rows feed the backbone's runs);
     `variant` (one of check.VARIANTS): one part of it, as golden-check's --variant. Progress goes to
     `log`, a line per call."""
     if variant is not None and variant not in VARIANTS:
@@ -208,7 +249,7 @@ def fast_report(root, *, only=None, log=sys.stderr, variant: str | None = None) 
             fast = copy.copy(exact)  # the same loaded weights, its own compiled steps
             fast.mode, fast._steps = "fast", {}
             for case in gc.cases:
-                if case["kind"] not in TEXT_KINDS:
+                if case["kind"] not in REPORTED_KINDS:
                     continue
                 print(f"[fast] {gc.name}/{case['name']}", file=log, flush=True)
                 mechanisms = exercised(gc.cfg, case, "fast")
@@ -246,6 +287,8 @@ def format_report(records: list[dict]) -> str:
             shown = r["mechanisms"]
         diffs = r["decisions_differ"]
         what = "none" if not diffs else _summary(diffs)
+        if "vision" in r:
+            what += f". Image tower: aligner rows max|d| {r['vision']['max_abs_err']:.3g}, mean {r['vision']['mean_abs_err']:.3g}"
         if "forced" in r:
             f = r["forced"]
             what += (f". With the oracle's decisions imposed: max|d| {f['max_abs_err']:.3g}, mean {f['mean_abs_err']:.3g}, "

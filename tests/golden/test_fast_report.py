@@ -80,7 +80,7 @@ def test_the_exact_run_runs_only_when_a_decision_differs(agree, monkeypatch):
     from dsv41_jax.golden import fast_report
 
     seen = []
-    monkeypatch.setattr(fast_report, "_differences", lambda runner, f, e, differing: seen.append(differing) or [])
+    monkeypatch.setattr(fast_report, "_differences", lambda runner, f, e, differing, vl=None: seen.append(differing) or [])
     gc, fast, exact, asked = _stub_runners(agree)
     case = [c for c in gc.cases if c["kind"] == "decode"][0]
     records = fast_report.case_report(fast, exact, case)
@@ -161,3 +161,30 @@ def test_the_fast_drafter_s_error_is_a_stage_expert_near_tie():
     k = out["experts"].shape[-1]
     own = np.argsort(-out["stage_scores"], -1)[..., :k]  # imposed = own here (agree), so the scores chose them
     np.testing.assert_array_equal(np.sort(own, -1), np.sort(out["experts"], -1))
+
+
+def test_image_span_rows_are_judged_on_the_bias_they_route_with():
+    """An image-span row selects its experts with the gate's `bias_vl`, so its margin is taken on that bias."""
+    from types import SimpleNamespace as NS
+
+    from dsv41_jax.golden.fast_report import _call_vl, _decision_scores
+
+    bias, bias_vl = np.array([0.0, 0.0, 1.0]), np.array([1.0, 0.0, 0.0])
+
+    class P:  # an nnx.Param stand-in: p[...] is its value
+        def __init__(self, v):
+            self.v = v
+
+        def __getitem__(self, _):
+            return self.v
+
+    gate = NS(bias=P(bias), bias_vl=P(bias_vl))
+    runner = NS(model=NS(layers=[NS(ffn=NS(gate=gate))]), cfg=NS(n_activated_experts=1))
+    scores = np.array([[[0.5, 0.6, 0.0], [0.5, 0.6, 0.0]]])  # [1, T=2, E]
+    spans = (None, np.array([-1, 3]))  # row 0 text, row 1 an image's
+    (vl,) = _call_vl(spans, [{"start_pos": 0, "n_tokens": 2}])
+    assert vl.tolist() == [False, True]
+    got, k = _decision_scores(runner, {"layer0.gate_scores": scores}, "experts", 0, vl)
+    np.testing.assert_allclose(got, [[0.5, 0.6, 1.0], [1.5, 0.6, 0.0]])
+    got, _ = _decision_scores(runner, {"layer0.gate_scores": scores}, "experts", 0)
+    np.testing.assert_allclose(got, [[0.5, 0.6, 1.0], [0.5, 0.6, 1.0]])
