@@ -384,7 +384,7 @@ def image_spans(model, params, encoder, case: dict, t: dict, seen=None) -> tuple
     """An image case's span rows and token types (rows [L, dim], types [L]) from its stored patches,
     through `encoder` (`vision.merge.make_image_encoder`, exact or fast); seen(k, vit_output,
     vision_embeds, trace) gets each image's outputs (trace: {} unless the encoder collects)."""
-    from dsv41_jax.vision.merge import ImageInput, span_rows
+    from dsv41_jax.vision.merge import ImageInput, span_rows  # deferred: the image path loads only for image cases
 
     types = np.asarray(t["token_types"]).astype(np.int64)
     images, embeds = [], []
