@@ -159,10 +159,12 @@ def _image_spans(runner: CaseRunner, case: dict, t: dict):
     return spans, {"max_abs_err": float(d.max()), "mean_abs_err": float(d.mean())}
 
 
-def _logit_error(logits: np.ndarray, ref: np.ndarray) -> dict:
+def _logit_error(logits: np.ndarray, ref: np.ndarray, ref_ids: np.ndarray | None = None) -> dict:
+    """max / mean |d| and argmax agreement, with ref's argmax or, where given, the ids the oracle chose."""
     d = np.abs(logits - ref)
+    want = ref.argmax(-1) if ref_ids is None else ref_ids
     return {"max_abs_err": float(d.max()), "mean_abs_err": float(d.mean()),
-            "argmax_agreement": float(np.mean(logits.argmax(-1) == ref.argmax(-1)))}
+            "argmax_agreement": float(np.mean(logits.argmax(-1) == want))}
 
 
 def _draft_suffix(label: str) -> str | None:
@@ -205,15 +207,12 @@ def draft_record(fast: CaseRunner, case: dict, t: dict, label: str, taps: np.nda
                "score_err": float(d.max()), "near_tie": bool(gap[s, j] <= 2 * d.max())}
               for s, j in zip(*np.nonzero(own != want))]
     name = "draft" if not sfx else "draft-corrected"
-    record = {"name": f"{fast.gc.name}/{case['name']}[{name}]", "max_abs_err": float(d.max()),
-              "mean_abs_err": float(d.mean()), "argmax_agreement": float(np.mean(own == want)), "rows": int(own.size),
-              "decisions_differ": diffs, "passed": all(x["near_tie"] for x in diffs)}
+    record = {"name": f"{fast.gc.name}/{case['name']}[{name}]", **_logit_error(logits, ref, want),
+              "rows": int(own.size), "decisions_differ": diffs, "passed": all(x["near_tie"] for x in diffs)}
     if diffs:  # the drafter's own numerics: the oracle's taps, its draft ids (and stage experts, where stored) imposed
         steps = gd.forced_steps(fast.cfg, t, f"dspark.output_ids{sfx}", with_experts=not sfx, impose=True)
         forced = fast_drafter.run(t["prefill_main_hidden"], t[f"main_hidden{sfx}"][:S], anchors, P, steps)["logits"][:S]
-        record["forced"] = {"max_abs_err": float(np.abs(forced - ref).max()),
-                            "mean_abs_err": float(np.abs(forced - ref).mean()),
-                            "argmax_agreement": float(np.mean(np.argmax(forced, -1) == want))}
+        record["forced"] = _logit_error(forced, ref, want)
     return record
 
 
